@@ -1,0 +1,421 @@
+/* Borrowing arrays from Python objects.  See array.h. */
+#include "array.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "dlpack.h"
+
+static const char CAPSULE_VERSIONED[] = "dltensor_versioned";
+static const char CAPSULE_LEGACY[] = "dltensor";
+
+void kv_path_format(const kv_path *path, char *buf, size_t size)
+{
+    int n = snprintf(buf, size, "%s", path->name);
+    for (int i = 0; i < path->depth && n >= 0 && (size_t)n < size; i++)
+        n += snprintf(buf + n, size - (size_t)n, "[%zd]", path->index[i]);
+}
+
+int kv_path_error(PyObject *type, const kv_path *path, const char *format, ...)
+{
+    char where[96];
+    kv_path_format(path, where, sizeof where);
+    va_list args;
+    va_start(args, format);
+    PyObject *message = PyUnicode_FromFormatV(format, args);
+    va_end(args);
+    if (message != NULL) {
+        PyErr_Format(type, "%s: %U", where, message);
+        Py_DECREF(message);
+    }
+    return -1;
+}
+
+int kv_is_array(PyObject *obj)
+{
+    return PyObject_HasAttrString(obj, "__dlpack__")
+        || PyObject_HasAttrString(obj, "__cuda_array_interface__")
+        || PyObject_HasAttrString(obj, "__array_interface__")
+        || PyObject_CheckBuffer(obj);
+}
+
+const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size)
+{
+    const char *kind;
+    switch (dtype.code) {
+    case kDLInt: kind = "int"; break;
+    case kDLUInt: kind = "uint"; break;
+    case kDLFloat: kind = "float"; break;
+    case kDLBfloat: kind = "bfloat"; break;
+    case kDLComplex: kind = "complex"; break;
+    case kDLBool: snprintf(buf, size, "bool"); return buf;
+    case kDLFloat8_e3m4: snprintf(buf, size, "float8_e3m4"); return buf;
+    case kDLFloat8_e4m3: snprintf(buf, size, "float8_e4m3"); return buf;
+    case kDLFloat8_e4m3b11fnuz: snprintf(buf, size, "float8_e4m3b11fnuz"); return buf;
+    case kDLFloat8_e4m3fn: snprintf(buf, size, "float8_e4m3fn"); return buf;
+    case kDLFloat8_e4m3fnuz: snprintf(buf, size, "float8_e4m3fnuz"); return buf;
+    case kDLFloat8_e5m2: snprintf(buf, size, "float8_e5m2"); return buf;
+    case kDLFloat8_e5m2fnuz: snprintf(buf, size, "float8_e5m2fnuz"); return buf;
+    case kDLFloat8_e8m0fnu: snprintf(buf, size, "float8_e8m0fnu"); return buf;
+    case KV_RAW_CODE: kind = "raw"; break;
+    default: snprintf(buf, size, "dlpack_type_%u_%u", dtype.code, dtype.bits); return buf;
+    }
+    snprintf(buf, size, "%s%u", kind, dtype.code == KV_RAW_CODE ? dtype.bits / 8u : dtype.bits);
+    return buf;
+}
+
+int kv_array_is_contiguous(const kv_array *a)
+{
+    int64_t expected = a->itemsize;
+    for (int i = a->ndim - 1; i >= 0; i--) {
+        if (a->shape[i] != 1 && a->strides[i] != expected)
+            return 0;
+        expected *= a->shape[i];
+    }
+    return 1;
+}
+
+static void set_compact_strides(kv_array *a)
+{
+    int64_t stride = a->itemsize;
+    for (int i = a->ndim - 1; i >= 0; i--) {
+        a->strides[i] = stride;
+        stride *= a->shape[i];
+    }
+}
+
+static int check_ndim(const kv_path *path, Py_ssize_t ndim)
+{
+    if (ndim < 0 || ndim > KV_MAX_NDIM)
+        return kv_path_error(PyExc_ValueError, path, "arrays of %zd dimensions are not supported (at most %d)",
+                             ndim, KV_MAX_NDIM);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- DLPack */
+
+/* The capsule's tensor, or NULL with an exception set.  *flags and the
+ * version check come from the versioned form; a legacy capsule has none. */
+static DLTensor *capsule_tensor(PyObject *capsule, const kv_path *path, uint64_t *flags)
+{
+    *flags = 0;
+    if (PyCapsule_IsValid(capsule, CAPSULE_VERSIONED)) {
+        DLManagedTensorVersioned *managed = PyCapsule_GetPointer(capsule, CAPSULE_VERSIONED);
+        if (managed == NULL)
+            return NULL;
+        if (managed->version.major != 1) {
+            /* An unknown ABI: only the deleter may be touched.  Rename the
+             * capsule so its destructor does not call the deleter again. */
+            unsigned major = managed->version.major;
+            if (PyCapsule_SetName(capsule, "used_dltensor_versioned") < 0)
+                return NULL;
+            if (managed->deleter != NULL)
+                managed->deleter(managed);
+            kv_path_error(PyExc_BufferError, path, "DLPack major version %u is not supported (expected 1)", major);
+            return NULL;
+        }
+        *flags = managed->flags;
+        return &managed->dl_tensor;
+    }
+    if (PyCapsule_IsValid(capsule, CAPSULE_LEGACY)) {
+        DLManagedTensor *managed = PyCapsule_GetPointer(capsule, CAPSULE_LEGACY);
+        return managed == NULL ? NULL : &managed->dl_tensor;
+    }
+    kv_path_error(PyExc_TypeError, path, "__dlpack__() returned %R, not a DLPack capsule", capsule);
+    return NULL;
+}
+
+/* obj.__dlpack__(stream=stream, max_version=(1, 3)), retried without
+ * max_version for producers that predate it (they raise TypeError). */
+static PyObject *call_dlpack(PyObject *obj, PyObject *stream)
+{
+    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+    if (method == NULL)
+        return NULL;
+    PyObject *args[] = {stream, NULL};
+    PyObject *names = Py_BuildValue("(ss)", "stream", "max_version");
+    PyObject *capsule = NULL;
+    if (names != NULL) {
+        args[1] = Py_BuildValue("(ii)", 1, 3);
+        if (args[1] != NULL)
+            capsule = PyObject_Vectorcall(method, args, 0, names);
+        Py_XDECREF(args[1]);
+    }
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        PyObject *stream_only = PyTuple_GetSlice(names, 0, 1);
+        if (stream_only != NULL)
+            capsule = PyObject_Vectorcall(method, args, 0, stream_only);
+        Py_XDECREF(stream_only);
+    }
+    Py_XDECREF(names);
+    Py_DECREF(method);
+    return capsule;
+}
+
+/* The (device_type, device_id) of obj.__dlpack_device__(). */
+static int dlpack_device(PyObject *obj, const kv_path *path, int *type, int *id)
+{
+    PyObject *device = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (device == NULL)
+        return -1;
+    int ok = PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2;
+    if (ok) {
+        *type = (int)PyLong_AsLong(PyTuple_GET_ITEM(device, 0));
+        *id = (int)PyLong_AsLong(PyTuple_GET_ITEM(device, 1));
+    }
+    Py_DECREF(device);
+    if (!ok)
+        return kv_path_error(PyExc_TypeError, path, "__dlpack_device__() must return a (device_type, device_id) tuple");
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream, kv_array *out)
+{
+    int device_type = 0, device_id = 0;
+    if (dlpack_device(obj, path, &device_type, &device_id) < 0)
+        return -1;
+    if (device_type != kDLCPU && device_type != kDLCUDA && device_type != kDLCUDAHost
+        && device_type != kDLCUDAManaged)
+        return kv_path_error(PyExc_ValueError, path,
+                             "DLPack device type %d is not supported (expected CPU, CUDA, CUDA host or CUDA managed memory)",
+                             device_type);
+
+    /* The stream argument asks the producer to order its pending work before
+     * the consumer's stream; it means nothing for host memory. */
+    PyObject *capsule = call_dlpack(obj, device_type == kDLCUDA || device_type == kDLCUDAManaged ? cuda_stream : Py_None);
+    if (capsule == NULL)
+        return -1;
+    uint64_t flags;
+    DLTensor *t = capsule_tensor(capsule, path, &flags);
+    if (t == NULL) {
+        Py_DECREF(capsule);
+        return -1;
+    }
+    if (check_ndim(path, t->ndim) < 0 || t->dtype.lanes != 1 || t->dtype.bits % 8 != 0) {
+        if (!PyErr_Occurred())
+            kv_path_error(PyExc_TypeError, path, "DLPack element type (code %u, %u bits, %u lanes) is not supported",
+                          t->dtype.code, t->dtype.bits, t->dtype.lanes);
+        Py_DECREF(capsule);
+        return -1;
+    }
+    out->data = (char *)t->data + t->byte_offset;
+    out->ndim = t->ndim;
+    out->itemsize = t->dtype.bits / 8;
+    out->dtype.code = t->dtype.code;
+    out->dtype.bits = t->dtype.bits;
+    for (int i = 0; i < t->ndim; i++)
+        out->shape[i] = t->shape[i];
+    if (t->strides == NULL)
+        set_compact_strides(out);
+    else
+        for (int i = 0; i < t->ndim; i++)
+            out->strides[i] = t->strides[i] * out->itemsize;
+    out->place = device_type == kDLCPU ? KV_HOST : device_type == kDLCUDAHost ? KV_HOST_PINNED : KV_DEVICE;
+    out->device_id = t->device.device_id;
+    out->readonly = (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    /* The capsule keeps the tensor alive; its destructor calls the deleter
+     * because the capsule is never renamed to used_*. */
+    out->owner = capsule;
+    return 0;
+}
+
+/* ----------------------------------------------- typestr-based interfaces */
+
+/* Parses a NumPy typestr such as "<f2", "|u1", "<V2". */
+static int parse_typestr(PyObject *typestr, const kv_path *path, kv_array *out)
+{
+    const char *s = PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
+    if (s == NULL) {
+        PyErr_Clear();
+        return kv_path_error(PyExc_TypeError, path, "typestr must be a str, got %R", typestr);
+    }
+    char order = s[0], kind = s[0] ? s[1] : 0;
+    long size = (kind != 0) ? strtol(s + 2, NULL, 10) : 0;
+    if (size <= 0 || size > 255 / 8)
+        return kv_path_error(PyExc_TypeError, path, "typestr %R is not supported", typestr);
+    if (order == '>' && size > 1)
+        return kv_path_error(PyExc_TypeError, path, "typestr %R: big-endian data is not supported", typestr);
+    uint8_t code;
+    switch (kind) {
+    case 'f': code = kDLFloat; break;
+    case 'i': code = kDLInt; break;
+    case 'u': code = kDLUInt; break;
+    case 'b': code = kDLBool; break;
+    case 'c': code = kDLComplex; break;
+    case 'V': code = KV_RAW_CODE; break;
+    default: return kv_path_error(PyExc_TypeError, path, "typestr %R is not supported", typestr);
+    }
+    out->dtype.code = code;
+    out->dtype.bits = (uint8_t)(size * 8);
+    out->itemsize = size;
+    return 0;
+}
+
+/* Fills shape and strides from an interface dict's "shape" and "strides". */
+static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *out)
+{
+    PyObject *shape = PyDict_GetItemString(dict, "shape");
+    if (shape == NULL || !PyTuple_Check(shape))
+        return kv_path_error(PyExc_TypeError, path, "array interface has no shape tuple");
+    Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+    if (check_ndim(path, ndim) < 0)
+        return -1;
+    out->ndim = (int)ndim;
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        out->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (out->shape[i] < 0)
+            return PyErr_Occurred() ? -1 : kv_path_error(PyExc_ValueError, path, "negative dimension in shape");
+    }
+    PyObject *strides = PyDict_GetItemString(dict, "strides");
+    if (strides == NULL || strides == Py_None) {
+        set_compact_strides(out);
+        return 0;
+    }
+    if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != ndim)
+        return kv_path_error(PyExc_TypeError, path, "array interface strides must be None or a tuple of %zd ints", ndim);
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        out->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+        if (out->strides[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+/* Fills data and readonly from an interface dict's (pointer, readonly) "data". */
+static int parse_data(PyObject *dict, const kv_path *path, kv_array *out)
+{
+    PyObject *data = PyDict_GetItemString(dict, "data");
+    if (data == NULL || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2)
+        return kv_path_error(PyExc_TypeError, path, "array interface data must be a (pointer, readonly) tuple");
+    out->data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
+    if (out->data == NULL && PyErr_Occurred())
+        return -1;
+    out->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
+    if (out->readonly < 0)
+        return -1;
+    PyObject *mask = PyDict_GetItemString(dict, "mask");
+    if (mask != NULL && mask != Py_None)
+        return kv_path_error(PyExc_ValueError, path, "masked arrays are not supported");
+    return 0;
+}
+
+/* Shared by __cuda_array_interface__ and __array_interface__. */
+static int from_interface(PyObject *obj, const kv_path *path, const char *attribute, kv_array *out)
+{
+    PyObject *dict = PyObject_GetAttrString(obj, attribute);
+    if (dict == NULL)
+        return -1;
+    int rc = -1;
+    if (!PyDict_Check(dict)) {
+        kv_path_error(PyExc_TypeError, path, "%s is not a dict", attribute);
+        goto done;
+    }
+    PyObject *typestr = PyDict_GetItemString(dict, "typestr");
+    if (typestr == NULL) {
+        kv_path_error(PyExc_TypeError, path, "%s has no typestr", attribute);
+        goto done;
+    }
+    if (parse_typestr(typestr, path, out) < 0 || parse_shape_strides(dict, path, out) < 0
+        || parse_data(dict, path, out) < 0)
+        goto done;
+    PyObject *stream = PyDict_GetItemString(dict, "stream");
+    if (stream != NULL && stream != Py_None) {
+        /* CAI v3: the producer's work on this stream must be ordered before
+         * ours.  0 is forbidden by the protocol (ambiguous). */
+        out->stream = (intptr_t)PyLong_AsVoidPtr(stream);
+        if (out->stream == 0) {
+            if (!PyErr_Occurred())
+                kv_path_error(PyExc_ValueError, path, "__cuda_array_interface__ stream 0 is not allowed");
+            goto done;
+        }
+        out->has_stream = 1;
+    }
+    out->owner = Py_NewRef(obj);
+    rc = 0;
+done:
+    Py_DECREF(dict);
+    return rc;
+}
+
+/* ------------------------------------------------------- buffer protocol */
+
+static int format_dtype(const Py_buffer *view, kv_dtype *dtype)
+{
+    const char *f = view->format == NULL ? "B" : view->format;
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (f[0] == 0 || f[1] != 0)
+        return -1;
+    switch (*f) {
+    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': dtype->code = kDLInt; break;
+    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': case 'c': dtype->code = kDLUInt; break;
+    case 'e': case 'f': case 'd': dtype->code = kDLFloat; break;
+    case '?': dtype->code = kDLBool; break;
+    default: return -1;
+    }
+    dtype->bits = (uint8_t)(view->itemsize * 8);
+    return 0;
+}
+
+static int from_buffer(PyObject *obj, const kv_path *path, kv_array *out)
+{
+    if (PyObject_GetBuffer(obj, &out->view, PyBUF_RECORDS_RO) < 0)
+        return -1;
+    out->has_view = 1;
+    const Py_buffer *v = &out->view;
+    if (check_ndim(path, v->ndim) < 0 || v->itemsize <= 0 || v->itemsize > 31 || format_dtype(v, &out->dtype) < 0) {
+        if (!PyErr_Occurred())
+            kv_path_error(PyExc_TypeError, path, "buffer format '%s' is not supported",
+                          v->format == NULL ? "B" : v->format);
+        PyBuffer_Release(&out->view);
+        out->has_view = 0;
+        return -1;
+    }
+    out->data = v->buf;
+    out->ndim = v->ndim;
+    out->itemsize = v->itemsize;
+    out->readonly = v->readonly;
+    for (int i = 0; i < v->ndim; i++) {
+        out->shape[i] = v->shape[i];
+        out->strides[i] = v->strides[i];
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- entry */
+
+int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+{
+    memset(out, 0, sizeof *out);
+    out->place = KV_HOST;
+    out->device_id = -1;
+    int rc;
+    if (PyObject_HasAttrString(obj, "__dlpack__") && PyObject_HasAttrString(obj, "__dlpack_device__"))
+        rc = from_dlpack(obj, path, dlpack_stream, out);
+    else if (PyObject_HasAttrString(obj, "__cuda_array_interface__")) {
+        rc = from_interface(obj, path, "__cuda_array_interface__", out);
+        out->place = KV_DEVICE;
+    }
+    else if (PyObject_HasAttrString(obj, "__array_interface__"))
+        rc = from_interface(obj, path, "__array_interface__", out);
+    else if (PyObject_CheckBuffer(obj))
+        rc = from_buffer(obj, path, out);
+    else
+        return kv_path_error(PyExc_TypeError, path,
+                             "expected an array (DLPack, __cuda_array_interface__, __array_interface__ or a buffer), got %s",
+                             Py_TYPE(obj)->tp_name);
+    if (rc < 0)
+        kv_array_release(out);
+    return rc;
+}
+
+void kv_array_release(kv_array *a)
+{
+    if (a->has_view) {
+        PyBuffer_Release(&a->view);
+        a->has_view = 0;
+    }
+    Py_CLEAR(a->owner);
+}

@@ -1,0 +1,77 @@
+/* Borrowing arrays from Python objects: DLPack (versioned and legacy
+ * capsules), __cuda_array_interface__ (versions 2 and 3),
+ * __array_interface__ and the buffer protocol, in that order of preference. */
+#ifndef KVBM_ARRAY_H
+#define KVBM_ARRAY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define KV_MAX_NDIM 8
+
+/* Where an array lives, as far as its protocol tells. */
+typedef enum {
+    KV_HOST,        /* host memory, pinned or not (DLPack CPU, buffers, __array_interface__) */
+    KV_HOST_PINNED, /* page-locked host memory (DLPack CUDAHost, or found by the GPU code) */
+    KV_DEVICE,      /* CUDA device memory; device_id < 0 until the GPU code looks it up (CAI) */
+} kv_place;
+
+/* Element type: a DLPack type code and width; KV_RAW_CODE for typestr 'V'
+ * (raw bytes, which is how torch's CAI exports bf16 and fp8). */
+#define KV_RAW_CODE 255
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+} kv_dtype;
+
+typedef struct {
+    char *data;
+    int ndim;
+    int64_t shape[KV_MAX_NDIM];
+    int64_t strides[KV_MAX_NDIM]; /* bytes */
+    int64_t itemsize;
+    kv_dtype dtype;
+    kv_place place;
+    int device_id;
+    int readonly;
+    int has_stream;   /* CAI v3 named a producer stream */
+    intptr_t stream;  /* that stream */
+    PyObject *owner;  /* strong reference that keeps the borrow valid */
+    Py_buffer view;   /* buffer-protocol borrows only */
+    int has_view;
+} kv_array;
+
+/* Where an array sits in the call's arguments, e.g. blocks[3][17]; formatted
+ * only when an error is raised. */
+typedef struct {
+    const char *name;
+    Py_ssize_t index[2];
+    int depth;
+} kv_path;
+
+/* Writes "name[i][j]" into buf. */
+void kv_path_format(const kv_path *path, char *buf, size_t size);
+
+/* Raises `type` with the message prefixed by "path: ". Returns -1. */
+int kv_path_error(PyObject *type, const kv_path *path, const char *format, ...);
+
+/* True when obj offers one of the array protocols above. */
+int kv_is_array(PyObject *obj);
+
+/* Fills *out from obj.  `dlpack_stream` is the value passed as the stream
+ * argument of __dlpack__ for CUDA arrays (the consumer's stream, in DLPack's
+ * encoding).  Returns 0, or -1 with an exception set and *out holding
+ * nothing to release. */
+int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream,
+                         kv_array *out);
+
+void kv_array_release(kv_array *a);
+
+/* True when the array is C-contiguous (strides of size-1 dimensions ignored). */
+int kv_array_is_contiguous(const kv_array *a);
+
+/* A readable name for an element type, e.g. "bfloat16", "raw2". */
+const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size);
+
+#endif /* KVBM_ARRAY_H */

@@ -1,0 +1,28 @@
+/* The CPU implementation: one memcpy per segment (see kvbm_layout.h). */
+#include "cpu_copy.h"
+
+#include <string.h>
+
+void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvbm_direction direction)
+{
+    const int64_t segment_bytes = kvbm_segment_rows(dims) * dims->row_bytes;
+    const uint32_t segments = (uint32_t)kvbm_segments_per_chunk(dims);
+    void *const *chunks = table + dims->nb;
+
+    for (int64_t b = 0; b < dims->nb; b++) {
+        char *universal = table[b];
+        for (int64_t c = 0; c < dims->nchunks; c++) {
+            char *chunk = chunks[b * dims->nchunks + c];
+            for (uint32_t s = 0; s < segments; s++) {
+                int64_t h, t;
+                kvbm_segment_start(dims, s, &h, &t);
+                char *in_chunk = chunk + kvbm_chunk_offset(dims, h, t);
+                char *in_universal = universal + kvbm_universal_offset(dims, c, h, t);
+                if (direction == KVBM_TO_UNIVERSAL)
+                    memcpy(in_universal, in_chunk, (size_t)segment_bytes);
+                else
+                    memcpy(in_chunk, in_universal, (size_t)segment_bytes);
+            }
+        }
+    }
+}

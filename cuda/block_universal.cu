@@ -1,0 +1,132 @@
+// Block stack <-> universal kernels.
+//
+// The work is pure data movement, so the kernel is shaped around memory
+// traffic: every thread moves UNROLL vectors of V bytes, issuing all its
+// loads before its stores, and a CTA moves one tile of one chunk.  Where a
+// byte goes is decided by kvbm_layout.h, the same code the CPU path uses.
+#include <stdint.h>
+
+#include "kvbm_kernels.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+template <int V> struct VectorOf;
+template <> struct VectorOf<16> { using type = uint4; };
+template <> struct VectorOf<8> { using type = uint2; };
+template <> struct VectorOf<4> { using type = uint32_t; };
+template <> struct VectorOf<2> { using type = uint16_t; };
+template <> struct VectorOf<1> { using type = uint8_t; };
+
+struct Params {
+    kvbm_block_dims dims;
+    kvbm_divisor vectors_per_segment;  // segment bytes / V
+    kvbm_divisor tiles_per_chunk;
+    kvbm_divisor chunks_per_block;
+    uint32_t vectors_per_chunk;
+    uint32_t vectors_per_tile;
+    int to_universal;
+};
+
+// Byte offsets, inside the chunk and inside the universal block, of vector j
+// of chunk c.
+template <int V>
+__device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint32_t j,
+                                               int64_t *chunk_off, int64_t *universal_off)
+{
+    uint32_t segment = kvbm_div(p.vectors_per_segment, j);
+    int64_t within = (int64_t)(j - segment * p.vectors_per_segment.divisor) * V;
+    int64_t h, t;
+    kvbm_segment_start(&p.dims, segment, &h, &t);
+    *chunk_off = kvbm_chunk_offset(&p.dims, h, t) + within;
+    *universal_off = kvbm_universal_offset(&p.dims, c, h, t) + within;
+}
+
+template <int V>
+__global__ void __launch_bounds__(kThreads)
+block_universal_kernel(void *const *__restrict__ table, const Params p)
+{
+    using Vec = typename VectorOf<V>::type;
+    const uint32_t chunk_index = kvbm_div(p.tiles_per_chunk, blockIdx.x);   // b * nchunks + c
+    const uint32_t tile = blockIdx.x - chunk_index * p.tiles_per_chunk.divisor;
+    const uint32_t block = kvbm_div(p.chunks_per_block, chunk_index);
+    const uint32_t c = chunk_index - block * p.chunks_per_block.divisor;
+
+    char *universal = static_cast<char *>(table[block]);
+    char *chunk = static_cast<char *>(table[p.dims.nb + chunk_index]);
+    char *src_base = p.to_universal ? chunk : universal;
+    char *dst_base = p.to_universal ? universal : chunk;
+
+    const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
+    Vec values[kUnroll];
+    int64_t dst_off[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t j = first + k * blockDim.x;
+        if (j < p.vectors_per_chunk) {
+            int64_t chunk_off, universal_off;
+            vector_offsets<V>(p, c, j, &chunk_off, &universal_off);
+            const int64_t src_off = p.to_universal ? chunk_off : universal_off;
+            dst_off[k] = p.to_universal ? universal_off : chunk_off;
+            // Streaming loads and stores: each byte is touched once, so keep
+            // it from evicting the model's working set from L2.
+            values[k] = __ldcs(reinterpret_cast<const Vec *>(src_base + src_off));
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t j = first + k * blockDim.x;
+        if (j < p.vectors_per_chunk)
+            __stcs(reinterpret_cast<Vec *>(dst_base + dst_off[k]), values[k]);
+    }
+}
+
+template <int V>
+cudaError_t launch(const Params &p, void *const *table, cudaStream_t stream)
+{
+    const unsigned threads = p.vectors_per_tile / kUnroll;
+    const uint64_t grid = (uint64_t)p.dims.nb * p.dims.nchunks * p.tiles_per_chunk.divisor;
+    block_universal_kernel<V><<<(unsigned)grid, threads, 0, stream>>>(table, p);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
+                                                   void *const *table,
+                                                   kvbm_direction direction,
+                                                   int vector_bytes,
+                                                   cudaStream_t stream)
+{
+    // The caller has validated that these counts fit: vectors per chunk and
+    // the grid below 2^31, segments per chunk below 2^32.
+    const int64_t segment_bytes = kvbm_segment_rows(dims) * dims->row_bytes;
+    const uint32_t vectors_per_chunk =
+        (uint32_t)(kvbm_segments_per_chunk(dims) * segment_bytes / vector_bytes);
+    if (dims->nb == 0 || vectors_per_chunk == 0)
+        return cudaSuccess;
+
+    // Small chunks get narrower CTAs rather than idle threads.
+    uint32_t threads = (vectors_per_chunk + kUnroll - 1) / kUnroll;
+    threads = threads >= kThreads ? kThreads : (threads + 31) / 32 * 32;
+
+    Params p;
+    p.dims = *dims;
+    p.vectors_per_segment = kvbm_divisor_make((uint32_t)(segment_bytes / vector_bytes));
+    p.vectors_per_chunk = vectors_per_chunk;
+    p.vectors_per_tile = threads * kUnroll;
+    p.tiles_per_chunk = kvbm_divisor_make((vectors_per_chunk + p.vectors_per_tile - 1) / p.vectors_per_tile);
+    p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
+    p.to_universal = direction == KVBM_TO_UNIVERSAL;
+
+    switch (vector_bytes) {
+    case 16: return launch<16>(p, table, stream);
+    case 8: return launch<8>(p, table, stream);
+    case 4: return launch<4>(p, table, stream);
+    case 2: return launch<2>(p, table, stream);
+    case 1: return launch<1>(p, table, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}

@@ -1,0 +1,116 @@
+/* The block <-> universal layout definition, shared by the CPU implementation
+ * (csrc/cpu_copy.c) and the CUDA kernels (cuda/block_universal.cu), so the two
+ * cannot disagree about where a byte goes.
+ *
+ * A block stack holds `nchunks = nl * no` chunks per block, chunk c = l*no + o,
+ * each [nt, nh, hd] (NHD) or [nh, nt, hd] (HND).  A universal block is one
+ * contiguous [nh, nl, no, nt, hd] buffer, which for the copy is [nh, nchunks,
+ * nt, hd].  A "row" is the hd elements of one (head, token): row_bytes bytes,
+ * contiguous on both sides.
+ *
+ * A "segment" is the longest run of rows that is contiguous on both sides:
+ * for HND one head's nt rows; for NHD one row (or all nt rows when nh == 1).
+ * Both implementations move whole segments: memcpy on the CPU, vectors on the
+ * GPU.
+ */
+#ifndef KVBM_LAYOUT_H
+#define KVBM_LAYOUT_H
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define KVBM_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define KVBM_HOST_DEVICE static inline
+#endif
+
+typedef enum { KVBM_NHD = 0, KVBM_HND = 1 } kvbm_layout;
+
+typedef enum { KVBM_TO_UNIVERSAL = 0, KVBM_FROM_UNIVERSAL = 1 } kvbm_direction;
+
+/* Division of 32-bit numbers by a divisor fixed for the whole call, as a
+ * multiply and a shift (Granlund and Montgomery, "Division by invariant
+ * integers using multiplication", 1994, figure 4.1), so that the GPU does not
+ * run a division routine for every 16-byte vector.  Exact for every n and
+ * every divisor from 1 to 2^32 - 1. */
+typedef struct {
+    uint32_t divisor;
+    uint32_t multiplier;
+    uint32_t shift;
+} kvbm_divisor;
+
+KVBM_HOST_DEVICE kvbm_divisor kvbm_divisor_make(uint32_t divisor)
+{
+    kvbm_divisor v;
+    uint32_t shift = 0;
+    while (shift < 32 && (UINT64_C(1) << shift) < divisor)
+        shift++;
+    v.divisor = divisor;
+    v.shift = shift;
+    v.multiplier = (uint32_t)((UINT64_C(1) << 32) * ((UINT64_C(1) << shift) - divisor) / divisor + 1);
+    return v;
+}
+
+KVBM_HOST_DEVICE uint32_t kvbm_div(kvbm_divisor v, uint32_t n)
+{
+#ifdef __CUDA_ARCH__
+    uint32_t high = __umulhi(n, v.multiplier);
+#else
+    uint32_t high = (uint32_t)(((uint64_t)n * v.multiplier) >> 32);
+#endif
+    return (uint32_t)(((uint64_t)high + n) >> v.shift);
+}
+
+typedef struct {
+    int64_t nb;        /* blocks in the call */
+    int64_t nchunks;   /* nl * no chunks per block */
+    int64_t nh;        /* heads */
+    int64_t nt;        /* tokens per block */
+    int64_t row_bytes; /* hd * itemsize */
+    kvbm_layout layout;
+    kvbm_divisor nh_divisor; /* kvbm_divisor_make(nh) */
+} kvbm_block_dims;
+
+/* Rows per segment. */
+KVBM_HOST_DEVICE int64_t kvbm_segment_rows(const kvbm_block_dims *d)
+{
+    return (d->layout == KVBM_HND || d->nh == 1) ? d->nt : 1;
+}
+
+/* Segments per chunk. */
+KVBM_HOST_DEVICE int64_t kvbm_segments_per_chunk(const kvbm_block_dims *d)
+{
+    return d->nh * d->nt / kvbm_segment_rows(d);
+}
+
+/* The (head, first token) of segment s of a chunk.  Segments per chunk fit
+ * in 32 bits (checked when the call is validated). */
+KVBM_HOST_DEVICE void kvbm_segment_start(const kvbm_block_dims *d, uint32_t s,
+                                         int64_t *h, int64_t *t)
+{
+    if (d->layout == KVBM_HND || d->nh == 1) {
+        *h = s;
+        *t = 0;
+    }
+    else {
+        uint32_t token = kvbm_div(d->nh_divisor, s);
+        *t = token;
+        *h = s - token * (uint32_t)d->nh;
+    }
+}
+
+/* Byte offset of row (h, t) inside a chunk. */
+KVBM_HOST_DEVICE int64_t kvbm_chunk_offset(const kvbm_block_dims *d, int64_t h, int64_t t)
+{
+    int64_t row = d->layout == KVBM_HND ? h * d->nt + t : t * d->nh + h;
+    return row * d->row_bytes;
+}
+
+/* Byte offset of row (c, h, t) inside a universal block [nh, nchunks, nt, hd]. */
+KVBM_HOST_DEVICE int64_t kvbm_universal_offset(const kvbm_block_dims *d, int64_t c,
+                                               int64_t h, int64_t t)
+{
+    return ((h * d->nchunks + c) * d->nt + t) * d->row_bytes;
+}
+
+#endif /* KVBM_LAYOUT_H */
