@@ -89,6 +89,9 @@ class BuildExt(build_ext):
         cuda_home = cuda_root(nvcc)
         flags, names = gencode_flags(nvcc)
         version = nvcc_version(nvcc)
+        if tuple(int(x) for x in version.split(".")) < (12, 1):
+            # Small pointer tables travel as 32 KB kernel parameters (CUDA 12.1+).
+            raise RuntimeError(f"kvbm_ext needs CUDA 12.1 or newer; {nvcc} is CUDA {version}")
         print(f"kvbm_ext: building with CUDA {version} from {cuda_home} for {' '.join(names)}", file=sys.stderr)
         build_temp = Path(self.build_temp)
         build_temp.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,16 @@
 /* Everything that calls the CUDA runtime.  See gpu.h.
  *
- * Kernels read their pointer tables from device memory.  Each call writes its
- * table into a pinned staging ring, copies it to the device ring with
- * cudaMemcpyAsync on the caller's stream, launches, and records an event that
- * marks the region busy.  A later call reuses a region only after its event
- * has completed, so no call overwrites a table that a pending kernel still
- * reads, and the per-call path neither allocates nor synchronizes (it waits
- * only when the ring is full, and grows it when one table does not fit).
+ * Pointer tables reach the kernels in one of two ways.  A small table (up to
+ * KVBM_TABLE_BY_VALUE_MAX pointers: nb <= 24 for an 80-layer model) travels
+ * by value in the launch's parameters, so nothing is staged and a one-block
+ * call costs one launch.  A larger one is written into a pinned staging ring
+ * and copied to a device ring on an internal copy stream, which the caller's
+ * stream then waits for: the upload overlaps whatever the caller's stream is
+ * still running instead of queueing behind it.  An event recorded after the
+ * kernel marks the region busy; a later call reuses a region only once that
+ * event has completed, so no call overwrites a table a pending kernel still
+ * reads.  The per-call path neither allocates nor synchronizes (it waits only
+ * when the ring is full, and grows the ring when one table does not fit).
  */
 #include "gpu.h"
 
@@ -34,6 +38,8 @@ typedef struct {
     kv_region busy[KV_RING_REGIONS]; /* FIFO: busy[first], ..., count of them */
     int first, count;
     cudaEvent_t producer_done; /* orders a producer's stream before the caller's */
+    cudaStream_t copy_stream;  /* uploads tables; non-blocking, so the legacy stream does not serialize it */
+    cudaEvent_t table_ready;   /* orders an upload before the caller's kernel */
 } kv_ring;
 
 struct kv_gpu {
@@ -158,6 +164,10 @@ static void ring_free(kv_ring *ring)
             cudaEventDestroy(ring->busy[i].done);
     if (ring->producer_done != NULL)
         cudaEventDestroy(ring->producer_done);
+    if (ring->table_ready != NULL)
+        cudaEventDestroy(ring->table_ready);
+    if (ring->copy_stream != NULL)
+        cudaStreamDestroy(ring->copy_stream);
     cudaFreeHost(ring->host);
     cudaFree(ring->device);
     PyMem_RawFree(ring);
@@ -186,6 +196,14 @@ static kv_ring *ring_for(kv_gpu *gpu, int device, kv_failure *f)
     }
     if (ok) {
         f->error = cudaEventCreateWithFlags(&ring->producer_done, cudaEventDisableTiming);
+        ok = f->error == cudaSuccess;
+    }
+    if (ok) {
+        f->error = cudaEventCreateWithFlags(&ring->table_ready, cudaEventDisableTiming);
+        ok = f->error == cudaSuccess;
+    }
+    if (ok) {
+        f->error = cudaStreamCreateWithFlags(&ring->copy_stream, cudaStreamNonBlocking);
         ok = f->error == cudaSuccess;
     }
     if (!ok) {
@@ -277,15 +295,26 @@ static int enqueue_block_universal(kv_gpu *gpu, const kv_block_universal_call *c
         CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->producer_done, 0), "ordering the producer's stream first");
     }
 
-    size_t bytes = (size_t)(call->dims->nb * (1 + call->dims->nchunks)) * sizeof(void *);
+    const int64_t count = call->dims->nb * (1 + call->dims->nchunks);
+    if (count <= KVBM_TABLE_BY_VALUE_MAX) {
+        CUDA_STEP(f, kvbm_launch_block_universal(call->dims, call->table, NULL, call->direction, call->vector_bytes,
+                                                 stream),
+                  "launching the block/universal kernel");
+        return 0;
+    }
+
+    size_t bytes = (size_t)count * sizeof(void *);
     size_t offset;
     if (ring_reserve(ring, bytes, &offset, f) < 0)
         return -1;
     memcpy(ring->host + offset, call->table, bytes);
-    CUDA_STEP(f, cudaMemcpyAsync(ring->device + offset, ring->host + offset, bytes, cudaMemcpyHostToDevice, stream),
+    CUDA_STEP(f, cudaMemcpyAsync(ring->device + offset, ring->host + offset, bytes, cudaMemcpyHostToDevice,
+                                 ring->copy_stream),
               "copying the pointer table");
-    CUDA_STEP(f, kvbm_launch_block_universal(call->dims, (void *const *)(ring->device + offset), call->direction,
-                                             call->vector_bytes, stream),
+    CUDA_STEP(f, cudaEventRecord(ring->table_ready, ring->copy_stream), "recording the table upload");
+    CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->table_ready, 0), "ordering the table upload first");
+    CUDA_STEP(f, kvbm_launch_block_universal(call->dims, NULL, (void *const *)(ring->device + offset),
+                                             call->direction, call->vector_bytes, stream),
               "launching the block/universal kernel");
     return ring_commit(ring, offset, bytes, stream, f);
 }

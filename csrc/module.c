@@ -56,7 +56,7 @@ PyDoc_STRVAR(block_to_universal_doc,
 static PyObject *block_to_universal(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     PyObject *blocks, *universals, *layout = NULL, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|U$O:block_to_universal", convert_keywords, &blocks,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O$O:block_to_universal", convert_keywords, &blocks,
                                      &universals, &layout, &stream))
         return NULL;
     PyObject *nhd = layout == NULL ? PyUnicode_FromString("NHD") : Py_NewRef(layout);
@@ -76,7 +76,7 @@ PyDoc_STRVAR(universal_to_block_doc,
 static PyObject *universal_to_block(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     PyObject *universals, *blocks, *layout = NULL, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|U$O:universal_to_block", convert_keywords, &universals,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O$O:universal_to_block", convert_keywords, &universals,
                                      &blocks, &layout, &stream))
         return NULL;
     PyObject *nhd = layout == NULL ? PyUnicode_FromString("NHD") : Py_NewRef(layout);

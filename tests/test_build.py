@@ -1,0 +1,217 @@
+"""Build metadata, documentation, and a from-scratch build without nvcc (stubs)."""
+
+import os
+import pydoc
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvbm_ext
+from conftest import REPO_ROOT, requires_cuda
+from reference import FakeDeviceArray
+
+PUBLIC_FUNCTIONS = ["block_to_universal", "universal_to_block", "is_using_stubs", "build_info", "cuda_devices"]
+
+
+# --------------------------------------------------------------------------
+# Metadata of the build under test.
+# --------------------------------------------------------------------------
+
+
+def test_build_info_keys_and_types():
+    info = kvbm_ext.build_info()
+    assert isinstance(info, dict)
+    assert set(info) >= {"version", "cuda_version", "cuda_archs", "with_cuda"}
+    assert isinstance(info["version"], str)
+    assert isinstance(info["with_cuda"], bool)
+    assert isinstance(info["cuda_archs"], list)
+    assert all(isinstance(a, str) and re.fullmatch(r"(sm|compute)_\d+[a-z]?", a) for a in info["cuda_archs"]), info
+    if info["with_cuda"]:
+        assert isinstance(info["cuda_version"], str) and re.fullmatch(r"\d+\.\d+", info["cuda_version"]), info
+        assert info["cuda_archs"], "a CUDA build should list its architectures"
+    else:
+        assert info["cuda_version"] is None
+
+
+def test_version():
+    assert kvbm_ext.__version__ == "0.1.0"
+    assert kvbm_ext.build_info()["version"] == kvbm_ext.__version__
+
+
+def test_is_using_stubs_consistent_with_build_info():
+    stubs = kvbm_ext.is_using_stubs()
+    assert isinstance(stubs, bool)
+    assert stubs is (not kvbm_ext.build_info()["with_cuda"])
+
+
+def test_cuda_devices_is_a_list():
+    devices = kvbm_ext.cuda_devices()
+    assert isinstance(devices, list)
+    assert all(isinstance(d, dict) for d in devices)
+    if kvbm_ext.is_using_stubs():
+        assert devices == []
+
+
+def test_cuda_devices_empty_without_gpu():
+    """No GPU visible to torch here: with a torch CUDA build that means no device/driver."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    if torch.version.cuda is None and shutil.which("nvidia-smi") and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True
+    ).returncode == 0:
+        pytest.skip("CPU-only torch on a machine that has a GPU: torch cannot tell")
+    assert kvbm_ext.cuda_devices() == []
+
+
+@requires_cuda
+def test_cuda_devices_match_torch():
+    if kvbm_ext.is_using_stubs():
+        pytest.skip("stub build: no devices by design")
+    devices = kvbm_ext.cuda_devices()
+    assert len(devices) == torch.cuda.device_count()
+    for i, d in enumerate(devices):
+        props = torch.cuda.get_device_properties(i)
+        assert d["index"] == i
+        assert d["name"] == props.name
+        assert isinstance(d["capability"], tuple) and d["capability"] == (props.major, props.minor)
+        assert d["total_memory"] == props.total_memory
+        assert d["multiprocessors"] == props.multi_processor_count
+
+
+@pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
+def test_public_functions_have_docstrings(name):
+    doc = getattr(kvbm_ext, name).__doc__
+    assert doc and len(doc.strip()) > 20, f"{name} lacks a docstring"
+
+
+@pytest.mark.parametrize("name", ["block_to_universal", "universal_to_block"])
+def test_help_text_mentions_layouts_and_stream(name):
+    text = pydoc.plain(pydoc.render_doc(getattr(kvbm_ext, name)))
+    for word in ("NHD", "HND", "stream"):
+        assert word in text, f"help({name}) should mention {word!r}"
+
+
+@pytest.mark.skipif(not kvbm_ext.is_using_stubs(), reason="this build has CUDA")
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_device_array_rejected_by_stub_build_in_process(direction):
+    nh, nl, no, nt, hd = 3, 2, 2, 4, 5
+    blocks = [[FakeDeviceArray((nt, nh, hd)) for _ in range(nl * no)]]
+    universals = [FakeDeviceArray((nh, nl, no, nt, hd))]
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        if direction == "b2u":
+            kvbm_ext.block_to_universal(blocks, universals, "NHD")
+        else:
+            kvbm_ext.universal_to_block(universals, blocks, "NHD")
+
+
+# --------------------------------------------------------------------------
+# A build from scratch where nvcc cannot be found.
+# --------------------------------------------------------------------------
+
+REQUIRED_PARTS = ["setup.py", "csrc", "cuda", "kvbm_ext"]
+OPTIONAL_PARTS = ["pyproject.toml", "README.md", "README.rst", "LICENSE", "MANIFEST.in", "setup.cfg"]
+
+needs_repo_files = pytest.mark.skipif(
+    not all(os.path.exists(os.path.join(REPO_ROOT, p)) for p in REQUIRED_PARTS),
+    reason="setup.py / csrc / cuda / kvbm_ext not in the repository",
+)
+
+
+def _copy_repo(dest):
+    ignore = shutil.ignore_patterns("*.so", "*.pyd", "*.o", "__pycache__", "build", "*.egg-info")
+    for part in REQUIRED_PARTS + OPTIONAL_PARTS:
+        src = os.path.join(REPO_ROOT, part)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dest, part), ignore=ignore)
+        elif os.path.exists(src):
+            shutil.copy2(src, os.path.join(dest, part))
+    assert not any(f.endswith(".so") for _, _, files in os.walk(dest) for f in files)
+
+
+def _env_without_nvcc(tmp_path):
+    env = dict(os.environ)
+    missing = str(tmp_path / "no-cuda-here")
+    env["CUDA_HOME"] = missing
+    env["CUDA_PATH"] = missing
+    for var in ("CUDACXX", "CUDA_ROOT", "CUDA_TOOLKIT_ROOT_DIR", "NVCC", "KVBM_REQUIRE_CUDA", "PYTHONPATH"):
+        env.pop(var, None)
+    dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "nvcc"))]
+    env["PATH"] = os.pathsep.join(dirs)
+    assert shutil.which("nvcc", path=env["PATH"]) is None
+    return env
+
+
+def _build(tmp_path, env):
+    return subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+STUB_CHECK = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.append(sys.argv[1])  # tests/ (for reference.py), AFTER the cwd holding the stub build
+    import numpy as np
+    import kvbm_ext
+    from reference import (FakeDeviceArray, make_case, to_numpy, poison_, expected_universals, expected_blocks,
+                           assert_all_bitwise_equal)
+    import torch
+
+    assert os.path.dirname(os.path.abspath(kvbm_ext.__file__)) == os.path.join(os.getcwd(), "kvbm_ext"), kvbm_ext.__file__
+    assert kvbm_ext.is_using_stubs() is True
+    assert kvbm_ext.build_info()["with_cuda"] is False
+    assert kvbm_ext.cuda_devices() == []
+
+    for layout in ("NHD", "HND"):
+        blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.float16, layout, generator=torch.Generator().manual_seed(7))
+        blocks, universals = to_numpy(blocks), to_numpy(universals)
+        poison_(universals)
+        kvbm_ext.block_to_universal(blocks, universals, layout)
+        assert_all_bitwise_equal(universals, expected_universals(blocks, 2, layout))
+        poison_(blocks)
+        kvbm_ext.universal_to_block(universals, blocks, layout)
+        assert_all_bitwise_equal(blocks, expected_blocks(universals, layout))
+
+    for fn in (kvbm_ext.block_to_universal, kvbm_ext.universal_to_block):
+        blocks = [[FakeDeviceArray((4, 3, 5)) for _ in range(4)]]
+        universals = [FakeDeviceArray((3, 2, 2, 4, 5))]
+        args = (blocks, universals) if fn is kvbm_ext.block_to_universal else (universals, blocks)
+        try:
+            fn(*args, "NHD")
+        except RuntimeError as e:
+            assert "built without CUDA" in str(e), str(e)
+        else:
+            raise AssertionError("a device array was accepted by a build without CUDA")
+    print("STUB-OK")
+    """
+)
+
+
+@needs_repo_files
+def test_stub_build_without_nvcc(tmp_path):
+    _copy_repo(tmp_path)
+    env = _env_without_nvcc(tmp_path)
+    build = _build(tmp_path, env)
+    assert build.returncode == 0, f"stub build failed:\n{build.stdout[-4000:]}\n{build.stderr[-4000:]}"
+    check = subprocess.run(
+        [sys.executable, "-c", STUB_CHECK, os.path.join(REPO_ROOT, "tests")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert check.returncode == 0 and "STUB-OK" in check.stdout, f"{check.stdout[-4000:]}\n{check.stderr[-4000:]}"
+
+
+@needs_repo_files
+def test_build_requiring_cuda_fails_without_nvcc(tmp_path):
+    _copy_repo(tmp_path)
+    env = _env_without_nvcc(tmp_path)
+    env["KVBM_REQUIRE_CUDA"] = "1"
+    build = _build(tmp_path, env)
+    output = build.stdout + build.stderr
+    assert build.returncode != 0, f"KVBM_REQUIRE_CUDA=1 without nvcc should fail:\n{output[-4000:]}"
+    assert re.search(r"nvcc|CUDA", output), f"the failure should say why (nvcc / CUDA):\n{output[-4000:]}"

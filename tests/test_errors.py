@@ -1,0 +1,397 @@
+"""Every error of the spec's Errors section, on host arrays (runs without a GPU).
+
+Each bad call is checked for: the exception type, a message that STARTS with the
+argument path (e.g. "blocks[1][3]"), the spec's key words, every destination
+array still fully poisoned (no byte written) and every source array unchanged.
+The bad item is never the first array, so a library that validates lazily while
+copying would already have written earlier blocks.
+"""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kvbm_ext
+from reference import (
+    ArrayInterfaceOnly,
+    assert_poisoned,
+    call,
+    check_rejected,
+    chunk_shape,
+    make_case,
+    path_regex,
+    poison_,
+    poison_even_if_read_only,
+    random_tensor,
+)
+
+DIRECTIONS = ["b2u", "u2b"]
+
+# nt != nh so that NHD and HND chunk shapes differ.
+NB, NL, NO, NH, NT, HD = 3, 2, 2, 3, 4, 5
+
+
+def case(gen, layout="NHD", dtype=torch.float32, nb=NB):
+    return make_case(nb, NL, NO, NH, NT, HD, dtype, layout, generator=gen)
+
+
+# --------------------------------------------------------------------------
+# TypeError: containers and non-arrays.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [5, None, object(), 2.5], ids=["int", "None", "object", "float"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_blocks_not_a_sequence(direction, bad, gen):
+    _, universals = case(gen)
+    check_rejected(direction, bad, universals, TypeError, "blocks")
+
+
+@pytest.mark.parametrize("bad", [7, None, object()], ids=["int", "None", "object"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_inner_blocks_not_a_sequence(direction, bad, gen):
+    blocks, universals = case(gen)
+    blocks[1] = bad
+    check_rejected(direction, blocks, universals, TypeError, r"blocks\[1\]")
+
+
+@pytest.mark.parametrize("bad", [5, None, object()], ids=["int", "None", "object"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_universals_neither_array_nor_sequence(direction, bad, gen):
+    blocks, _ = case(gen)
+    check_rejected(direction, blocks, bad, TypeError, "universals")
+
+
+@pytest.mark.parametrize(
+    "where,bad,path",
+    [
+        ("block", "abc", r"blocks\[1\]\[2\]"),
+        ("block", None, r"blocks\[1\]\[2\]"),
+        ("block", 3, r"blocks\[1\]\[2\]"),
+        ("universal", 3, r"universals\[1\]"),
+        ("universal", "abc", r"universals\[1\]"),
+        ("universal", None, r"universals\[1\]"),
+    ],
+    ids=["block-str", "block-None", "block-int", "universal-int", "universal-str", "universal-None"],
+)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_non_array_object(direction, where, bad, path, gen):
+    blocks, universals = case(gen)
+    if where == "block":
+        blocks[1][2] = bad
+    else:
+        universals[1] = bad
+    check_rejected(direction, blocks, universals, TypeError, path)
+
+
+# --------------------------------------------------------------------------
+# ValueError: counts.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_blocks,n_universals", [(3, 2), (2, 3), (0, 1), (1, 0)])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_outer_count_mismatch(direction, n_blocks, n_universals, gen):
+    blocks, universals = case(gen)
+    check_rejected(
+        direction, blocks[:n_blocks], universals[:n_universals], ValueError, "(blocks|universals)"
+    )
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_outer_count_mismatch_single_5d_universal(direction, gen):
+    blocks, universals = case(gen)
+    check_rejected(direction, blocks[:2], universals[0], ValueError, "(blocks|universals)")
+
+
+@pytest.mark.parametrize("delta", [-1, +1, -3], ids=["one-missing", "one-extra", "only-one"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_inner_count_mismatch(direction, delta, gen):
+    blocks, universals = case(gen)
+    if delta < 0:
+        blocks[1] = blocks[1][:delta]
+    else:
+        blocks[1] = blocks[1] + [torch.empty_like(blocks[1][0])]
+    check_rejected(direction, blocks, universals, ValueError, r"blocks\[1\]")
+
+
+# --------------------------------------------------------------------------
+# ValueError: shapes.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_chunk_of_the_other_layout(direction, layout, gen):
+    blocks, universals = case(gen, layout)
+    other = "HND" if layout == "NHD" else "NHD"
+    expected, wrong = chunk_shape(NH, NT, HD, layout), chunk_shape(NH, NT, HD, other)
+    blocks[1][3] = random_tensor(wrong, torch.float32, generator=gen)
+    check_rejected(
+        direction, blocks, universals, ValueError, r"blocks\[1\]\[3\]",
+        "expected", str(expected), "got", str(wrong), layout=layout,
+    )
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [(NT, NH, HD + 1), (NT + 1, NH, HD), (NT, NH - 1, HD), (NT, NH * HD), (1, NT, NH, HD)],
+    ids=["hd+1", "nt+1", "nh-1", "2d", "4d"],
+)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_chunk_wrong_shape_nhd(direction, wrong, gen):
+    blocks, universals = case(gen, "NHD")
+    blocks[2][1] = random_tensor(wrong, torch.float32, generator=gen)
+    check_rejected(
+        direction, blocks, universals, ValueError, r"blocks\[2\]\[1\]",
+        "expected", str((NT, NH, HD)), "got", str(wrong), layout="NHD",
+    )
+
+
+@pytest.mark.parametrize(
+    "wrong", [(NH, NT, HD - 1), (NH + 1, NT, HD), (NH, NT * HD)], ids=["hd-1", "nh+1", "2d"]
+)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_chunk_wrong_shape_hnd(direction, wrong, gen):
+    blocks, universals = case(gen, "HND")
+    blocks[1][0] = random_tensor(wrong, torch.float32, generator=gen)
+    check_rejected(
+        direction, blocks, universals, ValueError, r"blocks\[1\]\[0\]",
+        "expected", str((NH, NT, HD)), "got", str(wrong), layout="HND",
+    )
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [(NH, NL, NO, NT + 1, HD), (NH, NL, NO, NT, HD + 2), (NH + 1, NL, NO, NT, HD), (NH, NL, NO * NT, HD)],
+    ids=["nt+1", "hd+2", "nh+1", "4d"],
+)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_universals_of_different_shapes(direction, wrong, gen):
+    blocks, universals = case(gen)  # blocks match universals[0]: universals[2] is the odd one out
+    universals[2] = random_tensor(wrong, torch.float32, generator=gen)
+    check_rejected(direction, blocks, universals, ValueError, r"universals\[2\]")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_first_universal_not_5d(direction, gen):
+    blocks, universals = case(gen)
+    universals[0] = random_tensor((NH, NL * NO, NT, HD), torch.float32, generator=gen)
+    check_rejected(direction, blocks, universals, ValueError, r"universals\[0\]")
+
+
+# --------------------------------------------------------------------------
+# TypeError: element types.
+# --------------------------------------------------------------------------
+
+MIXED_TYPES = [
+    (torch.bfloat16, torch.float16, [re.compile(r"bf16|bfloat16"), re.compile(r"(?<!b)(f16|float16|half)")]),
+    (torch.float32, torch.int32, [re.compile(r"f32|float32"), re.compile(r"i32|int32")]),
+    (torch.int8, torch.uint8, []),
+    (torch.float8_e4m3fn, torch.int8, []),
+    (torch.float64, torch.int64, []),
+]
+
+
+@pytest.mark.parametrize("common,odd,names", MIXED_TYPES, ids=lambda v: str(v).replace("torch.", "") if isinstance(v, torch.dtype) else "")
+@pytest.mark.parametrize("where", ["block", "universal"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_mixed_element_types(direction, where, common, odd, names, gen):
+    blocks, universals = case(gen, dtype=common)
+    if where == "block":
+        blocks[1][2] = random_tensor(blocks[1][2].shape, odd, generator=gen)
+        path = r"blocks\[1\]\[2\]"
+    else:
+        universals[1] = random_tensor(universals[1].shape, odd, generator=gen)
+        path = r"universals\[1\]"
+    check_rejected(direction, blocks, universals, TypeError, path, *names)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_mixed_element_types_numpy(direction, gen):
+    blocks, universals = case(gen, dtype=torch.float16)
+    blocks = [[c.numpy() for c in chunks] for chunks in blocks]
+    universals = [u.numpy() for u in universals]
+    blocks[2][3] = blocks[2][3].view(np.int16)  # same size, other type
+    check_rejected(direction, blocks, universals, TypeError, r"blocks\[2\]\[3\]")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_unsupported_element_size_complex128(direction, gen):
+    """complex128 has itemsize 16; the spec allows sizes 1, 2, 4, 8 only."""
+    blocks, universals = case(gen, dtype=torch.complex128)
+    assert universals[0].element_size() == 16
+    check_rejected(direction, blocks, universals, TypeError, r"(blocks\[0\]\[0\]|universals\[0\])")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_unsupported_element_size_numpy_complex128(direction, gen):
+    blocks, universals = case(gen, dtype=torch.complex128)
+    blocks = [[c.numpy() for c in chunks] for chunks in blocks]
+    universals = [u.numpy() for u in universals]
+    check_rejected(direction, blocks, universals, TypeError, r"(blocks\[0\]\[0\]|universals\[0\])")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_unsupported_element_size_3_bytes(direction, gen):
+    """A 3-byte element ('|V3') offered through __array_interface__."""
+
+    def v3(shape):
+        raw = random_tensor(tuple(shape[:-1]) + (shape[-1] * 3,), torch.uint8, generator=gen).numpy()
+        a = raw.view("V3")
+        assert a.shape == tuple(shape) and a.itemsize == 3
+        return a
+
+    arrays_b = [[v3(chunk_shape(NH, NT, HD, "NHD")) for _ in range(NL * NO)] for _ in range(NB)]
+    arrays_u = [v3((NH, NL, NO, NT, HD)) for _ in range(NB)]
+    blocks = [[ArrayInterfaceOnly(a) for a in chunks] for chunks in arrays_b]
+    universals = [ArrayInterfaceOnly(a) for a in arrays_u]
+    dest_raw = arrays_u if direction == "b2u" else [a for chunks in arrays_b for a in chunks]
+    for a in dest_raw:
+        a.view(np.uint8)[...] = 0xA5
+    with pytest.raises(TypeError, match=path_regex(r"(blocks\[0\]\[0\]|universals\[0\])")):
+        call(direction, blocks, universals)
+    for a in dest_raw:
+        assert (a.view(np.uint8) == 0xA5).all()
+
+
+# --------------------------------------------------------------------------
+# ValueError: contiguity.
+# --------------------------------------------------------------------------
+
+
+def _transposed_chunk(gen):
+    """Shape (NT, NH, HD) but strides of a transposed (NH, NT, HD) tensor."""
+    t = random_tensor((NH, NT, HD), torch.float32, generator=gen).transpose(0, 1)
+    assert t.shape == (NT, NH, HD) and not t.is_contiguous()
+    return t
+
+
+def _strided_chunk(gen):
+    """Shape (NT, NH, HD) taken with step 2 along the last dim."""
+    t = random_tensor((NT, NH, 2 * HD), torch.float32, generator=gen)[..., ::2]
+    assert t.shape == (NT, NH, HD) and not t.is_contiguous()
+    return t
+
+
+def _numpy_strided_chunk(gen):
+    a = random_tensor((2 * NT, NH, HD), torch.float32, generator=gen).numpy()[::2]
+    assert a.shape == (NT, NH, HD) and not a.flags.c_contiguous
+    return a
+
+
+@pytest.mark.parametrize("maker", [_transposed_chunk, _strided_chunk, _numpy_strided_chunk], ids=["transposed", "step2", "numpy-step2"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_non_contiguous_chunk(direction, maker, gen):
+    blocks, universals = case(gen, "NHD")
+    blocks[1][2] = maker(gen)
+    check_rejected(direction, blocks, universals, ValueError, r"blocks\[1\]\[2\]", "contiguous")
+
+
+@pytest.mark.parametrize("kind", ["step2", "permuted", "numpy-step2"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_non_contiguous_universal(direction, kind, gen):
+    blocks, universals = case(gen)
+    shape = (NH, NL, NO, NT, HD)
+    if kind == "step2":
+        u = random_tensor((NH, NL, NO, NT, 2 * HD), torch.float32, generator=gen)[..., ::2]
+    elif kind == "permuted":
+        u = random_tensor((NL, NH, NO, NT, HD), torch.float32, generator=gen).transpose(0, 1)
+    else:
+        u = random_tensor((NH, NL, NO, 2 * NT, HD), torch.float32, generator=gen).numpy()[:, :, :, ::2]
+    assert tuple(u.shape) == shape
+    universals[1] = u
+    check_rejected(direction, blocks, universals, ValueError, r"universals\[1\]", "contiguous")
+
+
+# --------------------------------------------------------------------------
+# ValueError: read-only destination.
+# --------------------------------------------------------------------------
+
+
+def _read_only_numpy(t):
+    a = t.numpy().copy()
+    a.setflags(write=False)
+    return a
+
+
+@pytest.mark.parametrize("protocol", ["numpy", "array_interface", "memoryview"])
+def test_read_only_destination_block(protocol, gen):
+    blocks, universals = case(gen)
+    ro = _read_only_numpy(blocks[1][1])
+    blocks[1][1] = ro
+    if protocol == "array_interface":
+        blocks[1][1] = ArrayInterfaceOnly(ro)
+    elif protocol == "memoryview":
+        blocks[1][1] = memoryview(ro)
+    poison_even_if_read_only(ro)
+    check_rejected("u2b", blocks, universals, ValueError, r"blocks\[1\]\[1\]", "read-only")
+    assert_poisoned(ro)
+
+
+@pytest.mark.parametrize("protocol", ["numpy", "array_interface", "memoryview"])
+def test_read_only_destination_universal(protocol, gen):
+    blocks, universals = case(gen)
+    ro = _read_only_numpy(universals[1])
+    universals[1] = ro
+    if protocol == "array_interface":
+        universals[1] = ArrayInterfaceOnly(ro)
+    elif protocol == "memoryview":
+        universals[1] = memoryview(ro)
+    poison_even_if_read_only(ro)
+    check_rejected("b2u", blocks, universals, ValueError, r"universals\[1\]", "read-only")
+    assert_poisoned(ro)
+
+
+def test_read_only_single_5d_destination(gen):
+    blocks, universals = case(gen, nb=1)
+    ro = _read_only_numpy(universals[0])
+    poison_even_if_read_only(ro)
+    check_rejected("b2u", blocks, ro, ValueError, r"universals(\[0\])?", "read-only")
+
+
+# --------------------------------------------------------------------------
+# layout.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["XYZ", "", "NDH", "NHD ", "HN"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_unknown_layout(direction, bad, gen):
+    blocks, universals = case(gen)
+    check_rejected(direction, blocks, universals, ValueError, "layout", "NHD", "HND", layout=bad)
+
+
+@pytest.mark.parametrize("bad", [1, None, b"NHD", ["NHD"]], ids=["int", "None", "bytes", "list"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_layout_not_a_str(direction, bad, gen):
+    blocks, universals = case(gen)
+    check_rejected(direction, blocks, universals, TypeError, "layout", layout=bad)
+
+
+# --------------------------------------------------------------------------
+# stream.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["abc", 1.5, object(), [1]], ids=["str", "float", "object", "list"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_bad_stream_argument(direction, bad, gen):
+    blocks, universals = case(gen)
+    check_rejected(direction, blocks, universals, TypeError, "stream", stream=bad)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stream_is_keyword_only(direction, gen):
+    blocks, universals = case(gen)
+    poison_(universals if direction == "b2u" else blocks)
+    if direction == "b2u":
+        with pytest.raises(TypeError):
+            kvbm_ext.block_to_universal(blocks, universals, "NHD", None)
+        assert_poisoned(universals)
+    else:
+        with pytest.raises(TypeError):
+            kvbm_ext.universal_to_block(universals, blocks, "NHD", None)
+        assert_poisoned(blocks)
