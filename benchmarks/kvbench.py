@@ -283,21 +283,24 @@ def calibrate_sleep_cycles_per_us():
 def median_gpu_us(calls, reps, sleep_us, cycles_per_us):
     """Median CUDA-event time of a call.  A GPU sleep enqueued first keeps the stream busy
     while the host prepares the call, so the events bracket only the GPU work.  Repetitions
-    whose host time outran the sleep are dropped and counted."""
-    sleep_cycles = int(sleep_us * cycles_per_us)
+    whose host time outran the sleep are dropped, counted, and retried with twice the sleep
+    (at most 3 * reps attempts in all)."""
     samples, uncovered = [], 0
-    for i in range(reps):
+    for attempt in range(3 * reps):
+        if len(samples) == reps:
+            break
         torch.cuda.synchronize()
-        torch.cuda._sleep(sleep_cycles)
+        torch.cuda._sleep(int(sleep_us * cycles_per_us))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         host_start = time.perf_counter()
         start.record()
-        calls[i % len(calls)]()
+        calls[attempt % len(calls)]()
         end.record()
         if (time.perf_counter() - host_start) * 1e6 < sleep_us:
             samples.append((start, end))
         else:
             uncovered += 1
+            sleep_us *= 2
     torch.cuda.synchronize()
     if not samples:
         return math.nan, uncovered
