@@ -227,8 +227,9 @@ static int place_on_gpu(kv_call *call, Py_ssize_t count, int *device)
     for (Py_ssize_t i = 0; i < count; i++) {
         if (call->arrays[i].place == KV_HOST) {
             const kv_path path = path_of(call, i);
-            return kv_path_error(PyExc_ValueError, &path, "in pageable host memory, but the call uses device cuda:%d; "
-                                 "pin it (page-locked memory, e.g. torch's tensor.pin_memory()) or move it to the device",
+            return kv_path_error(PyExc_ValueError, &path, "in pageable host memory, but the call uses device cuda:%d, "
+                                 "which needs pinned (page-locked) host memory: pin it (e.g. torch's "
+                                 "tensor.pin_memory()) or move it to the device",
                                  *device);
         }
     }
