@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "dlpack.h"
+#include "gpu.h"
 
 static const char CAPSULE_VERSIONED[] = "dltensor_versioned";
 static const char CAPSULE_LEGACY[] = "dltensor";
@@ -183,8 +184,14 @@ static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream
                              device_type);
 
     /* The stream argument asks the producer to order its pending work before
-     * the consumer's stream; it means nothing for host memory. */
-    PyObject *capsule = call_dlpack(obj, device_type == kDLCUDA || device_type == kDLCUDAManaged ? cuda_stream : Py_None);
+     * the consumer's stream; it means nothing for host memory.  The array's
+     * device is made current for the call, as torch requires. */
+    const int on_device = device_type == kDLCUDA || device_type == kDLCUDAManaged;
+    int previous = -1;
+    if (on_device && kv_gpu_use_device(device_id, &previous) < 0)
+        return -1;
+    PyObject *capsule = call_dlpack(obj, on_device ? cuda_stream : Py_None);
+    kv_gpu_restore_device(previous);
     if (capsule == NULL)
         return -1;
     uint64_t flags;

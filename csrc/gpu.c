@@ -260,6 +260,30 @@ int kv_gpu_locate(kv_array *a, const kv_path *path)
     }
 }
 
+int kv_gpu_use_device(int device, int *previous)
+{
+    int current;
+    cudaError_t error = cudaGetDevice(&current);
+    *previous = -1;
+    if (error == cudaSuccess && current != device) {
+        error = cudaSetDevice(device);
+        if (error == cudaSuccess)
+            *previous = current;
+    }
+    if (error != cudaSuccess) {
+        PyErr_Format(PyExc_RuntimeError, "CUDA error %s selecting device %d: %s", cudaGetErrorName(error), device,
+                     cudaGetErrorString(error));
+        return -1;
+    }
+    return 0;
+}
+
+void kv_gpu_restore_device(int previous)
+{
+    if (previous >= 0)
+        cudaSetDevice(previous);
+}
+
 /* ------------------------------------------------------------ launches */
 
 static int same_stream(intptr_t a, intptr_t b)

@@ -22,6 +22,13 @@ int kv_gpu_compiled(void);
  * kernels use).  Returns 0, or -1 with an exception naming `path`. */
 int kv_gpu_locate(kv_array *a, const kv_path *path);
 
+/* Makes `device` the calling thread's current CUDA device for the duration of
+ * a producer call (torch exports through DLPack only tensors of the current
+ * device).  *previous receives what kv_gpu_restore_device needs.  Returns 0,
+ * or -1 with RuntimeError. */
+int kv_gpu_use_device(int device, int *previous);
+void kv_gpu_restore_device(int previous);
+
 /* Enqueues a block <-> universal move on `stream` of `device`, after the
  * producers' streams (CAI v3) have been ordered before it.  `table` is host
  * memory, copied before return.  Releases the GIL.  Returns 0, or -1 with

@@ -28,6 +28,17 @@ int kv_gpu_locate(kv_array *a, const kv_path *path)
     return kv_path_error(PyExc_RuntimeError, path, "%s", NO_CUDA);
 }
 
+/* Without CUDA there is no current device to switch: the array is rejected
+ * later, by kv_gpu_locate. */
+int kv_gpu_use_device(int device, int *previous)
+{
+    (void)device;
+    *previous = -1;
+    return 0;
+}
+
+void kv_gpu_restore_device(int previous) { (void)previous; }
+
 int kv_gpu_block_universal(kv_gpu *gpu, const kvbm_block_dims *dims, kvbm_direction direction,
                            void *const *table, int vector_bytes, int device, intptr_t stream,
                            const intptr_t *producer_streams, Py_ssize_t producer_count)

@@ -484,7 +484,9 @@ def test_jax_arrays_as_sources(direction, layout, np_dtype, gen):
     """JAX arrays are read-only: used as sources, converting into torch device arrays."""
     jax, gpu = _jax_gpu()
     dtype = torch.from_numpy(np.empty(0, np_dtype)).dtype
-    blocks, universals = device_case((3, 2, 2, 3, 4, 5), dtype, layout, gen)
+    # JAX may leave another GPU current on a multi-GPU machine: name JAX's device.
+    device = torch.device("cuda", gpu.local_hardware_id)
+    blocks, universals = device_case((3, 2, 2, 3, 4, 5), dtype, layout, gen, device=device)
     sources, dests = sources_and_destinations(direction, blocks, universals)
     want = expected_for(direction, blocks, universals, layout, 2)
     to_jax = lambda t: jax.device_put(t.cpu().numpy(), gpu)  # noqa: E731
