@@ -28,8 +28,13 @@ typedef struct {
 
 static const char *const LAYOUT_NAMES[] = {"NHD", "HND"};
 
+/* NULL (the argument was not given) means NHD. */
 static int parse_layout(PyObject *layout, kvbm_layout *out)
 {
+    if (layout == NULL) {
+        *out = KVBM_NHD;
+        return 0;
+    }
     if (!PyUnicode_Check(layout)) {
         PyErr_Format(PyExc_TypeError, "layout: expected a str (\"NHD\" or \"HND\"), got %s", Py_TYPE(layout)->tp_name);
         return -1;

@@ -5,7 +5,8 @@
 
 #include "gpu.h"
 
-/* Validates every argument, then moves the bytes.  Nothing is written
+/* Validates every argument, then moves the bytes.  `layout` may be NULL
+ * (NHD).  Nothing is written
  * unless every check passes.  Returns 0, or -1 with an exception set. */
 int kv_block_universal(kv_gpu *gpu, PyObject *blocks, PyObject *universals, PyObject *layout, PyObject *stream,
                        kvbm_direction direction);

@@ -47,6 +47,21 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
 
 static char *convert_keywords[] = {"", "", "layout", "stream", NULL};
 
+/* Both public conversions: the same arguments, blocks and universals in the
+ * order of the direction. */
+static PyObject *convert(PyObject *module, PyObject *args, PyObject *kwargs, kvbm_direction direction)
+{
+    PyObject *source, *destination, *layout = NULL, *stream = Py_None;
+    const char *format = direction == KVBM_TO_UNIVERSAL ? "OO|O$O:block_to_universal" : "OO|O$O:universal_to_block";
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, convert_keywords, &source, &destination, &layout, &stream))
+        return NULL;
+    PyObject *blocks = direction == KVBM_TO_UNIVERSAL ? source : destination;
+    PyObject *universals = direction == KVBM_TO_UNIVERSAL ? destination : source;
+    if (kv_block_universal(state_of(module)->gpu, blocks, universals, layout, stream, direction) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(block_to_universal_doc,
              "block_to_universal(blocks, universals, layout=\"NHD\", *, stream=None) -> None\n\n"
              "Copy nb blocks from block-stack chunks into universal blocks:\n"
@@ -55,16 +70,7 @@ PyDoc_STRVAR(block_to_universal_doc,
 
 static PyObject *block_to_universal(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    PyObject *blocks, *universals, *layout = NULL, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O$O:block_to_universal", convert_keywords, &blocks,
-                                     &universals, &layout, &stream))
-        return NULL;
-    PyObject *nhd = layout == NULL ? PyUnicode_FromString("NHD") : Py_NewRef(layout);
-    if (nhd == NULL)
-        return NULL;
-    int rc = kv_block_universal(state_of(module)->gpu, blocks, universals, nhd, stream, KVBM_TO_UNIVERSAL);
-    Py_DECREF(nhd);
-    return rc < 0 ? NULL : Py_NewRef(Py_None);
+    return convert(module, args, kwargs, KVBM_TO_UNIVERSAL);
 }
 
 PyDoc_STRVAR(universal_to_block_doc,
@@ -75,16 +81,7 @@ PyDoc_STRVAR(universal_to_block_doc,
 
 static PyObject *universal_to_block(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    PyObject *universals, *blocks, *layout = NULL, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O$O:universal_to_block", convert_keywords, &universals,
-                                     &blocks, &layout, &stream))
-        return NULL;
-    PyObject *nhd = layout == NULL ? PyUnicode_FromString("NHD") : Py_NewRef(layout);
-    if (nhd == NULL)
-        return NULL;
-    int rc = kv_block_universal(state_of(module)->gpu, blocks, universals, nhd, stream, KVBM_FROM_UNIVERSAL);
-    Py_DECREF(nhd);
-    return rc < 0 ? NULL : Py_NewRef(Py_None);
+    return convert(module, args, kwargs, KVBM_FROM_UNIVERSAL);
 }
 
 /* ------------------------------------------------------------ build facts */

@@ -236,12 +236,9 @@ def test_stream_none_accepted_on_host(gen):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_id)
-def test_dlpack_versioned_only(dtype, layout, gen):
-    blocks, universals = make_case(2, 2, 2, 3, 4, 5, dtype, layout, generator=gen)
-    w_blocks, w_universals = wrap(blocks, DLPackOnly), wrap(universals, DLPackOnly)
-
+def round_trip_wrapped(blocks, universals, w_blocks, w_universals, layout):
+    """block_to_universal then universal_to_block through the wrappers (w_*) of
+    blocks and universals, each direction checked against the reference."""
     poison_(universals)
     kvbm_ext.block_to_universal(w_blocks, w_universals, layout)
     assert_all_bitwise_equal(universals, expected_universals(blocks, 2, layout), "universals")
@@ -250,6 +247,14 @@ def test_dlpack_versioned_only(dtype, layout, gen):
     poison_(blocks)
     kvbm_ext.universal_to_block(w_universals, w_blocks, layout)
     assert_all_bitwise_equal(blocks, expected_blocks(original, layout), "blocks")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_id)
+def test_dlpack_versioned_only(dtype, layout, gen):
+    blocks, universals = make_case(2, 2, 2, 3, 4, 5, dtype, layout, generator=gen)
+    w_blocks, w_universals = wrap(blocks, DLPackOnly), wrap(universals, DLPackOnly)
+    round_trip_wrapped(blocks, universals, w_blocks, w_universals, layout)
 
     # The library asked for a versioned capsule (it must retry without max_version only for old producers).
     calls = [c for w in w_universals + [x for ws in w_blocks for x in ws] for c in w.calls]
@@ -263,15 +268,7 @@ def test_dlpack_legacy_only(dtype, layout, gen):
     """__dlpack__(self, stream=None): passing max_version raises TypeError; the library must retry."""
     blocks, universals = make_case(2, 2, 2, 3, 4, 5, dtype, layout, generator=gen)
     w_blocks, w_universals = wrap(blocks, LegacyDLPackOnly), wrap(universals, LegacyDLPackOnly)
-
-    poison_(universals)
-    kvbm_ext.block_to_universal(w_blocks, w_universals, layout)
-    assert_all_bitwise_equal(universals, expected_universals(blocks, 2, layout), "universals")
-
-    original = clone_all(universals)
-    poison_(blocks)
-    kvbm_ext.universal_to_block(w_universals, w_blocks, layout)
-    assert_all_bitwise_equal(blocks, expected_blocks(original, layout), "blocks")
+    round_trip_wrapped(blocks, universals, w_blocks, w_universals, layout)
     assert all(w.calls >= 2 for w in w_universals), "each legacy __dlpack__ should have produced a capsule per call"
 
 
@@ -281,15 +278,7 @@ def test_array_interface_only(np_dtype, layout, gen):
     blocks, universals = numpy_case((2, 2, 2, 3, 4, 5), np_dtype, layout, gen)
     w_blocks, w_universals = wrap(blocks, ArrayInterfaceOnly), wrap(universals, ArrayInterfaceOnly)
     assert not hasattr(w_universals[0], "__dlpack__")
-
-    poison_(universals)
-    kvbm_ext.block_to_universal(w_blocks, w_universals, layout)
-    assert_all_bitwise_equal(universals, expected_universals(blocks, 2, layout), "universals")
-
-    original = clone_all(universals)
-    poison_(blocks)
-    kvbm_ext.universal_to_block(w_universals, w_blocks, layout)
-    assert_all_bitwise_equal(blocks, expected_blocks(original, layout), "blocks")
+    round_trip_wrapped(blocks, universals, w_blocks, w_universals, layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -298,15 +287,7 @@ def test_buffer_protocol_only_memoryview(np_dtype, layout, gen):
     blocks, universals = numpy_case((2, 2, 2, 3, 4, 5), np_dtype, layout, gen)
     w_blocks, w_universals = wrap(blocks, memoryview), wrap(universals, memoryview)
     assert w_universals[0].ndim == 5 and not w_universals[0].readonly
-
-    poison_(universals)
-    kvbm_ext.block_to_universal(w_blocks, w_universals, layout)
-    assert_all_bitwise_equal(universals, expected_universals(blocks, 2, layout), "universals")
-
-    original = clone_all(universals)
-    poison_(blocks)
-    kvbm_ext.universal_to_block(w_universals, w_blocks, layout)
-    assert_all_bitwise_equal(blocks, expected_blocks(original, layout), "blocks")
+    round_trip_wrapped(blocks, universals, w_blocks, w_universals, layout)
 
 
 def _bytearray_view(t):
