@@ -1,91 +1,74 @@
-/* block_to_universal and universal_to_block.  See convert.h. */
+/* The layout conversions: block stack, universal and operational blocks.  See
+ * convert.h. */
 #include "convert.h"
 
 #include <stdio.h>
 #include <string.h>
 
+#include "args.h"
 #include "cpu_copy.h"
 #include "stream.h"
 
-/* One call's arguments as they are walked and checked.  `arrays` holds the
- * nb universals, then the nb * nchunks chunks, block-major: the same order
- * as the pointer table the kernels and the CPU path read. */
+/* One call's arguments as they are walked and checked.  Two sides: `flat`,
+ * whose first array fixes the dimensions (universals, or operationals when
+ * the other side is a block stack), and `other` (a block stack, or
+ * operationals).  `arrays` holds flat's nb arrays, then other's (nb * nchunks
+ * chunks, block-major, or nb operationals): the order of the kernels'
+ * pointer table. */
 typedef struct {
-    kvbm_direction direction;
+    kv_conversion conversion;
+    int to_flat; /* the bytes move into the flat side */
     kvbm_layout layout;
+    kv_backend backend;
     intptr_t stream;
     PyObject *dlpack_stream;
-    PyObject *universals; /* a list or tuple (a single array is wrapped) */
-    int single_universal; /* universals was one array: its path is "universals" */
-    PyObject *blocks;     /* a list or tuple */
+    const char *flat_name, *other_name;
+    PyObject *flat;  /* a list or tuple (a single array is wrapped) */
+    int single_flat; /* flat was one array: its path has no index */
+    PyObject *other; /* a list or tuple */
+    int single_other;
+    int other_is_blocks;
     Py_ssize_t nb;
     int64_t nchunks;
-    int64_t universal_shape[5];
-    int64_t chunk_shape[3];
+    int64_t flat_shape[5];
+    int flat_ndim;
+    int64_t other_shape[3]; /* of every chunk, or of every operational */
     kv_array *arrays;
     Py_ssize_t parsed; /* arrays[0 .. parsed) hold borrows to release */
 } kv_call;
 
 static const char *const LAYOUT_NAMES[] = {"NHD", "HND"};
 
-/* NULL (the argument was not given) means NHD. */
-static int parse_layout(PyObject *layout, kvbm_layout *out)
+static Py_ssize_t array_count(const kv_call *call)
 {
-    if (layout == NULL) {
-        *out = KVBM_NHD;
-        return 0;
-    }
-    if (!PyUnicode_Check(layout)) {
-        PyErr_Format(PyExc_TypeError, "layout: expected a str (\"NHD\" or \"HND\"), got %s", Py_TYPE(layout)->tp_name);
-        return -1;
-    }
-    const char *s = PyUnicode_AsUTF8(layout);
-    if (s == NULL)
-        return -1;
-    for (int i = 0; i < 2; i++) {
-        if (strlen(s) == 3 && PyOS_strnicmp(s, LAYOUT_NAMES[i], 3) == 0) {
-            *out = (kvbm_layout)i;
-            return 0;
-        }
-    }
-    PyErr_Format(PyExc_ValueError, "layout: expected \"NHD\" or \"HND\" (any case), got %R", layout);
-    return -1;
-}
-
-/* A list or tuple view of a sequence argument; arrays and strings are not
- * accepted as sequences even though they are iterable. */
-static PyObject *as_sequence(PyObject *obj, const kv_path *path, const char *expected)
-{
-    if (PyUnicode_Check(obj) || PyBytes_Check(obj) || kv_is_array(obj) || !PySequence_Check(obj)) {
-        kv_path_error(PyExc_TypeError, path, "expected %s, got %s", expected, Py_TYPE(obj)->tp_name);
-        return NULL;
-    }
-    return PySequence_Fast(obj, "expected a sequence");
-}
-
-/* "(16, 8, 128)", or "(5,)" for one dimension. */
-static void format_shape(const int64_t *shape, int ndim, char *buf, size_t size)
-{
-    size_t n = (size_t)snprintf(buf, size, "(");
-    for (int i = 0; i < ndim && n < size; i++)
-        n += (size_t)snprintf(buf + n, size - n, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (n < size)
-        snprintf(buf + n, size - n, ndim == 1 ? ",)" : ")");
+    return call->nb * (1 + (call->other_is_blocks ? call->nchunks : 1));
 }
 
 static kv_path path_of(const kv_call *call, Py_ssize_t i)
 {
-    kv_path path = {"universals", {i, 0}, 1};
-    if (i >= call->nb) {
-        path.name = "blocks";
+    kv_path path = {call->flat_name, {i, 0}, call->single_flat ? 0 : 1};
+    if (i >= call->nb && call->other_is_blocks) {
+        path.name = call->other_name;
         path.index[0] = (i - call->nb) / call->nchunks;
         path.index[1] = (i - call->nb) % call->nchunks;
         path.depth = 2;
     }
-    else if (call->single_universal) {
-        path.depth = 0;
+    else if (i >= call->nb) {
+        path.name = call->other_name;
+        path.index[0] = i - call->nb;
+        path.depth = call->single_other ? 0 : 1;
     }
     return path;
+}
+
+/* What an array of the other side must look like, for error messages. */
+static const char *other_shape_hint(const kv_call *call)
+{
+    if (!call->other_is_blocks)
+        return "[nl, no, nt*nh*hd] matching universals[0]";
+    if (call->conversion == KV_BLOCK_OPERATIONAL)
+        return "the shape of blocks[0][0]";
+    return call->layout == KVBM_NHD ? "[nt, nh, hd] for layout NHD" : "[nh, nt, hd] for layout HND";
 }
 
 /* Checks arrays[i] against the call: shape, contiguity, element type (that
@@ -94,22 +77,23 @@ static int check_array(const kv_call *call, Py_ssize_t i)
 {
     const kv_array *a = &call->arrays[i];
     const kv_path path = path_of(call, i);
-    const int is_chunk = i >= call->nb;
-    const int ndim = is_chunk ? 3 : 5;
-    const int64_t *expected = is_chunk ? call->chunk_shape : call->universal_shape;
+    const int is_flat = i < call->nb;
+    const int ndim = is_flat ? call->flat_ndim : 3;
+    const int64_t *expected = is_flat ? call->flat_shape : call->other_shape;
     char want[96], got[96];
 
     int same = a->ndim == ndim;
     for (int d = 0; same && d < ndim; d++)
         same = a->shape[d] == expected[d];
     if (!same) {
-        format_shape(expected, ndim, want, sizeof want);
-        format_shape(a->shape, a->ndim, got, sizeof got);
-        if (is_chunk)
-            return kv_path_error(PyExc_ValueError, &path, "expected shape %s ([%s] for layout %s), got %s", want,
-                                 call->layout == KVBM_NHD ? "nt, nh, hd" : "nh, nt, hd", LAYOUT_NAMES[call->layout], got);
-        return kv_path_error(PyExc_ValueError, &path, "expected shape %s ([nh, nl, no, nt, hd] like universals[0]), got %s",
-                             want, got);
+        kv_format_shape(expected, ndim, want, sizeof want);
+        kv_format_shape(a->shape, a->ndim, got, sizeof got);
+        if (is_flat)
+            return kv_path_error(PyExc_ValueError, &path, "expected shape %s (%s like %s[0]), got %s", want,
+                                 call->flat_ndim == 5 ? "[nh, nl, no, nt, hd]" : "[nl, no, nt*nh*hd]",
+                                 call->flat_name, got);
+        return kv_path_error(PyExc_ValueError, &path, "expected shape %s (%s), got %s", want, other_shape_hint(call),
+                             got);
     }
     const kv_array *first = &call->arrays[0];
     if (a->dtype.code != first->dtype.code || a->dtype.bits != first->dtype.bits) {
@@ -122,49 +106,86 @@ static int check_array(const kv_call *call, Py_ssize_t i)
     }
     if (!kv_array_is_contiguous(a))
         return kv_path_error(PyExc_ValueError, &path, "array must be C-contiguous");
-    const int is_destination = is_chunk == (call->direction == KVBM_FROM_UNIVERSAL);
+    const int is_destination = is_flat == call->to_flat;
     if (is_destination && a->readonly)
         return kv_path_error(PyExc_ValueError, &path, "destination array is read-only");
     return 0;
 }
 
-/* Borrows `obj` into the next slot of call->arrays and checks it. */
-static int add_array(kv_call *call, PyObject *obj, Py_ssize_t i)
+/* Borrows `obj` into arrays[i]. */
+static int borrow(kv_call *call, PyObject *obj, Py_ssize_t i)
 {
     const kv_path path = path_of(call, i);
     if (kv_array_from_object(obj, &path, call->dlpack_stream, &call->arrays[i]) < 0)
         return -1;
     call->parsed = i + 1;
+    return 0;
+}
+
+/* The chunk shape of a block <-> operational call is that of blocks[0][0]
+ * (chunks are copied whole, in their own order): it must hold inner
+ * elements. */
+static int read_first_chunk(kv_call *call, PyObject *chunk)
+{
+    const Py_ssize_t i = call->nb;
+    if (borrow(call, chunk, i) < 0)
+        return -1;
+    const kv_array *a = &call->arrays[i];
+    const kv_path path = path_of(call, i);
+    const int64_t inner = call->flat_shape[2];
+    char got[96];
+    kv_format_shape(a->shape, a->ndim, got, sizeof got);
+    if (a->ndim != 3 || a->shape[0] * a->shape[1] * a->shape[2] != inner)
+        return kv_path_error(PyExc_ValueError, &path, "expected a 3-D chunk of %lld elements (the last dimension of "
+                             "operationals[0], nt*nh*hd), got shape %s", (long long)inner, got);
+    memcpy(call->other_shape, a->shape, sizeof call->other_shape);
     return check_array(call, i);
 }
 
-/* Reads universals[0], which fixes nh, nl, no, nt, hd and the element type. */
+/* Reads flat[0], which fixes the dimensions and the element type. */
 static int read_dimensions(kv_call *call)
 {
-    kv_array *u = &call->arrays[0];
+    kv_array *f = &call->arrays[0];
     const kv_path path = path_of(call, 0);
-    if (kv_array_from_object(PySequence_Fast_GET_ITEM(call->universals, 0), &path, call->dlpack_stream, u) < 0)
+    if (borrow(call, PySequence_Fast_GET_ITEM(call->flat, 0), 0) < 0)
         return -1;
-    call->parsed = 1;
-    if (u->ndim != 5) {
+    const int is_universal = call->conversion != KV_BLOCK_OPERATIONAL;
+    call->flat_ndim = is_universal ? 5 : 3;
+    if (f->ndim != call->flat_ndim) {
         char got[96];
-        format_shape(u->shape, u->ndim, got, sizeof got);
-        return kv_path_error(PyExc_ValueError, &path, "expected a 5-D [nh, nl, no, nt, hd] array, got shape %s", got);
+        kv_format_shape(f->shape, f->ndim, got, sizeof got);
+        return kv_path_error(PyExc_ValueError, &path, "expected a %d-D %s array, got shape %s", call->flat_ndim,
+                             is_universal ? "[nh, nl, no, nt, hd]" : "[nl, no, nt*nh*hd]", got);
     }
-    if (u->itemsize != 1 && u->itemsize != 2 && u->itemsize != 4 && u->itemsize != 8) {
+    if (f->itemsize != 1 && f->itemsize != 2 && f->itemsize != 4 && f->itemsize != 8) {
         char name[48];
         return kv_path_error(PyExc_TypeError, &path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
-                             kv_dtype_name(u->dtype, name, sizeof name), (long long)u->itemsize);
+                             kv_dtype_name(f->dtype, name, sizeof name), (long long)f->itemsize);
     }
-    memcpy(call->universal_shape, u->shape, sizeof call->universal_shape);
-    const int64_t nh = u->shape[0], nl = u->shape[1], no = u->shape[2], nt = u->shape[3], hd = u->shape[4];
-    call->nchunks = nl * no;
-    call->chunk_shape[0] = call->layout == KVBM_NHD ? nt : nh;
-    call->chunk_shape[1] = call->layout == KVBM_NHD ? nh : nt;
-    call->chunk_shape[2] = hd;
+    memcpy(call->flat_shape, f->shape, (size_t)call->flat_ndim * sizeof(int64_t));
+    int64_t chunk_elements;
+    if (is_universal) {
+        const int64_t nh = f->shape[0], nl = f->shape[1], no = f->shape[2], nt = f->shape[3], hd = f->shape[4];
+        call->nchunks = nl * no;
+        chunk_elements = nt * nh * hd;
+        if (call->other_is_blocks) {
+            call->other_shape[0] = call->layout == KVBM_NHD ? nt : nh;
+            call->other_shape[1] = call->layout == KVBM_NHD ? nh : nt;
+            call->other_shape[2] = hd;
+        }
+        else {
+            call->other_shape[0] = nl;
+            call->other_shape[1] = no;
+            call->other_shape[2] = chunk_elements;
+        }
+    }
+    else {
+        call->nchunks = f->shape[0] * f->shape[1];
+        chunk_elements = f->shape[2];
+    }
 
     /* Segment, vector and CTA counts are 32-bit in the kernels. */
-    const int64_t chunk_bytes = nt * nh * hd * u->itemsize;
+    const int64_t chunk_bytes = chunk_elements * f->itemsize;
     if (chunk_bytes > (int64_t)UINT32_MAX
         || (chunk_bytes > 0 && call->nb * call->nchunks * (chunk_bytes / 1024 + 1) > (int64_t)INT32_MAX))
         return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld bytes); "
@@ -172,24 +193,37 @@ static int read_dimensions(kv_call *call)
     return check_array(call, 0);
 }
 
-/* Reads and checks every array after universals[0]. */
+/* Reads and checks every array after flat[0]. */
 static int walk_arguments(kv_call *call)
 {
     for (Py_ssize_t b = 1; b < call->nb; b++)
-        if (add_array(call, PySequence_Fast_GET_ITEM(call->universals, b), b) < 0)
+        if (borrow(call, PySequence_Fast_GET_ITEM(call->flat, b), b) < 0 || check_array(call, b) < 0)
             return -1;
+    if (!call->other_is_blocks) {
+        for (Py_ssize_t b = 0; b < call->nb; b++)
+            if (borrow(call, PySequence_Fast_GET_ITEM(call->other, b), call->nb + b) < 0
+                || check_array(call, call->nb + b) < 0)
+                return -1;
+        return 0;
+    }
     for (Py_ssize_t b = 0; b < call->nb; b++) {
         const kv_path path = {"blocks", {b, 0}, 1};
-        PyObject *chunks = as_sequence(PySequence_Fast_GET_ITEM(call->blocks, b), &path, "a sequence of nl*no chunk arrays");
+        PyObject *chunks = kv_as_sequence(PySequence_Fast_GET_ITEM(call->other, b), &path,
+                                          "a sequence of nl*no chunk arrays");
         if (chunks == NULL)
             return -1;
         int rc = 0;
         if (PySequence_Fast_GET_SIZE(chunks) != call->nchunks)
-            rc = kv_path_error(PyExc_ValueError, &path, "expected nl*no = %lld*%lld = %lld chunk arrays, got %zd",
-                               (long long)call->universal_shape[1], (long long)call->universal_shape[2],
+            rc = kv_path_error(PyExc_ValueError, &path, "expected nl*no = %lld chunk arrays, got %zd",
                                (long long)call->nchunks, PySequence_Fast_GET_SIZE(chunks));
-        for (Py_ssize_t c = 0; rc == 0 && c < call->nchunks; c++)
-            rc = add_array(call, PySequence_Fast_GET_ITEM(chunks, c), call->nb + b * call->nchunks + c);
+        for (Py_ssize_t c = 0; rc == 0 && c < call->nchunks; c++) {
+            const Py_ssize_t i = call->nb + b * call->nchunks + c;
+            PyObject *chunk = PySequence_Fast_GET_ITEM(chunks, c);
+            if (i == call->nb && call->conversion == KV_BLOCK_OPERATIONAL)
+                rc = read_first_chunk(call, chunk);
+            else
+                rc = borrow(call, chunk, i) < 0 || check_array(call, i) < 0 ? -1 : 0;
+        }
         Py_DECREF(chunks);
         if (rc < 0)
             return -1;
@@ -241,9 +275,53 @@ static int place_on_gpu(kv_call *call, Py_ssize_t count, int *device)
     return 0;
 }
 
-static int run(kv_gpu *gpu, kv_call *call)
+/* Block <-> operational: every chunk is one copy of chunk_bytes. */
+static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target, int on_gpu)
 {
-    const Py_ssize_t count = call->nb * (1 + call->nchunks);
+    const int64_t chunk_bytes = call->flat_shape[2] * call->arrays[0].itemsize;
+    const Py_ssize_t count = call->nb * call->nchunks;
+    kv_pairs pairs;
+    memset(&pairs, 0, sizeof pairs);
+    pairs.count = count;
+    pairs.uniform_size = (uint64_t)chunk_bytes;
+    pairs.src = PyMem_Malloc((size_t)count * sizeof(uint64_t));
+    pairs.dst = PyMem_Malloc((size_t)count * sizeof(uint64_t));
+    if (pairs.src == NULL || pairs.dst == NULL) {
+        PyMem_Free(pairs.src);
+        PyMem_Free(pairs.dst);
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *chunks = call->to_flat ? pairs.src : pairs.dst;
+    uint64_t *operational = call->to_flat ? pairs.dst : pairs.src;
+    for (Py_ssize_t b = 0; b < call->nb; b++) {
+        for (int64_t c = 0; c < call->nchunks; c++) {
+            const Py_ssize_t k = b * call->nchunks + c;
+            chunks[k] = (uint64_t)(uintptr_t)call->arrays[call->nb + k].data;
+            operational[k] = (uint64_t)(uintptr_t)call->arrays[b].data + (uint64_t)(c * chunk_bytes);
+        }
+    }
+    int rc = 0, over_pcie = 0;
+    for (Py_ssize_t i = 0; i < array_count(call) && !over_pcie; i++)
+        over_pcie = call->arrays[i].place == KV_HOST_PINNED;
+    if (on_gpu) {
+        rc = kv_copy_with_backend(gpu, target, &pairs, call->backend, over_pcie,
+                                  call->to_flat ? "block_to_operational" : "operational_to_block");
+    }
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        kv_cpu_copy_pairs(&pairs);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(pairs.src);
+    PyMem_Free(pairs.dst);
+    return rc;
+}
+
+/* Block stack or operational <-> universal: the layout kernel. */
+static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target, int on_gpu)
+{
+    const Py_ssize_t count = array_count(call);
     const kv_array *u = &call->arrays[0];
     kvbm_block_dims dims;
     dims.nb = call->nb;
@@ -252,78 +330,112 @@ static int run(kv_gpu *gpu, kv_call *call)
     dims.nt = u->shape[3];
     dims.row_bytes = u->shape[4] * u->itemsize;
     dims.layout = call->layout;
-    if (dims.nh * dims.nt * dims.row_bytes * dims.nchunks == 0)
-        return 0; /* nothing to move */
     dims.nh_divisor = kvbm_divisor_make((uint32_t)dims.nh);
-
-    int on_gpu = 0;
-    for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
-        on_gpu = call->arrays[i].place == KV_DEVICE;
-    int device = -1;
-    if (on_gpu && place_on_gpu(call, count, &device) < 0)
-        return -1;
+    dims.chunk_stride = call->other_is_blocks ? 0 : dims.nh * dims.nt * dims.row_bytes;
+    const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
 
     void **table = PyMem_Malloc((size_t)count * sizeof *table);
-    intptr_t *producers = on_gpu ? PyMem_Malloc((size_t)count * sizeof *producers) : NULL;
-    if (table == NULL || (on_gpu && producers == NULL)) {
-        PyMem_Free(table);
+    if (table == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    Py_ssize_t producer_count = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const kv_array *a = &call->arrays[i];
-        table[i] = a->data;
-        if (on_gpu && a->has_stream) {
-            Py_ssize_t k = 0;
-            while (k < producer_count && producers[k] != a->stream)
-                k++;
-            if (k == producer_count)
-                producers[producer_count++] = a->stream;
-        }
-    }
-
+    for (Py_ssize_t i = 0; i < count; i++)
+        table[i] = call->arrays[i].data;
     int rc = 0;
     if (on_gpu) {
-        rc = kv_gpu_block_universal(gpu, &dims, call->direction, table, vector_bytes((const void *const *)table, count,
-                                    dims.row_bytes), device, call->stream, producers, producer_count);
+        rc = kv_gpu_block_universal(gpu, target, &dims, direction, table,
+                                    vector_bytes((const void *const *)table, count, dims.row_bytes));
     }
     else {
         Py_BEGIN_ALLOW_THREADS
-        kv_cpu_block_universal(&dims, table, call->direction);
+        kv_cpu_block_universal(&dims, table, direction);
         Py_END_ALLOW_THREADS
     }
-    PyMem_Free(producers);
     PyMem_Free(table);
     return rc;
 }
 
-int kv_block_universal(kv_gpu *gpu, PyObject *blocks, PyObject *universals, PyObject *layout, PyObject *stream,
-                       kvbm_direction direction)
+static int run(kv_gpu *gpu, kv_call *call)
+{
+    const Py_ssize_t count = array_count(call);
+    int64_t elements = 1;
+    for (int d = 0; d < call->flat_ndim; d++)
+        elements *= call->flat_shape[d];
+    if (elements == 0)
+        return 0; /* nothing to move */
+
+    int on_gpu = 0;
+    for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
+        on_gpu = call->arrays[i].place == KV_DEVICE;
+    kv_gpu_target target = {-1, call->stream, NULL, 0};
+    intptr_t *producers = NULL;
+    if (on_gpu) {
+        if (place_on_gpu(call, count, &target.device) < 0)
+            return -1;
+        producers = PyMem_Malloc((size_t)count * sizeof *producers);
+        if (producers == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            const kv_array *a = &call->arrays[i];
+            Py_ssize_t k = 0;
+            while (a->has_stream && k < target.producer_count && producers[k] != a->stream)
+                k++;
+            if (a->has_stream && k == target.producer_count)
+                producers[target.producer_count++] = a->stream;
+        }
+        target.producers = producers;
+    }
+    const int rc = call->conversion == KV_BLOCK_OPERATIONAL ? run_block_operational(gpu, call, &target, on_gpu)
+                                                            : run_universal(gpu, call, &target, on_gpu);
+    PyMem_Free(producers);
+    return rc;
+}
+
+/* A side given as one array (not a sequence) is one block. */
+static PyObject *flat_side(PyObject *obj, const char *name, int *single)
+{
+    const kv_path path = {name, {0, 0}, 0};
+    *single = kv_is_array(obj);
+    if (*single)
+        return PyTuple_Pack(1, obj);
+    return kv_as_sequence(obj, &path, "an array or a sequence of arrays");
+}
+
+int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *flat, PyObject *other,
+               PyObject *layout, PyObject *backend, PyObject *stream)
 {
     kv_call call;
     memset(&call, 0, sizeof call);
-    call.direction = direction;
-    if (parse_layout(layout, &call.layout) < 0 || kv_stream_from_object(stream, &call.stream) < 0)
+    call.conversion = conversion;
+    call.to_flat = to_flat;
+    call.flat_name = conversion == KV_BLOCK_OPERATIONAL ? "operationals" : "universals";
+    call.other_name = conversion == KV_UNIVERSAL_OPERATIONAL ? "operationals" : "blocks";
+    call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
+    int layout_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
+    if (kv_parse_name(layout, "layout", LAYOUT_NAMES, 2, KVBM_NHD, &layout_index) < 0
+        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, 4, KV_BACKEND_AUTO, &backend_index) < 0
+        || kv_stream_from_object(stream, &call.stream) < 0)
         return -1;
+    call.layout = (kvbm_layout)layout_index;
+    call.backend = (kv_backend)backend_index;
 
     int rc = -1;
-    const kv_path universals_path = {"universals", {0, 0}, 0};
-    const kv_path blocks_path = {"blocks", {0, 0}, 0};
-    call.single_universal = kv_is_array(universals);
-    if (call.single_universal)
-        call.universals = PyTuple_Pack(1, universals);
+    const kv_path other_path = {call.other_name, {0, 0}, 0};
+    call.flat = flat_side(flat, call.flat_name, &call.single_flat);
+    if (call.flat == NULL)
+        goto done;
+    if (call.other_is_blocks)
+        call.other = kv_as_sequence(other, &other_path, "a sequence of nb sequences of chunk arrays");
     else
-        call.universals = as_sequence(universals, &universals_path, "an array or a sequence of arrays");
-    if (call.universals == NULL)
+        call.other = flat_side(other, call.other_name, &call.single_other);
+    if (call.other == NULL)
         goto done;
-    call.blocks = as_sequence(blocks, &blocks_path, "a sequence of nb sequences of chunk arrays");
-    if (call.blocks == NULL)
-        goto done;
-    call.nb = PySequence_Fast_GET_SIZE(call.universals);
-    if (PySequence_Fast_GET_SIZE(call.blocks) != call.nb) {
-        kv_path_error(PyExc_ValueError, &blocks_path, "has %zd blocks but universals has %zd",
-                      PySequence_Fast_GET_SIZE(call.blocks), call.nb);
+    call.nb = PySequence_Fast_GET_SIZE(call.flat);
+    if (PySequence_Fast_GET_SIZE(call.other) != call.nb) {
+        kv_path_error(PyExc_ValueError, &other_path, "has %zd blocks but %s has %zd", PySequence_Fast_GET_SIZE(call.other),
+                      call.flat_name, call.nb);
         goto done;
     }
     if (call.nb == 0) {
@@ -338,11 +450,11 @@ int kv_block_universal(kv_gpu *gpu, PyObject *blocks, PyObject *universals, PyOb
         PyErr_NoMemory();
         goto done;
     }
-    /* The chunk count is known only once universals[0] has been read. */
+    /* The chunk count is known only once flat[0] has been read. */
     if (read_dimensions(&call) < 0)
         goto done;
     {
-        kv_array *grown = PyMem_Realloc(call.arrays, (size_t)(call.nb * (1 + call.nchunks)) * sizeof(kv_array));
+        kv_array *grown = PyMem_Realloc(call.arrays, (size_t)array_count(&call) * sizeof(kv_array));
         if (grown == NULL) {
             PyErr_NoMemory();
             goto done;
@@ -357,7 +469,7 @@ done:
         kv_array_release(&call.arrays[i]);
     PyMem_Free(call.arrays);
     Py_XDECREF(call.dlpack_stream);
-    Py_XDECREF(call.universals);
-    Py_XDECREF(call.blocks);
+    Py_XDECREF(call.flat);
+    Py_XDECREF(call.other);
     return rc;
 }

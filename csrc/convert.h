@@ -1,14 +1,23 @@
-/* block_to_universal and universal_to_block: argument walking, validation
- * and dispatch to the CPU or the GPU. */
+/* The layout conversions between block stacks, universal blocks and
+ * operational blocks: argument walking, validation and dispatch to the CPU
+ * or the GPU. */
 #ifndef KVBM_CONVERT_H
 #define KVBM_CONVERT_H
 
-#include "gpu.h"
+#include "copy.h"
 
-/* Validates every argument, then moves the bytes.  `layout` may be NULL
- * (NHD).  Nothing is written
- * unless every check passes.  Returns 0, or -1 with an exception set. */
-int kv_block_universal(kv_gpu *gpu, PyObject *blocks, PyObject *universals, PyObject *layout, PyObject *stream,
-                       kvbm_direction direction);
+typedef enum {
+    KV_BLOCK_UNIVERSAL,       /* flat side: universals; other: blocks */
+    KV_UNIVERSAL_OPERATIONAL, /* flat side: universals; other: operationals */
+    KV_BLOCK_OPERATIONAL,     /* flat side: operationals; other: blocks */
+} kv_conversion;
+
+/* Validates every argument, then moves the bytes, into the flat side when
+ * `to_flat`, else out of it.  `layout` and `backend` may be NULL (NHD,
+ * auto); the backend matters only for block <-> operational.  Nothing is
+ * written unless every check passes.  Returns 0, or -1 with an exception
+ * set. */
+int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *flat, PyObject *other,
+               PyObject *layout, PyObject *backend, PyObject *stream);
 
 #endif /* KVBM_CONVERT_H */

@@ -7,12 +7,11 @@ void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvb
 {
     const int64_t segment_bytes = kvbm_segment_rows(dims) * dims->row_bytes;
     const uint32_t segments = (uint32_t)kvbm_segments_per_chunk(dims);
-    void *const *chunks = table + dims->nb;
 
     for (int64_t b = 0; b < dims->nb; b++) {
         char *universal = table[b];
         for (int64_t c = 0; c < dims->nchunks; c++) {
-            char *chunk = chunks[b * dims->nchunks + c];
+            char *chunk = (char *)table[kvbm_chunk_slot(dims, b, c)] + kvbm_chunk_shift(dims, c);
             for (uint32_t s = 0; s < segments; s++) {
                 int64_t h, t;
                 kvbm_segment_start(dims, s, &h, &t);
@@ -25,4 +24,11 @@ void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvb
             }
         }
     }
+}
+
+void kv_cpu_copy_pairs(const kv_pairs *pairs)
+{
+    for (int64_t i = 0; i < pairs->count; i++)
+        memcpy((void *)(uintptr_t)pairs->dst[i], (const void *)(uintptr_t)pairs->src[i],
+               (size_t)(pairs->sizes ? pairs->sizes[i] : pairs->uniform_size));
 }

@@ -2,10 +2,13 @@
 #ifndef KVBM_CPU_COPY_H
 #define KVBM_CPU_COPY_H
 
-#include "kvbm_layout.h"
+#include "gpu.h"
 
-/* Same table as kvbm_launch_block_universal: dims->nb universal pointers,
- * then dims->nb * dims->nchunks chunk pointers.  Call without the GIL. */
+/* Same table as kvbm_launch_block_universal (see kvbm_table_entries).  Call
+ * without the GIL. */
 void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvbm_direction direction);
+
+/* One memcpy per pair (host lists).  Call without the GIL. */
+void kv_cpu_copy_pairs(const kv_pairs *pairs);
 
 #endif /* KVBM_CPU_COPY_H */

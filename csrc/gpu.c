@@ -14,7 +14,9 @@
  */
 #include "gpu.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <stdio.h>
 #include <pythread.h>
 #include <string.h>
 
@@ -37,9 +39,15 @@ typedef struct {
     size_t head;
     kv_region busy[KV_RING_REGIONS]; /* FIFO: busy[first], ..., count of them */
     int first, count;
-    cudaEvent_t producer_done; /* orders a producer's stream before the caller's */
-    cudaStream_t copy_stream;  /* uploads tables; non-blocking, so the legacy stream does not serialize it */
-    cudaEvent_t table_ready;   /* orders an upload before the caller's kernel */
+    /* Non-blocking streams, so that the legacy default stream does not
+     * serialize them: */
+    cudaStream_t copy_stream;  /* uploads tables */
+    cudaStream_t batch_stream; /* runs cudaMemcpyBatchAsync for callers on a default stream, which it rejects */
+    /* Events that order one stream after another: */
+    cudaEvent_t producer_done; /* a producer's stream before the caller's */
+    cudaEvent_t table_ready;   /* an upload before the caller's kernel */
+    cudaEvent_t batch_start;   /* the caller's stream before batch_stream */
+    cudaEvent_t batch_done;    /* batch_stream before the caller's stream */
 } kv_ring;
 
 struct kv_gpu {
@@ -114,19 +122,21 @@ static int ring_overlaps(const kv_ring *ring, size_t start, size_t end)
     return 0;
 }
 
-/* Reserves `bytes` of the ring: *offset is where the table goes. */
+/* Reserves `bytes` of the ring: *offset is where the table goes.  The
+ * buffers are allocated by the first table that needs them (calls whose
+ * tables travel by value never do), and regrown when one table exceeds them. */
 static int ring_reserve(kv_ring *ring, size_t bytes, size_t *offset, kv_failure *f)
 {
     bytes = (bytes + KV_RING_ALIGN - 1) / KV_RING_ALIGN * KV_RING_ALIGN;
     if (bytes > ring->capacity) {
-        /* Rare: a table larger than the ring.  Drain, then reallocate. */
         while (ring->count > 0)
             if (ring_retire_oldest(ring, f) < 0)
                 return -1;
         cudaFreeHost(ring->host);
         cudaFree(ring->device);
         ring->host = ring->device = NULL;
-        size_t capacity = ring->capacity;
+        ring->capacity = 0;
+        size_t capacity = KV_RING_INITIAL_BYTES;
         while (capacity < bytes)
             capacity *= 2;
         if (ring_alloc_buffers(ring, capacity, f) < 0)
@@ -152,6 +162,19 @@ static int ring_commit(kv_ring *ring, size_t offset, size_t bytes, cudaStream_t 
     return 0;
 }
 
+/* The ring's ordering events and streams, for creation and destruction. */
+static cudaEvent_t *ring_events(kv_ring *ring, int i)
+{
+    cudaEvent_t *events[] = {&ring->producer_done, &ring->table_ready, &ring->batch_start, &ring->batch_done};
+    return i < 4 ? events[i] : NULL;
+}
+
+static cudaStream_t *ring_streams(kv_ring *ring, int i)
+{
+    cudaStream_t *streams[] = {&ring->copy_stream, &ring->batch_stream};
+    return i < 2 ? streams[i] : NULL;
+}
+
 static void ring_free(kv_ring *ring)
 {
     while (ring->count > 0) {
@@ -162,18 +185,19 @@ static void ring_free(kv_ring *ring)
     for (int i = 0; i < KV_RING_REGIONS; i++)
         if (ring->busy[i].done != NULL)
             cudaEventDestroy(ring->busy[i].done);
-    if (ring->producer_done != NULL)
-        cudaEventDestroy(ring->producer_done);
-    if (ring->table_ready != NULL)
-        cudaEventDestroy(ring->table_ready);
-    if (ring->copy_stream != NULL)
-        cudaStreamDestroy(ring->copy_stream);
+    for (int i = 0; ring_events(ring, i) != NULL; i++)
+        if (*ring_events(ring, i) != NULL)
+            cudaEventDestroy(*ring_events(ring, i));
+    for (int i = 0; ring_streams(ring, i) != NULL; i++)
+        if (*ring_streams(ring, i) != NULL)
+            cudaStreamDestroy(*ring_streams(ring, i));
     cudaFreeHost(ring->host);
     cudaFree(ring->device);
     PyMem_RawFree(ring);
 }
 
-/* The ring of the current device, created on first use. */
+/* The ring of the current device, created on first use (without buffers:
+ * see ring_reserve). */
 static kv_ring *ring_for(kv_gpu *gpu, int device, kv_failure *f)
 {
     if (device < 0 || device >= KV_MAX_DEVICES) {
@@ -189,26 +213,16 @@ static kv_ring *ring_for(kv_gpu *gpu, int device, kv_failure *f)
         f->what = "allocating the table ring";
         return NULL;
     }
-    int ok = ring_alloc_buffers(ring, KV_RING_INITIAL_BYTES, f) == 0;
-    for (int i = 0; ok && i < KV_RING_REGIONS; i++) {
-        f->error = cudaEventCreateWithFlags(&ring->busy[i].done, cudaEventDisableTiming);
-        ok = f->error == cudaSuccess;
-    }
-    if (ok) {
-        f->error = cudaEventCreateWithFlags(&ring->producer_done, cudaEventDisableTiming);
-        ok = f->error == cudaSuccess;
-    }
-    if (ok) {
-        f->error = cudaEventCreateWithFlags(&ring->table_ready, cudaEventDisableTiming);
-        ok = f->error == cudaSuccess;
-    }
-    if (ok) {
-        f->error = cudaStreamCreateWithFlags(&ring->copy_stream, cudaStreamNonBlocking);
-        ok = f->error == cudaSuccess;
-    }
-    if (!ok) {
-        if (f->error != cudaSuccess && f->what == NULL)
-            f->what = "creating events";
+    cudaError_t error = cudaSuccess;
+    for (int i = 0; error == cudaSuccess && i < KV_RING_REGIONS; i++)
+        error = cudaEventCreateWithFlags(&ring->busy[i].done, cudaEventDisableTiming);
+    for (int i = 0; error == cudaSuccess && ring_events(ring, i) != NULL; i++)
+        error = cudaEventCreateWithFlags(ring_events(ring, i), cudaEventDisableTiming);
+    for (int i = 0; error == cudaSuccess && ring_streams(ring, i) != NULL; i++)
+        error = cudaStreamCreateWithFlags(ring_streams(ring, i), cudaStreamNonBlocking);
+    if (error != cudaSuccess) {
+        f->error = error;
+        f->what = "creating the device's events and streams";
         ring_free(ring);
         return NULL;
     }
@@ -260,7 +274,9 @@ int kv_gpu_locate(kv_array *a, const kv_path *path)
     }
 }
 
-int kv_gpu_use_device(int device, int *previous)
+/* Makes `device` current; *previous receives the device to restore, or -1
+ * when it already was current.  Safe without the GIL. */
+static cudaError_t select_device(int device, int *previous)
 {
     int current;
     cudaError_t error = cudaGetDevice(&current);
@@ -270,6 +286,12 @@ int kv_gpu_use_device(int device, int *previous)
         if (error == cudaSuccess)
             *previous = current;
     }
+    return error;
+}
+
+int kv_gpu_use_device(int device, int *previous)
+{
+    cudaError_t error = select_device(device, previous);
     if (error != cudaSuccess) {
         PyErr_Format(PyExc_RuntimeError, "CUDA error %s selecting device %d: %s", cudaGetErrorName(error), device,
                      cudaGetErrorString(error));
@@ -284,6 +306,203 @@ void kv_gpu_restore_device(int previous)
         cudaSetDevice(previous);
 }
 
+int kv_gpu_current_device(void)
+{
+    int device;
+    cudaError_t error = cudaGetDevice(&device);
+    if (error != cudaSuccess) {
+        cudaGetLastError();
+        PyErr_Format(PyExc_RuntimeError, "CUDA error %s finding the current device: %s", cudaGetErrorName(error),
+                     cudaGetErrorString(error));
+        return -1;
+    }
+    return device;
+}
+
+/* ------------------------------------------------------------ address checks */
+
+/* cuPointerGetAttributes, reached through the runtime so that the module
+ * does not link the driver library. */
+typedef CUresult (*kv_pointer_attributes_fn)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
+
+static kv_pointer_attributes_fn pointer_attributes_fn(void)
+{
+    static kv_pointer_attributes_fn fn;
+    if (fn == NULL) {
+        void *found = NULL;
+        enum cudaDriverEntryPointQueryResult status;
+#if CUDART_VERSION >= 12050
+        cudaError_t error = cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &found, 7000, cudaEnableDefault,
+                                                             &status);
+#else
+        cudaError_t error = cudaGetDriverEntryPoint("cuPointerGetAttributes", &found, cudaEnableDefault, &status);
+#endif
+        if (error != cudaSuccess || status != cudaDriverEntryPointSuccess)
+            cudaGetLastError();
+        else
+            fn = (kv_pointer_attributes_fn)found;
+    }
+    return fn;
+}
+
+/* One allocation, as the driver describes it. */
+typedef struct {
+    uint64_t start, end;
+    int device;     /* -1 for host memory */
+    int pinned;     /* host memory the GPU can reach */
+    int64_t offset; /* device address - host address, for pinned memory */
+} kv_range;
+
+/* The allocations seen during one check, sorted by start: a batch usually
+ * points into a few large allocations (one KV cache per layer, one pinned
+ * pool), so most lookups are a binary search here, not a driver call. */
+typedef struct {
+    kv_range *ranges;
+    Py_ssize_t count, capacity;
+} kv_range_set;
+
+/* Index of the last range starting at or before `address`, or -1. */
+static Py_ssize_t range_before(const kv_range_set *set, uint64_t address)
+{
+    Py_ssize_t lo = 0, hi = set->count;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (set->ranges[mid].start <= address)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo - 1;
+}
+
+static int remember_range(kv_range_set *set, const kv_range *r)
+{
+    if (set->count == set->capacity) {
+        const Py_ssize_t capacity = set->capacity ? 2 * set->capacity : 16;
+        kv_range *grown = PyMem_Realloc(set->ranges, (size_t)capacity * sizeof *grown);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        set->ranges = grown;
+        set->capacity = capacity;
+    }
+    const Py_ssize_t at = range_before(set, r->start) + 1;
+    memmove(set->ranges + at + 1, set->ranges + at, (size_t)(set->count - at) * sizeof *r);
+    set->ranges[at] = *r;
+    set->count++;
+    return 0;
+}
+
+/* Finds the allocation holding `address`. */
+static int find_range(kv_range_set *set, uint64_t address, kv_range *out, const char *name, Py_ssize_t index)
+{
+    const Py_ssize_t before = range_before(set, address);
+    if (before >= 0 && address < set->ranges[before].end) {
+        *out = set->ranges[before];
+        return 0;
+    }
+    kv_pointer_attributes_fn fn = pointer_attributes_fn();
+    if (fn == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "%s[%zd]: cannot query the CUDA driver about this address (no usable driver)",
+                     name, index);
+        return -1;
+    }
+    unsigned int type = 0;
+    int ordinal = -1, managed = 0;
+    void *device_pointer = NULL;
+    uint64_t start = 0;
+    size_t size = 0;
+    CUpointer_attribute keys[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                  CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                  CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+    void *values[] = {&type, &ordinal, &managed, &device_pointer, &start, &size};
+    CUresult result = fn(6, keys, values, (CUdeviceptr)address);
+    if (result != CUDA_SUCCESS) {
+        PyErr_Format(PyExc_RuntimeError, "%s[%zd]: the CUDA driver cannot describe address 0x%llx (CUresult %d)", name,
+                     index, (unsigned long long)address, (int)result);
+        return -1;
+    }
+    kv_range r = {address, address + 1, -1, 0, 0};
+    if (type == CU_MEMORYTYPE_DEVICE || managed) {
+        r.device = ordinal;
+    }
+    else if (type == CU_MEMORYTYPE_HOST) {
+        r.pinned = 1;
+        r.offset = (int64_t)((uint64_t)(uintptr_t)device_pointer - address);
+    }
+    *out = r;
+    if (r.device < 0 && !r.pinned)
+        return 0; /* pageable: nothing to remember */
+    if (size == 0) {
+        out->end = UINT64_MAX; /* no range reported: the bounds cannot be checked */
+        return 0;
+    }
+    r.start = start;
+    r.end = start + size;
+    *out = r;
+    return remember_range(set, &r);
+}
+
+int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pageable, int *device)
+{
+    kv_range_set set = {NULL, 0, 0};
+    int rc = -1;
+    const char *device_name = NULL;
+    Py_ssize_t device_index = 0;
+    *device = -1;
+    uint64_t *lists[2] = {pairs->src_on_device ? NULL : pairs->src, pairs->dst_on_device ? NULL : pairs->dst};
+    for (Py_ssize_t i = 0; i < pairs->count; i++) {
+        /* Sizes on the device are unknown here: then only the start is checked. */
+        const uint64_t size = pairs->sizes_on_device ? 1 : pairs->sizes ? pairs->sizes[i] : pairs->uniform_size;
+        for (int side = 0; side < 2; side++) {
+            if (lists[side] == NULL)
+                continue;
+            const uint64_t address = lists[side][i];
+            if (address == 0) {
+                PyErr_Format(PyExc_ValueError, "%s[%zd]: null address", names[side], i);
+                goto done;
+            }
+            if (size == 0)
+                continue;
+            kv_range r;
+            if (find_range(&set, address, &r, names[side], i) < 0)
+                goto done;
+            if (r.device < 0 && !r.pinned) {
+                if (allow_pageable)
+                    continue;
+                PyErr_Format(PyExc_ValueError, "%s[%zd]: address 0x%llx is in pageable host memory, which the copy "
+                             "kernel cannot reach: use pinned (page-locked) host memory or device memory, or "
+                             "memcpy_batch", names[side], i, (unsigned long long)address);
+                goto done;
+            }
+            if (size > r.end - address) {
+                PyErr_Format(PyExc_ValueError, "%s[%zd]: %llu bytes from 0x%llx run past the end of its allocation "
+                             "(%llu bytes left)", names[side], i, (unsigned long long)size,
+                             (unsigned long long)address, (unsigned long long)(r.end - address));
+                goto done;
+            }
+            if (r.device >= 0) {
+                if (*device < 0) {
+                    *device = r.device;
+                    device_name = names[side];
+                    device_index = i;
+                }
+                else if (r.device != *device) {
+                    PyErr_Format(PyExc_ValueError, "%s[%zd]: on device cuda:%d, but %s[%zd] is on cuda:%d; one call "
+                                 "copies on one device", names[side], i, r.device, device_name, device_index, *device);
+                    goto done;
+                }
+            }
+            lists[side][i] = address + (uint64_t)r.offset;
+        }
+    }
+    rc = 0;
+done:
+    PyMem_Free(set.ranges);
+    return rc;
+}
+
 /* ------------------------------------------------------------ launches */
 
 static int same_stream(intptr_t a, intptr_t b)
@@ -292,84 +511,321 @@ static int same_stream(intptr_t a, intptr_t b)
     return a == b || ((a == 0 || a == 1) && (b == 0 || b == 1));
 }
 
-typedef struct {
-    const kvbm_block_dims *dims;
-    kvbm_direction direction;
-    void *const *table;
-    int vector_bytes;
-    int device;
-    intptr_t stream;
-    const intptr_t *producers;
-    Py_ssize_t producer_count;
-} kv_block_universal_call;
+/* The work of one call, run by run_on_device without the GIL, under
+ * gpu->lock, on the target's device. */
+typedef int (*kv_gpu_work)(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f);
 
-/* The GPU work of one call, run without the GIL and under gpu->lock, on the
- * call's device. */
-static int enqueue_block_universal(kv_gpu *gpu, const kv_block_universal_call *call, kv_failure *f)
+static int run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args)
 {
-    cudaStream_t stream = (cudaStream_t)call->stream;
-    kv_ring *ring = ring_for(gpu, call->device, f);
-    if (ring == NULL)
-        return -1;
-    for (Py_ssize_t i = 0; i < call->producer_count; i++) {
-        if (same_stream(call->producers[i], call->stream))
-            continue;
-        CUDA_STEP(f, cudaEventRecord(ring->producer_done, (cudaStream_t)call->producers[i]),
-                  "recording an event on the producer's stream");
-        CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->producer_done, 0), "ordering the producer's stream first");
-    }
-
-    const int64_t count = call->dims->nb * (1 + call->dims->nchunks);
-    if (count <= KVBM_TABLE_BY_VALUE_MAX) {
-        CUDA_STEP(f, kvbm_launch_block_universal(call->dims, call->table, NULL, call->direction, call->vector_bytes,
-                                                 stream),
-                  "launching the block/universal kernel");
-        return 0;
-    }
-
-    size_t bytes = (size_t)count * sizeof(void *);
-    size_t offset;
-    if (ring_reserve(ring, bytes, &offset, f) < 0)
-        return -1;
-    memcpy(ring->host + offset, call->table, bytes);
-    CUDA_STEP(f, cudaMemcpyAsync(ring->device + offset, ring->host + offset, bytes, cudaMemcpyHostToDevice,
-                                 ring->copy_stream),
-              "copying the pointer table");
-    CUDA_STEP(f, cudaEventRecord(ring->table_ready, ring->copy_stream), "recording the table upload");
-    CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->table_ready, 0), "ordering the table upload first");
-    CUDA_STEP(f, kvbm_launch_block_universal(call->dims, NULL, (void *const *)(ring->device + offset),
-                                             call->direction, call->vector_bytes, stream),
-              "launching the block/universal kernel");
-    return ring_commit(ring, offset, bytes, stream, f);
-}
-
-int kv_gpu_block_universal(kv_gpu *gpu, const kvbm_block_dims *dims, kvbm_direction direction,
-                           void *const *table, int vector_bytes, int device, intptr_t stream,
-                           const intptr_t *producer_streams, Py_ssize_t producer_count)
-{
-    kv_block_universal_call call = {dims, direction, table, vector_bytes, device, stream, producer_streams,
-                                    producer_count};
     kv_failure failure = {cudaSuccess, NULL};
-    int rc;
+    cudaStream_t stream = (cudaStream_t)target->stream;
+    int rc = -1, previous = -1;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    int previous = -1;
-    cudaError_t error = cudaGetDevice(&previous);
-    if (error == cudaSuccess)
-        error = cudaSetDevice(device);
+    cudaError_t error = select_device(target->device, &previous);
     if (error != cudaSuccess) {
         failure.error = error;
         failure.what = "selecting the arrays' device";
-        rc = -1;
     }
     else {
-        rc = enqueue_block_universal(gpu, &call, &failure);
-        cudaSetDevice(previous);
+        kv_ring *ring = ring_for(gpu, target->device, &failure);
+        rc = ring == NULL ? -1 : 0;
+        for (Py_ssize_t i = 0; rc == 0 && i < target->producer_count; i++) {
+            if (same_stream(target->producers[i], target->stream))
+                continue;
+            error = cudaEventRecord(ring->producer_done, (cudaStream_t)target->producers[i]);
+            if (error == cudaSuccess)
+                error = cudaStreamWaitEvent(stream, ring->producer_done, 0);
+            if (error != cudaSuccess) {
+                failure.error = error;
+                failure.what = "ordering the producer's stream first";
+                rc = -1;
+            }
+        }
+        if (rc == 0)
+            rc = work(ring, stream, args, &failure);
+        kv_gpu_restore_device(previous);
     }
     PyThread_release_lock(gpu->lock);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         raise_failure(&failure);
+    return rc;
+}
+
+/* Copies `bytes` of host memory into the ring and uploads it on the copy
+ * stream, which `stream` then waits for.  *device_copy receives the device
+ * address; ring_commit must follow the launch that reads it. */
+static int stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts, const size_t *part_bytes,
+                       int nparts, char **device_copy, size_t *offset, size_t *bytes, kv_failure *f)
+{
+    *bytes = 0;
+    for (int i = 0; i < nparts; i++)
+        *bytes += part_bytes[i];
+    if (ring_reserve(ring, *bytes, offset, f) < 0)
+        return -1;
+    size_t at = *offset;
+    for (int i = 0; i < nparts; i++) {
+        memcpy(ring->host + at, parts[i], part_bytes[i]);
+        at += part_bytes[i];
+    }
+    CUDA_STEP(f, cudaMemcpyAsync(ring->device + *offset, ring->host + *offset, *bytes, cudaMemcpyHostToDevice,
+                                 ring->copy_stream),
+              "copying the pointer table");
+    CUDA_STEP(f, cudaEventRecord(ring->table_ready, ring->copy_stream), "recording the table upload");
+    CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->table_ready, 0), "ordering the table upload first");
+    *device_copy = ring->device + *offset;
+    return 0;
+}
+
+typedef struct {
+    const kvbm_block_dims *dims;
+    kvbm_direction direction;
+    void *const *table;
+    int vector_bytes;
+} kv_block_universal_args;
+
+static int enqueue_block_universal(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
+{
+    const kv_block_universal_args *a = args;
+    const int64_t count = kvbm_table_entries(a->dims);
+    if (count <= KVBM_TABLE_BY_VALUE_MAX) {
+        CUDA_STEP(f, kvbm_launch_block_universal(a->dims, a->table, NULL, a->direction, a->vector_bytes, stream),
+                  "launching the block/universal kernel");
+        return 0;
+    }
+    const void *parts[] = {a->table};
+    const size_t part_bytes[] = {(size_t)count * sizeof(void *)};
+    char *device_table;
+    size_t offset, bytes;
+    if (stage_table(ring, stream, parts, part_bytes, 1, &device_table, &offset, &bytes, f) < 0)
+        return -1;
+    CUDA_STEP(f, kvbm_launch_block_universal(a->dims, NULL, (void *const *)device_table, a->direction,
+                                             a->vector_bytes, stream),
+              "launching the block/universal kernel");
+    return ring_commit(ring, offset, bytes, stream, f);
+}
+
+int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
+                           kvbm_direction direction, void *const *table, int vector_bytes)
+{
+    const kv_block_universal_args args = {dims, direction, table, vector_bytes};
+    return run_on_device(gpu, target, enqueue_block_universal, &args);
+}
+
+/* ------------------------------------------------------------ raw copies */
+
+const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
+
+/* CTAs per pair: enough that one CTA moves about KVBM_COPY_TILE_BYTES of
+ * the largest pair, or, when the sizes live on the device, enough CTAs to
+ * fill the GPU several times over. */
+static uint32_t slices_for(const kv_pairs *pairs)
+{
+    uint64_t slices;
+    if (pairs->sizes_on_device) {
+        slices = (8192 + (uint64_t)pairs->count - 1) / (uint64_t)pairs->count;
+    }
+    else {
+        uint64_t largest = pairs->uniform_size;
+        for (int64_t i = 0; pairs->sizes != NULL && i < pairs->count; i++)
+            largest = pairs->sizes[i] > largest ? pairs->sizes[i] : largest;
+        slices = (largest + KVBM_COPY_TILE_BYTES - 1) / KVBM_COPY_TILE_BYTES;
+    }
+    const uint64_t most = (uint64_t)INT32_MAX / (uint64_t)pairs->count;
+    slices = slices > 65536 ? 65536 : slices;
+    slices = slices > most ? most : slices;
+    return slices == 0 ? 1 : (uint32_t)slices;
+}
+
+static int enqueue_copy_kernel(kv_ring *ring, cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
+{
+    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs)};
+    uint64_t *lists[3] = {pairs->src, pairs->dst, pairs->sizes};
+    const int on_device[3] = {pairs->src_on_device, pairs->dst_on_device, pairs->sizes_on_device};
+    const int nlists = pairs->sizes != NULL ? 3 : 2;
+    const void *parts[3];
+    size_t part_bytes[3];
+    int nparts = 0, staged[3] = {0, 0, 0};
+    for (int k = 0; k < nlists; k++) {
+        if (!on_device[k]) {
+            staged[k] = 1;
+            parts[nparts] = lists[k];
+            part_bytes[nparts++] = (size_t)pairs->count * sizeof(uint64_t);
+        }
+    }
+    const int by_value = nparts == nlists && pairs->count * nlists <= KVBM_TABLE_BY_VALUE_MAX;
+    if (by_value) {
+        uint64_t values[KVBM_TABLE_BY_VALUE_MAX];
+        for (int k = 0; k < nlists; k++)
+            memcpy(values + k * pairs->count, lists[k], (size_t)pairs->count * sizeof(uint64_t));
+        launch.sizes = pairs->sizes; /* only tells the launcher that there are sizes */
+        CUDA_STEP(f, kvbm_launch_copy_pairs(&launch, values, stream), "launching the copy kernel");
+        return 0;
+    }
+    char *device_copy = NULL;
+    size_t offset = 0, bytes = 0;
+    if (nparts > 0 && stage_table(ring, stream, parts, part_bytes, nparts, &device_copy, &offset, &bytes, f) < 0)
+        return -1;
+    const uint64_t *resolved[3] = {NULL, NULL, NULL};
+    for (int k = 0, part = 0; k < nlists; k++)
+        resolved[k] = staged[k] ? (const uint64_t *)device_copy + (size_t)(part++) * (size_t)pairs->count : lists[k];
+    launch.src = resolved[0];
+    launch.dst = resolved[1];
+    launch.sizes = resolved[2];
+    CUDA_STEP(f, kvbm_launch_copy_pairs(&launch, NULL, stream), "launching the copy kernel");
+    return nparts > 0 ? ring_commit(ring, offset, bytes, stream, f) : 0;
+}
+
+static int enqueue_async_loop(cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
+{
+    for (int64_t i = 0; i < pairs->count; i++) {
+        const size_t size = (size_t)(pairs->sizes ? pairs->sizes[i] : pairs->uniform_size);
+        if (size > 0)
+            CUDA_STEP(f, cudaMemcpyAsync((void *)(uintptr_t)pairs->dst[i], (const void *)(uintptr_t)pairs->src[i],
+                                         size, cudaMemcpyDefault, stream),
+                      "cudaMemcpyAsync");
+    }
+    return 0;
+}
+
+int kv_gpu_batch_available(void)
+{
+#if CUDART_VERSION >= 12080
+    int version = 0;
+    if (cudaDriverGetVersion(&version) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return version >= 12080;
+#else
+    return 0;
+#endif
+}
+
+/* cudaMemcpyBatchAsync over the pairs of non-zero size (it rejects zero-size
+ * entries), on `stream`, or on the ring's batch stream when `stream` is a
+ * default stream (which it rejects), ordered after and before `stream` with
+ * events.  Returns the batch API's error without setting *f for it, so that
+ * the caller can fall back. */
+static cudaError_t enqueue_batch(kv_ring *ring, cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
+{
+#if CUDART_VERSION >= 12080
+    if (!kv_gpu_batch_available())
+        return cudaErrorNotSupported;
+    void **dsts = PyMem_RawMalloc((size_t)pairs->count * sizeof(void *));
+    void **srcs = PyMem_RawMalloc((size_t)pairs->count * sizeof(void *));
+    size_t *sizes = PyMem_RawMalloc((size_t)pairs->count * sizeof(size_t));
+    size_t n = 0;
+    cudaError_t error = cudaErrorMemoryAllocation;
+    if (dsts == NULL || srcs == NULL || sizes == NULL)
+        goto done;
+    for (int64_t i = 0; i < pairs->count; i++) {
+        const size_t size = (size_t)(pairs->sizes ? pairs->sizes[i] : pairs->uniform_size);
+        if (size > 0) {
+            dsts[n] = (void *)(uintptr_t)pairs->dst[i];
+            srcs[n] = (void *)(uintptr_t)pairs->src[i];
+            sizes[n++] = size;
+        }
+    }
+    error = cudaSuccess;
+    if (n == 0)
+        goto done;
+    const int on_default = (intptr_t)stream == 0 || (intptr_t)stream == 1 || (intptr_t)stream == 2;
+    cudaStream_t run = on_default ? ring->batch_stream : stream;
+    if (on_default) {
+        if ((error = cudaEventRecord(ring->batch_start, stream)) != cudaSuccess
+            || (error = cudaStreamWaitEvent(run, ring->batch_start, 0)) != cudaSuccess) {
+            f->error = error;
+            f->what = "ordering the batch stream after the caller's";
+            goto done;
+        }
+    }
+    struct cudaMemcpyAttributes attributes;
+    memset(&attributes, 0, sizeof attributes);
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attribute_index = 0;
+#if CUDART_VERSION >= 13000
+    error = cudaMemcpyBatchAsync(dsts, (const void *const *)srcs, sizes, n, &attributes, &attribute_index, 1, run);
+#else
+    size_t failed = 0;
+    error = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attributes, &attribute_index, 1, &failed, run);
+#endif
+    if (error != cudaSuccess) {
+        cudaGetLastError();
+        goto done;
+    }
+    if (on_default) {
+        cudaError_t join = cudaEventRecord(ring->batch_done, run);
+        if (join == cudaSuccess)
+            join = cudaStreamWaitEvent(stream, ring->batch_done, 0);
+        if (join != cudaSuccess) {
+            f->error = join;
+            f->what = "ordering the caller's stream after the batch";
+        }
+    }
+done:
+    PyMem_RawFree(dsts);
+    PyMem_RawFree(srcs);
+    PyMem_RawFree(sizes);
+    return error;
+#else
+    (void)ring, (void)stream, (void)pairs, (void)f;
+    return cudaErrorNotSupported;
+#endif
+}
+
+typedef struct {
+    const kv_pairs *pairs;
+    kv_engine engine;
+    int fallback;
+    kv_engine *ran;
+    cudaError_t batch_error;
+} kv_copy_args;
+
+static int enqueue_copies(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
+{
+    kv_copy_args *a = (kv_copy_args *)args;
+    *a->ran = a->engine;
+    switch (a->engine) {
+    case KV_ENGINE_KERNEL:
+        return enqueue_copy_kernel(ring, stream, a->pairs, f);
+    case KV_ENGINE_ASYNC:
+        return enqueue_async_loop(stream, a->pairs, f);
+    case KV_ENGINE_BATCH:
+        a->batch_error = enqueue_batch(ring, stream, a->pairs, f);
+        if (f->error != cudaSuccess)
+            return -1;
+        if (a->batch_error == cudaSuccess)
+            return 0;
+        if (!a->fallback) {
+            f->error = a->batch_error;
+            f->what = "cudaMemcpyBatchAsync";
+            return -1;
+        }
+        *a->ran = KV_ENGINE_ASYNC;
+        return enqueue_async_loop(stream, a->pairs, f);
+    }
+    return 0;
+}
+
+int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
+                      int fallback, kv_engine *ran, char *why, size_t why_size)
+{
+    kv_copy_args args = {pairs, engine, fallback, ran, cudaSuccess};
+    if (pairs->count == 0) {
+        *ran = engine;
+        return 0;
+    }
+    const int rc = run_on_device(gpu, target, enqueue_copies, &args);
+    if (why != NULL && why_size > 0) {
+        why[0] = '\0';
+        if (args.batch_error == cudaErrorNotSupported && !kv_gpu_batch_available())
+            snprintf(why, why_size, "cudaMemcpyBatchAsync not available (build CUDA %d, needs 12080 in build and "
+                     "driver)", CUDART_VERSION);
+        else if (args.batch_error != cudaSuccess)
+            snprintf(why, why_size, "cudaMemcpyBatchAsync failed: %s", cudaGetErrorName(args.batch_error));
+    }
     return rc;
 }
 

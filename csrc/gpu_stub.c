@@ -39,14 +39,37 @@ int kv_gpu_use_device(int device, int *previous)
 
 void kv_gpu_restore_device(int previous) { (void)previous; }
 
-int kv_gpu_block_universal(kv_gpu *gpu, const kvbm_block_dims *dims, kvbm_direction direction,
-                           void *const *table, int vector_bytes, int device, intptr_t stream,
-                           const intptr_t *producer_streams, Py_ssize_t producer_count)
+static int no_cuda(void)
 {
-    (void)gpu, (void)dims, (void)direction, (void)table, (void)vector_bytes, (void)device;
-    (void)stream, (void)producer_streams, (void)producer_count;
     PyErr_SetString(PyExc_RuntimeError, NO_CUDA);
     return -1;
 }
+
+int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
+                           kvbm_direction direction, void *const *table, int vector_bytes)
+{
+    (void)gpu, (void)target, (void)dims, (void)direction, (void)table, (void)vector_bytes;
+    return no_cuda();
+}
+
+const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
+
+int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
+                      int fallback, kv_engine *ran, char *why, size_t why_size)
+{
+    (void)gpu, (void)target, (void)pairs, (void)engine, (void)fallback, (void)ran, (void)why, (void)why_size;
+    return no_cuda();
+}
+
+int kv_gpu_batch_available(void) { return 0; }
+
+int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pageable, int *device)
+{
+    (void)pairs, (void)names, (void)allow_pageable;
+    *device = -1;
+    return no_cuda();
+}
+
+int kv_gpu_current_device(void) { return no_cuda(); }
 
 PyObject *kv_gpu_devices(void) { return PyList_New(0); }

@@ -45,43 +45,157 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "for element types and non-arrays; the message names the argument, e.g.\n"                                        \
     "blocks[3][17].  nb = 0 does nothing.\n"
 
-static char *convert_keywords[] = {"", "", "layout", "stream", NULL};
+#define OPERATIONAL_DOC                                                                                                \
+    "operationals: a sequence of nb C-contiguous arrays, each [nl, no, nt*nh*hd]:\n"                                   \
+    "    one buffer per block (TensorRT-LLM), chunk (l, o) at operational[l, o, :]\n"                                  \
+    "    in the chunk's own order; a single 3-D array means nb = 1.\n"
 
-/* Both public conversions: the same arguments, blocks and universals in the
- * order of the direction. */
-static PyObject *convert(PyObject *module, PyObject *args, PyObject *kwargs, kvbm_direction direction)
+#define BACKEND_DOC                                                                                                    \
+    "backend (device or pinned arrays; all-host calls run on the CPU whatever it\n"                                    \
+    "says): \"kernel\" (one launch of the copy kernel over the chunk pairs),\n"                                        \
+    "\"async\" (one cudaMemcpyAsync per chunk), \"batch\" (cudaMemcpyBatchAsync;\n"                                    \
+    "falls back to \"async\" where it is missing or fails), or \"auto\": \"batch\"\n"                                 \
+    "when pinned host memory takes part and the batch API is available (the copy\n"                                 \
+    "engines use PCIe best), else \"kernel\".\n"                                                                      \
+    "KVBM_EXT_DEBUG=1 logs the backend that ran, and why, to stderr.\n"
+
+/* Every conversion has the same form: (source, destination, [layout], *,
+ * [backend], stream), with the flat side first or second by direction. */
+typedef struct {
+    const char *format; /* PyArg format, with the function's name */
+    kv_conversion conversion;
+    int to_flat;        /* the destination is the flat side (see convert.h) */
+    int has_layout, has_backend;
+} kv_conversion_form;
+
+static PyObject *convert(PyObject *module, PyObject *args, PyObject *kwargs, const kv_conversion_form *form)
 {
-    PyObject *source, *destination, *layout = NULL, *stream = Py_None;
-    const char *format = direction == KVBM_TO_UNIVERSAL ? "OO|O$O:block_to_universal" : "OO|O$O:universal_to_block";
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, convert_keywords, &source, &destination, &layout, &stream))
+    static char *with_layout[] = {"", "", "layout", "stream", NULL};
+    static char *with_backend[] = {"", "", "backend", "stream", NULL};
+    PyObject *source, *destination, *option = NULL, *stream = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, form->format, form->has_backend ? with_backend : with_layout,
+                                     &source, &destination, &option, &stream))
         return NULL;
-    PyObject *blocks = direction == KVBM_TO_UNIVERSAL ? source : destination;
-    PyObject *universals = direction == KVBM_TO_UNIVERSAL ? destination : source;
-    if (kv_block_universal(state_of(module)->gpu, blocks, universals, layout, stream, direction) < 0)
+    PyObject *flat = form->to_flat ? destination : source;
+    PyObject *other = form->to_flat ? source : destination;
+    if (kv_convert(state_of(module)->gpu, form->conversion, form->to_flat, flat, other,
+                   form->has_layout ? option : NULL, form->has_backend ? option : NULL, stream) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
+
+#define DEFINE_CONVERSION(name, format, conversion, to_flat, has_layout, has_backend)                                  \
+    static PyObject *name(PyObject *module, PyObject *args, PyObject *kwargs)                                          \
+    {                                                                                                                  \
+        static const kv_conversion_form form = {format, conversion, to_flat, has_layout, has_backend};                \
+        return convert(module, args, kwargs, &form);                                                                   \
+    }
 
 PyDoc_STRVAR(block_to_universal_doc,
              "block_to_universal(blocks, universals, layout=\"NHD\", *, stream=None) -> None\n\n"
              "Copy nb blocks from block-stack chunks into universal blocks:\n"
              "universals[b][h, l, o, t, :] = blocks[b][l*no + o][t, h, :] (NHD)\n"
              "                             or blocks[b][l*no + o][h, t, :] (HND).\n\n" SHAPES_DOC);
-
-static PyObject *block_to_universal(PyObject *module, PyObject *args, PyObject *kwargs)
-{
-    return convert(module, args, kwargs, KVBM_TO_UNIVERSAL);
-}
+DEFINE_CONVERSION(block_to_universal, "OO|O$O:block_to_universal", KV_BLOCK_UNIVERSAL, 1, 1, 0)
 
 PyDoc_STRVAR(universal_to_block_doc,
              "universal_to_block(universals, blocks, layout=\"NHD\", *, stream=None) -> None\n\n"
              "Copy nb universal blocks into block-stack chunks, the inverse of\n"
              "block_to_universal: blocks[b][l*no + o][t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD ([h, t, :] for HND).\n\n" SHAPES_DOC);
+DEFINE_CONVERSION(universal_to_block, "OO|O$O:universal_to_block", KV_BLOCK_UNIVERSAL, 0, 1, 0)
 
-static PyObject *universal_to_block(PyObject *module, PyObject *args, PyObject *kwargs)
+PyDoc_STRVAR(block_to_operational_doc,
+             "block_to_operational(blocks, operationals, *, backend=\"auto\", stream=None) -> None\n\n"
+             "Copy nb blocks from block-stack chunks into operational blocks:\n"
+             "operationals[b][l, o, :] = blocks[b][l*no + o].reshape(-1).  Chunks keep their\n"
+             "own order (NHD or HND) and all have the shape of blocks[0][0].\n\n" OPERATIONAL_DOC BACKEND_DOC
+             "\n" SHAPES_DOC);
+DEFINE_CONVERSION(block_to_operational, "OO|$OO:block_to_operational", KV_BLOCK_OPERATIONAL, 1, 0, 1)
+
+PyDoc_STRVAR(operational_to_block_doc,
+             "operational_to_block(operationals, blocks, *, backend=\"auto\", stream=None) -> None\n\n"
+             "Copy nb operational blocks into block-stack chunks, the inverse of\n"
+             "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC
+             BACKEND_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(operational_to_block, "OO|$OO:operational_to_block", KV_BLOCK_OPERATIONAL, 0, 0, 1)
+
+PyDoc_STRVAR(universal_to_operational_doc,
+             "universal_to_operational(universals, operationals, layout=\"NHD\", *, stream=None) -> None\n\n"
+             "Copy nb universal blocks into operational blocks in one pass:\n"
+             "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = universals[b][h, l, o, t, :]\n"
+             "for NHD (.view(nh, nt, hd)[h, t, :] for HND).\n\n" OPERATIONAL_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(universal_to_operational, "OO|O$O:universal_to_operational", KV_UNIVERSAL_OPERATIONAL, 0, 1, 0)
+
+PyDoc_STRVAR(operational_to_universal_doc,
+             "operational_to_universal(operationals, universals, layout=\"NHD\", *, stream=None) -> None\n\n"
+             "Copy nb operational blocks into universal blocks in one pass, the inverse of\n"
+             "universal_to_operational.\n\n" OPERATIONAL_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(operational_to_universal, "OO|O$O:operational_to_universal", KV_UNIVERSAL_OPERATIONAL, 1, 1, 0)
+
+/* ------------------------------------------------------------ raw copies */
+
+#define PAIRS_DOC                                                                                                      \
+    "src_ptrs, dst_ptrs: a sequence of int addresses, or a 1-D int64/uint64 array.\n"                                  \
+    "sizes: one int (bytes, every pair) or one per pair, in the same forms.\n"                                         \
+    "stream: as for the conversions; the work is enqueued and not waited for.\n"                                       \
+    "The lists are read before the call returns.  Zero-size pairs are skipped.\n"
+
+PyDoc_STRVAR(vectorized_copy_doc,
+             "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None) -> None\n\n"
+             "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
+             "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
+             "two addresses and its size allow.  Addresses are in device memory of one GPU or\n"
+             "in pinned host memory, which the kernel reaches over PCIe.\n\n" PAIRS_DOC
+             "The lists may also be CUDA device arrays, which the kernel reads itself; their\n"
+             "addresses are then not checked.  Host lists are checked before anything is\n"
+             "copied: no null address, no pageable host memory, every range inside one\n"
+             "allocation, device memory on one device (ValueError naming the entry).");
+
+static PyObject *vectorized_copy(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    return convert(module, args, kwargs, KVBM_FROM_UNIVERSAL);
+    static char *keywords[] = {"src_ptrs", "dst_ptrs", "sizes", "stream", NULL};
+    PyObject *src, *dst, *sizes, *stream = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$O:vectorized_copy", keywords, &src, &dst, &sizes, &stream))
+        return NULL;
+    if (kv_vectorized_copy(state_of(module)->gpu, src, dst, sizes, stream) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(memcpy_batch_doc,
+             "memcpy_batch(src_ptrs, dst_ptrs, sizes, *, mode=\"batched_with_fallback\", stream=None) -> None\n\n"
+             "Copy every pair with the copy engines: cudaMemcpyBatchAsync where the build and\n"
+             "the driver have it (CUDA 12.8+), else one cudaMemcpyAsync per pair.  Any memory\n"
+             "cudaMemcpyAsync accepts (device, pinned or pageable host).  On the legacy default\n"
+             "stream, which the batch API rejects, the batch runs on an internal stream ordered\n"
+             "after and before the caller's with events, so the stream semantics are unchanged.\n\n" PAIRS_DOC
+             "The lists must be in host memory.\n"
+             "mode: \"batched_with_fallback\" (batch, else the loop), \"fallback_only\" (the\n"
+             "loop), \"batch_without_fallback\" (RuntimeError naming the CUDA error instead of\n"
+             "falling back).  KVBM_EXT_DEBUG=1 logs what ran, and why, to stderr.");
+
+static PyObject *memcpy_batch(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"src_ptrs", "dst_ptrs", "sizes", "mode", "stream", NULL};
+    PyObject *src, *dst, *sizes, *mode = NULL, *stream = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OO:memcpy_batch", keywords, &src, &dst, &sizes, &mode,
+                                     &stream))
+        return NULL;
+    if (kv_memcpy_batch(state_of(module)->gpu, src, dst, sizes, mode, stream) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(is_memcpy_batch_available_doc,
+             "is_memcpy_batch_available() -> bool\n\n"
+             "True when this build (CUDA 12.8 or newer) and the running driver both support\n"
+             "cudaMemcpyBatchAsync.");
+
+static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyBool_FromLong(kv_gpu_batch_available());
 }
 
 /* ------------------------------------------------------------ build facts */
@@ -142,6 +256,18 @@ static PyMethodDef module_methods[] = {
      block_to_universal_doc},
     {"universal_to_block", (PyCFunction)(void (*)(void))universal_to_block, METH_VARARGS | METH_KEYWORDS,
      universal_to_block_doc},
+    {"block_to_operational", (PyCFunction)(void (*)(void))block_to_operational, METH_VARARGS | METH_KEYWORDS,
+     block_to_operational_doc},
+    {"operational_to_block", (PyCFunction)(void (*)(void))operational_to_block, METH_VARARGS | METH_KEYWORDS,
+     operational_to_block_doc},
+    {"universal_to_operational", (PyCFunction)(void (*)(void))universal_to_operational,
+     METH_VARARGS | METH_KEYWORDS, universal_to_operational_doc},
+    {"operational_to_universal", (PyCFunction)(void (*)(void))operational_to_universal,
+     METH_VARARGS | METH_KEYWORDS, operational_to_universal_doc},
+    {"vectorized_copy", (PyCFunction)(void (*)(void))vectorized_copy, METH_VARARGS | METH_KEYWORDS,
+     vectorized_copy_doc},
+    {"memcpy_batch", (PyCFunction)(void (*)(void))memcpy_batch, METH_VARARGS | METH_KEYWORDS, memcpy_batch_doc},
+    {"is_memcpy_batch_available", is_memcpy_batch_available, METH_NOARGS, is_memcpy_batch_available_doc},
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},

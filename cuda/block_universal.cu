@@ -1,4 +1,4 @@
-// Block stack <-> universal kernels.
+// Block stack (or operational) <-> universal kernels.
 //
 // The work is pure data movement, so the kernel is shaped around memory
 // traffic: every thread moves kUnroll vectors of V bytes, issuing all its
@@ -7,18 +7,11 @@
 #include <stdint.h>
 
 #include "kvbm_kernels.h"
+#include "kvbm_device.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // 8 measured no faster on the H200
-
-template <int V> struct VectorOf;
-template <> struct VectorOf<16> { using type = uint4; };
-template <> struct VectorOf<8> { using type = uint2; };
-template <> struct VectorOf<4> { using type = uint32_t; };
-template <> struct VectorOf<2> { using type = uint16_t; };
-template <> struct VectorOf<1> { using type = uint8_t; };
+using namespace kvbm;
 
 struct Params {
     kvbm_block_dims dims;
@@ -44,20 +37,6 @@ __device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint
     *universal_off = kvbm_universal_offset(&p.dims, c, h, t) + within;
 }
 
-// The pointer table, in device-readable memory or carried by value in the
-// kernel's parameters (small tables: no copy to stage before the launch).
-struct TableInMemory {
-    void *const *pointers;
-    __device__ void *operator[](uint32_t i) const { return pointers[i]; }
-};
-template <int N> struct TableByValue {
-    void *pointers[N];
-    __device__ void *operator[](uint32_t i) const { return pointers[i]; }
-};
-// Two sizes, because a launch copies its whole parameter block: a one-block
-// call should not pay for 32 KB.
-constexpr int kSmallTable = 512;
-
 template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
 block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
@@ -69,7 +48,7 @@ block_universal_kernel(const __grid_constant__ Table table, const __grid_constan
     const uint32_t c = chunk_index - block * p.chunks_per_block.divisor;
 
     char *universal = static_cast<char *>(table[block]);
-    char *chunk = static_cast<char *>(table[p.dims.nb + chunk_index]);
+    char *chunk = static_cast<char *>(table[kvbm_chunk_slot(&p.dims, block, c)]) + kvbm_chunk_shift(&p.dims, c);
     char *src_base = p.to_universal ? chunk : universal;
     char *dst_base = p.to_universal ? universal : chunk;
 
@@ -97,28 +76,17 @@ block_universal_kernel(const __grid_constant__ Table table, const __grid_constan
     }
 }
 
-template <int V, int N>
-void launch_by_value(const Params &p, void *const *host_table, int64_t count, unsigned grid, unsigned threads,
-                     cudaStream_t stream)
-{
-    TableByValue<N> table;
-    for (int64_t i = 0; i < count; ++i)
-        table.pointers[i] = host_table[i];
-    block_universal_kernel<V><<<grid, threads, 0, stream>>>(table, p);
-}
-
 template <int V>
 cudaError_t launch(const Params &p, void *const *host_table, void *const *device_table, cudaStream_t stream)
 {
     const unsigned threads = p.vectors_per_tile / kUnroll;
     const unsigned grid = (unsigned)(p.dims.nb * p.dims.nchunks * p.tiles_per_chunk.divisor);
-    const int64_t count = p.dims.nb * (1 + p.dims.nchunks);
     if (device_table != nullptr)
-        block_universal_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory{device_table}, p);
-    else if (count <= kSmallTable)
-        launch_by_value<V, kSmallTable>(p, host_table, count, grid, threads, stream);
+        block_universal_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<void *>{device_table}, p);
     else
-        launch_by_value<V, KVBM_TABLE_BY_VALUE_MAX>(p, host_table, count, grid, threads, stream);
+        launch_by_value(block_universal_kernel<V, TableByValue<void *, kSmallTable>>,
+                        block_universal_kernel<V, TableByValue<void *, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
+                        kvbm_table_entries(&p.dims), p, grid, threads, stream);
     return cudaGetLastError();
 }
 

@@ -15,9 +15,9 @@ extern "C" {
  * parameters: CUDA 12.1 drivers and newer, compute capability 7.0 and up). */
 #define KVBM_TABLE_BY_VALUE_MAX 4000
 
-/* Moves dims->nb blocks between block stacks and universal blocks in one
- * launch.  The pointer table holds dims->nb universal pointers followed by
- * dims->nb * dims->nchunks chunk pointers, block-major.  `device_table` is
+/* Moves dims->nb blocks between block stacks (or operational blocks) and
+ * universal blocks in one launch.  The pointer table is laid out as
+ * kvbm_layout.h describes (kvbm_table_entries).  `device_table` is
  * that table in device-readable memory; when it is NULL the table, which
  * then must not exceed KVBM_TABLE_BY_VALUE_MAX pointers, is read from host
  * memory at `host_table` and passed by value.  Every pointer, and row_bytes,
@@ -29,6 +29,32 @@ cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
                                         kvbm_direction direction,
                                         int vector_bytes,
                                         cudaStream_t stream);
+
+/* A batch of raw copies: pair i moves size(i) bytes from src[i] to dst[i],
+ * size(i) = sizes ? sizes[i] : uniform_size.  The lists are in
+ * device-readable memory, or all NULL with the values passed by value (see
+ * kvbm_launch_copy_pairs). */
+typedef struct {
+    int64_t count;
+    const uint64_t *src;
+    const uint64_t *dst;
+    const uint64_t *sizes;
+    uint64_t uniform_size;
+    uint32_t slices; /* CTAs per pair, each moving an equal share of it */
+} kvbm_pairs;
+
+/* Enqueues every pair of `pairs` in one launch of count * slices CTAs (the
+ * caller keeps that below 2^31).  Each pair moves with the widest vector
+ * (16, 8, 4, 2 or 1 bytes) that both its addresses and its size allow.
+ * When `by_value` is not NULL it holds the lists themselves, src then dst
+ * then (if pairs->sizes is not NULL) sizes, at most
+ * KVBM_TABLE_BY_VALUE_MAX values in all, and travels in the launch's
+ * parameters; the list pointers of `pairs` are then ignored. */
+cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_value, cudaStream_t stream);
+
+/* Vectors of 16 bytes that one CTA of kvbm_launch_copy_pairs moves per step:
+ * the slice size a caller aims for when it picks `slices`. */
+#define KVBM_COPY_TILE_BYTES (256 * 4 * 16)
 
 #ifdef __cplusplus
 }

@@ -3,7 +3,9 @@
  * cannot disagree about where a byte goes.
  *
  * A block stack holds `nchunks = nl * no` chunks per block, chunk c = l*no + o,
- * each [nt, nh, hd] (NHD) or [nh, nt, hd] (HND).  A universal block is one
+ * each [nt, nh, hd] (NHD) or [nh, nt, hd] (HND), each its own allocation.  An
+ * operational block holds the same chunks in one buffer, chunk c at byte
+ * c * chunk_stride.  A universal block is one
  * contiguous [nh, nl, no, nt, hd] buffer, which for the copy is [nh, nchunks,
  * nt, hd].  A "row" is the hd elements of one (head, token): row_bytes bytes,
  * contiguous on both sides.
@@ -69,7 +71,27 @@ typedef struct {
     int64_t row_bytes; /* hd * itemsize */
     kvbm_layout layout;
     kvbm_divisor nh_divisor; /* kvbm_divisor_make(nh) */
+    int64_t chunk_stride;    /* bytes between the chunks of an operational block; 0 for block stacks */
 } kvbm_block_dims;
+
+/* The pointer table of a call holds nb universal pointers, then the chunks'
+ * pointers: one per chunk of a block stack, block-major, or one per
+ * operational block.  Chunk c of block b starts at
+ * table[kvbm_chunk_slot(d, b, c)] + kvbm_chunk_shift(d, c). */
+KVBM_HOST_DEVICE int64_t kvbm_table_entries(const kvbm_block_dims *d)
+{
+    return d->nb * (d->chunk_stride ? 2 : 1 + d->nchunks);
+}
+
+KVBM_HOST_DEVICE int64_t kvbm_chunk_slot(const kvbm_block_dims *d, int64_t b, int64_t c)
+{
+    return d->nb + (d->chunk_stride ? b : b * d->nchunks + c);
+}
+
+KVBM_HOST_DEVICE int64_t kvbm_chunk_shift(const kvbm_block_dims *d, int64_t c)
+{
+    return c * d->chunk_stride;
+}
 
 /* Rows per segment. */
 KVBM_HOST_DEVICE int64_t kvbm_segment_rows(const kvbm_block_dims *d)

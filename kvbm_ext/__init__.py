@@ -4,16 +4,27 @@ Layouts (nl layers, no outer chunks, nh heads, nt tokens per block, hd head dim)
   block stack NHD: nl*no chunk arrays per block, each [nt, nh, hd] (vLLM)
   block stack HND: nl*no chunk arrays per block, each [nh, nt, hd]
   universal:       one contiguous [nh, nl, no, nt, hd] array per block
+  operational:     one contiguous [nl, no, nt*nh*hd] array per block (TensorRT-LLM)
+
+Raw batched copies between device and pinned host memory: vectorized_copy
+(one kernel launch) and memcpy_batch (the copy engines).
 """
 
 try:
     from ._C import (
         __version__,
+        block_to_operational,
         block_to_universal,
         build_info,
         cuda_devices,
+        is_memcpy_batch_available,
         is_using_stubs,
+        memcpy_batch,
+        operational_to_block,
+        operational_to_universal,
         universal_to_block,
+        universal_to_operational,
+        vectorized_copy,
     )
 except ImportError as error:  # pragma: no cover - only without a build
     raise ImportError(
@@ -23,9 +34,16 @@ except ImportError as error:  # pragma: no cover - only without a build
 
 __all__ = [
     "__version__",
+    "block_to_operational",
     "block_to_universal",
     "build_info",
     "cuda_devices",
+    "is_memcpy_batch_available",
     "is_using_stubs",
+    "memcpy_batch",
+    "operational_to_block",
+    "operational_to_universal",
     "universal_to_block",
+    "universal_to_operational",
+    "vectorized_copy",
 ]

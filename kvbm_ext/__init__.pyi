@@ -1,4 +1,4 @@
-from typing import Any, Sequence, TypedDict
+from typing import Any, Literal, Sequence, TypedDict
 
 __version__: str
 
@@ -36,6 +36,57 @@ def universal_to_block(
     *,
     stream: Stream = None,
 ) -> None: ...
+
+Backend = Literal["kernel", "async", "batch", "auto"]
+
+def block_to_operational(
+    blocks: Sequence[Sequence[Array]],
+    operationals: Sequence[Array] | Array,
+    *,
+    backend: Backend | str = "auto",
+    stream: Stream = None,
+) -> None: ...
+def operational_to_block(
+    operationals: Sequence[Array] | Array,
+    blocks: Sequence[Sequence[Array]],
+    *,
+    backend: Backend | str = "auto",
+    stream: Stream = None,
+) -> None: ...
+def universal_to_operational(
+    universals: Sequence[Array] | Array,
+    operationals: Sequence[Array] | Array,
+    layout: str = "NHD",
+    *,
+    stream: Stream = None,
+) -> None: ...
+def operational_to_universal(
+    operationals: Sequence[Array] | Array,
+    universals: Sequence[Array] | Array,
+    layout: str = "NHD",
+    *,
+    stream: Stream = None,
+) -> None: ...
+
+# A sequence of int addresses (or sizes), or a 1-D int64/uint64 array.
+Addresses = Sequence[int] | Array
+
+def vectorized_copy(
+    src_ptrs: Addresses,
+    dst_ptrs: Addresses,
+    sizes: int | Addresses,
+    *,
+    stream: Stream = None,
+) -> None: ...
+def memcpy_batch(
+    src_ptrs: Addresses,
+    dst_ptrs: Addresses,
+    sizes: int | Addresses,
+    *,
+    mode: Literal["batched_with_fallback", "fallback_only", "batch_without_fallback"] | str = "batched_with_fallback",
+    stream: Stream = None,
+) -> None: ...
+def is_memcpy_batch_available() -> bool: ...
 def is_using_stubs() -> bool: ...
 def build_info() -> BuildInfo: ...
 def cuda_devices() -> list[CudaDevice]: ...

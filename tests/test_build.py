@@ -39,7 +39,7 @@ def test_build_info_keys_and_types():
 
 
 def test_version():
-    assert kvbm_ext.__version__ == "0.1.0"
+    assert kvbm_ext.__version__ == "0.2.0"
     assert kvbm_ext.build_info()["version"] == kvbm_ext.__version__
 
 

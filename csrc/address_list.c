@@ -1,0 +1,128 @@
+/* Address and size lists.  See address_list.h. */
+#include "address_list.h"
+
+#include <string.h>
+
+#include "args.h"
+#include "gpu.h"
+
+/* Names entry `index` of a list in errors, e.g. src_ptrs[3]. */
+static kv_path entry_path(const char *name, Py_ssize_t index)
+{
+    const kv_path path = {name, {index, 0}, 1};
+    return path;
+}
+
+static int from_sequence(PyObject *obj, const char *name, kv_address_list *out)
+{
+    const kv_path path = {name, {0, 0}, 0};
+    PyObject *seq = kv_as_sequence(obj, &path, "a sequence of ints or a 1-D int64/uint64 array");
+    if (seq == NULL)
+        return -1;
+    out->count = PySequence_Fast_GET_SIZE(seq);
+    out->values = PyMem_Malloc((size_t)(out->count > 0 ? out->count : 1) * sizeof(uint64_t));
+    if (out->values == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < out->count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        const kv_path entry = entry_path(name, i);
+        if (PyBool_Check(item) || !PyLong_Check(item)) {
+            kv_path_error(PyExc_TypeError, &entry, "expected an int, got %s", Py_TYPE(item)->tp_name);
+            goto fail;
+        }
+        unsigned long long value = PyLong_AsUnsignedLongLong(item);
+        if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            kv_path_error(PyExc_ValueError, &entry, "expected an int from 0 to 2**64 - 1, got %R", item);
+            goto fail;
+        }
+        out->values[i] = value;
+    }
+    Py_DECREF(seq);
+    return 0;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(out->values);
+    out->values = NULL;
+    return -1;
+}
+
+static int from_array(PyObject *obj, const char *name, int allow_device, PyObject *dlpack_stream,
+                      kv_address_list *out)
+{
+    const kv_path path = {name, {0, 0}, 0};
+    kv_array *a = &out->array;
+    if (kv_array_from_object(obj, &path, dlpack_stream, a) < 0)
+        return -1;
+    char dtype[48];
+    int rc = -1;
+    if (a->ndim != 1)
+        kv_path_error(PyExc_ValueError, &path, "expected a 1-D array, got %d dimensions", a->ndim);
+    else if ((a->dtype.code != 0 && a->dtype.code != 1) || a->dtype.bits != 64)
+        kv_path_error(PyExc_TypeError, &path, "expected int64 or uint64 elements, got %s",
+                      kv_dtype_name(a->dtype, dtype, sizeof dtype));
+    else if (!kv_array_is_contiguous(a))
+        kv_path_error(PyExc_ValueError, &path, "array must be contiguous");
+    else if (a->place == KV_DEVICE && !allow_device)
+        kv_path_error(PyExc_ValueError, &path, "must be in host memory (this function reads the list on the host)");
+    else if (a->place == KV_DEVICE && kv_gpu_locate(a, &path) == 0)
+        rc = 0;
+    else if (a->place != KV_DEVICE)
+        rc = 0;
+    if (rc < 0) {
+        kv_array_release(a);
+        return -1;
+    }
+    out->count = a->shape[0];
+    if (a->place == KV_DEVICE) {
+        out->on_device = 1;
+        out->device_id = a->device_id;
+        out->has_stream = a->has_stream;
+        out->stream = a->stream;
+        out->values = (uint64_t *)a->data;
+        return 0; /* the array stays borrowed */
+    }
+    out->values = PyMem_Malloc((size_t)(out->count > 0 ? out->count : 1) * sizeof(uint64_t));
+    if (out->values == NULL) {
+        kv_array_release(a);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(out->values, a->data, (size_t)out->count * sizeof(uint64_t));
+    const int is_signed = a->dtype.code == 0;
+    kv_array_release(a);
+    for (Py_ssize_t i = 0; is_signed && i < out->count; i++) {
+        if ((int64_t)out->values[i] < 0) {
+            const kv_path entry = entry_path(name, i);
+            kv_path_error(PyExc_ValueError, &entry, "expected a non-negative value, got %lld",
+                          (long long)out->values[i]);
+            PyMem_Free(out->values);
+            out->values = NULL;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int kv_address_list_from_object(PyObject *obj, const char *name, int allow_device, PyObject *dlpack_stream,
+                                kv_address_list *out)
+{
+    memset(out, 0, sizeof *out);
+    out->device_id = -1;
+    if (kv_is_array(obj))
+        return from_array(obj, name, allow_device, dlpack_stream, out);
+    return from_sequence(obj, name, out);
+}
+
+void kv_address_list_release(kv_address_list *list)
+{
+    if (list->on_device)
+        kv_array_release(&list->array);
+    else
+        PyMem_Free(list->values);
+    list->values = NULL;
+    list->on_device = 0;
+}

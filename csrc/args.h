@@ -1,0 +1,20 @@
+/* Argument helpers shared by the entry points. */
+#ifndef KVBM_ARGS_H
+#define KVBM_ARGS_H
+
+#include "array.h"
+
+/* Reads a name argument: `value` must be a str equal, ignoring case, to one
+ * of `names`; *out receives its index.  NULL (not given) means `fallback`.
+ * TypeError or ValueError (listing the valid names), naming `argument`. */
+int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, int fallback, int *out);
+
+/* A list or tuple view of a sequence argument (new reference); arrays and
+ * strings are refused even though they are iterable.  TypeError naming
+ * `path`, saying what was `expected`. */
+PyObject *kv_as_sequence(PyObject *obj, const kv_path *path, const char *expected);
+
+/* "(16, 8, 128)", or "(5,)" for one dimension. */
+void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size);
+
+#endif /* KVBM_ARGS_H */

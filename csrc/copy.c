@@ -1,0 +1,198 @@
+/* Batched raw copies.  See copy.h. */
+#include "copy.h"
+
+#include <string.h>
+
+#include "address_list.h"
+#include "args.h"
+#include "debug.h"
+#include "stream.h"
+
+const char *const KV_BACKEND_NAMES[4] = {"kernel", "async", "batch", "auto"};
+
+static const char *const MODE_NAMES[3] = {"batched_with_fallback", "fallback_only", "batch_without_fallback"};
+enum { MODE_BATCHED_WITH_FALLBACK, MODE_FALLBACK_ONLY, MODE_BATCH_WITHOUT_FALLBACK };
+
+static const char *const LIST_NAMES[2] = {"src_ptrs", "dst_ptrs"};
+
+/* Runs the pairs with `engine` and logs what ran and why. */
+static int copy_and_log(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
+                        int fallback, const char *function, const char *reason)
+{
+    kv_engine ran;
+    char why[160];
+    if (kv_gpu_copy_pairs(gpu, target, pairs, engine, fallback, &ran, why, sizeof why) < 0)
+        return -1;
+    if (ran != engine)
+        kv_debug("%s: backend %s (falling back from %s: %s)", function, KV_ENGINE_NAMES[ran], KV_ENGINE_NAMES[engine],
+                 why);
+    else
+        kv_debug("%s: backend %s (%s, %lld copies on cuda:%d)", function, KV_ENGINE_NAMES[ran], reason,
+                 (long long)pairs->count, target->device);
+    return 0;
+}
+
+int kv_copy_with_backend(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_backend backend,
+                         int over_pcie, const char *function)
+{
+    static const kv_engine ENGINE_OF[3] = {KV_ENGINE_KERNEL, KV_ENGINE_ASYNC, KV_ENGINE_BATCH};
+    if (backend != KV_BACKEND_AUTO)
+        return copy_and_log(gpu, target, pairs, ENGINE_OF[backend], 1, function, "requested");
+    if (!over_pcie)
+        return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function, "auto: device to device");
+    if (!kv_gpu_batch_available())
+        return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function,
+                            "auto: over PCIe, no cudaMemcpyBatchAsync");
+    return copy_and_log(gpu, target, pairs, KV_ENGINE_BATCH, 1, function, "auto: over PCIe");
+}
+
+/* The three lists of one call and everything they borrow. */
+typedef struct {
+    kv_address_list src, dst, sizes;
+    int parsed; /* lists read so far */
+    int uniform;
+    uint64_t uniform_size;
+    intptr_t stream;
+    PyObject *dlpack_stream;
+} kv_copy_call;
+
+static void release_call(kv_copy_call *call)
+{
+    kv_address_list *lists[3] = {&call->src, &call->dst, &call->sizes};
+    for (int i = 0; i < call->parsed; i++)
+        kv_address_list_release(lists[i]);
+    Py_XDECREF(call->dlpack_stream);
+}
+
+/* Reads the stream and the three lists and checks that their lengths agree. */
+static int read_call(PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream, int allow_device,
+                     kv_copy_call *call)
+{
+    memset(call, 0, sizeof *call);
+    if (kv_stream_from_object(stream, &call->stream) < 0)
+        return -1;
+    call->dlpack_stream = kv_stream_for_dlpack(call->stream);
+    if (call->dlpack_stream == NULL)
+        return -1;
+    if (kv_address_list_from_object(src, LIST_NAMES[0], allow_device, call->dlpack_stream, &call->src) < 0)
+        return -1;
+    call->parsed = 1;
+    if (kv_address_list_from_object(dst, LIST_NAMES[1], allow_device, call->dlpack_stream, &call->dst) < 0)
+        return -1;
+    call->parsed = 2;
+    if (call->dst.count != call->src.count) {
+        PyErr_Format(PyExc_ValueError, "dst_ptrs: has %zd addresses but src_ptrs has %zd", call->dst.count,
+                     call->src.count);
+        return -1;
+    }
+    call->uniform = PyLong_Check(sizes) && !PyBool_Check(sizes);
+    if (call->uniform) {
+        call->uniform_size = PyLong_AsUnsignedLongLong(sizes);
+        if (call->uniform_size == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "sizes: expected a size from 0 to 2**64 - 1, got %R", sizes);
+            return -1;
+        }
+        return 0;
+    }
+    if (kv_address_list_from_object(sizes, "sizes", allow_device, call->dlpack_stream, &call->sizes) < 0)
+        return -1;
+    call->parsed = 3;
+    if (call->sizes.count != call->src.count) {
+        PyErr_Format(PyExc_ValueError, "sizes: has %zd sizes but src_ptrs has %zd addresses", call->sizes.count,
+                     call->src.count);
+        return -1;
+    }
+    return 0;
+}
+
+static kv_pairs pairs_of(const kv_copy_call *call)
+{
+    kv_pairs pairs;
+    memset(&pairs, 0, sizeof pairs);
+    pairs.count = call->src.count;
+    pairs.src = call->src.values;
+    pairs.dst = call->dst.values;
+    pairs.sizes = call->uniform ? NULL : call->sizes.values;
+    pairs.uniform_size = call->uniform_size;
+    pairs.src_on_device = call->src.on_device;
+    pairs.dst_on_device = call->dst.on_device;
+    pairs.sizes_on_device = !call->uniform && call->sizes.on_device;
+    return pairs;
+}
+
+/* The device of the call: that of the device memory the addresses point
+ * into, which must be that of any device-resident list, else the current
+ * one.  Collects the lists' producer streams into target. */
+static int resolve_target(const kv_copy_call *call, int found, kv_gpu_target *target, intptr_t *producers)
+{
+    const kv_address_list *lists[3] = {&call->src, &call->dst, &call->sizes};
+    const char *names[3] = {LIST_NAMES[0], LIST_NAMES[1], "sizes"};
+    target->device = found;
+    target->stream = call->stream;
+    target->producers = producers;
+    target->producer_count = 0;
+    for (int i = 0; i < call->parsed; i++) {
+        if (!lists[i]->on_device)
+            continue;
+        if (target->device >= 0 && lists[i]->device_id != target->device) {
+            PyErr_Format(PyExc_ValueError, "%s: on device cuda:%d, but the copies are on cuda:%d", names[i],
+                         lists[i]->device_id, target->device);
+            return -1;
+        }
+        target->device = lists[i]->device_id;
+        if (lists[i]->has_stream)
+            producers[target->producer_count++] = lists[i]->stream;
+    }
+    if (target->device < 0)
+        target->device = kv_gpu_current_device();
+    return target->device < 0 ? -1 : 0;
+}
+
+int kv_vectorized_copy(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream)
+{
+    kv_copy_call call;
+    int rc = -1, device;
+    if (read_call(src, dst, sizes, stream, 1, &call) < 0)
+        goto done;
+    kv_pairs pairs = pairs_of(&call);
+    if (pairs.count == 0) {
+        rc = 0;
+        goto done;
+    }
+    kv_gpu_target target;
+    intptr_t producers[3];
+    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, 0, &device) < 0 || resolve_target(&call, device, &target, producers) < 0)
+        goto done;
+    rc = copy_and_log(gpu, &target, &pairs, KV_ENGINE_KERNEL, 0, "vectorized_copy", "copy kernel");
+done:
+    release_call(&call);
+    return rc;
+}
+
+int kv_memcpy_batch(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream)
+{
+    kv_copy_call call;
+    int rc = -1, device, m;
+    memset(&call, 0, sizeof call);
+    if (kv_parse_name(mode, "mode", MODE_NAMES, 3, MODE_BATCHED_WITH_FALLBACK, &m) < 0
+        || read_call(src, dst, sizes, stream, 0, &call) < 0)
+        goto done;
+    kv_pairs pairs = pairs_of(&call);
+    if (pairs.count == 0) {
+        rc = 0;
+        goto done;
+    }
+    kv_gpu_target target;
+    intptr_t producers[3];
+    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, 1, &device) < 0 || resolve_target(&call, device, &target, producers) < 0)
+        goto done;
+    if (m == MODE_FALLBACK_ONLY)
+        rc = copy_and_log(gpu, &target, &pairs, KV_ENGINE_ASYNC, 0, "memcpy_batch", "mode fallback_only");
+    else
+        rc = copy_and_log(gpu, &target, &pairs, KV_ENGINE_BATCH, m == MODE_BATCHED_WITH_FALLBACK, "memcpy_batch",
+                          "cudaMemcpyBatchAsync");
+done:
+    release_call(&call);
+    return rc;
+}
