@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""Benchmark kvbm_ext block <-> universal conversions on a Llama-3.1-70B KV cache.
+"""Benchmark kvbm_ext on a Llama-3.1-70B KV cache.
 
 Profile: nl=80 layers, no=2 (K, V), nh=8 KV heads, hd=128, bf16.  Blocks are held
-vLLM-style: one cache tensor per layer shaped [no, num_blocks, *chunk] and each block is
-passed as the list of its nl*no chunk views ([nt, nh, hd] for NHD, [nh, nt, hd] for HND).
-Universals are separate contiguous tensors [nh, nl, no, nt, hd].
+vLLM-style: one cache [no, num_blocks, *chunk] per layer, and each block is passed as the
+list of its nl*no chunk views ([nt, nh, hd] for NHD, [nh, nt, hd] for HND).  Universals
+[nh, nl, no, nt, hd] and operationals [nl, no, nt*nh*hd] are contiguous per block.
 
-GPU mode times both directions with every array on the device ("d2d") and with the
-universals in pinned host memory ("pinned"), next to copy ceilings measured in the same
-run, then runs a small CPU section.  CPU mode times the host implementation against a
-single-threaded memcpy of the same bytes.  Every case is checked bit for bit against a
-pure-torch reference before it is timed.  See benchmarks/README.md.
+--api picks the groups timed in GPU mode:
+  list         block_to_universal / universal_to_block (and a small CPU section)
+  operational  block_to_operational / operational_to_block per backend, and
+               universal_to_operational / operational_to_universal
+  copy         vectorized_copy and memcpy_batch on address lists
+with every array on the device ("d2d") or one side in pinned host memory ("pinned"),
+next to copy ceilings measured in the same run: a device copy, a 1 GiB pinned memcpy
+each way, and a pinned memcpy of exactly the bytes of each size.  CPU mode times the
+host implementation of the list API against a single-threaded memcpy.  Every case is
+checked bit for bit against a pure-torch reference before it is timed.  See
+benchmarks/README.md.
 """
 
 import argparse
@@ -23,6 +29,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -33,22 +40,52 @@ import kvbm_ext  # noqa: E402
 
 NL, NO, NH, HD = 80, 2, 8, 128          # Llama-3.1-70B KV cache
 DTYPE = torch.bfloat16
-DIRECTIONS = ("b2u", "u2b")             # block_to_universal, universal_to_block
-PLACEMENTS = ("d2d", "pinned")
+APIS = ("list", "operational", "copy")
+
+# (direction, kvbm_ext function, whether it writes side b of the pairing)
+LIST_DIRECTIONS = (("b2u", "block_to_universal", True), ("u2b", "universal_to_block", False))
+BLOCK_OP_DIRECTIONS = (("b2o", "block_to_operational", True),
+                       ("o2b", "operational_to_block", False))
+UNIVERSAL_OP_DIRECTIONS = (("u2o", "universal_to_operational", True),
+                           ("o2u", "operational_to_universal", False))
+COPY_DIRECTIONS = (("d2h", True), ("h2d", False))      # side a on the device, side b pinned
+BACKENDS = ("kernel", "async", "batch", "auto")
+MEMCPY_BATCH_MODES = ("batched_with_fallback", "fallback_only", "batch_without_fallback")
+# Backends that may put one copy per chunk on the copy engines (memcpy_batch does, in every
+# mode): more operations than a stream queues, so timing takes them as "fed" at once.
+QUEUE_BOUND = ("async", "batch", "auto")
+AUTO_TOLERANCE = 1.05                      # auto is fine within 5% of the fastest backend
+REQUIRED = {
+    "list": ("block_to_universal", "universal_to_block"),
+    "operational": ("block_to_operational", "operational_to_block", "universal_to_operational",
+                    "operational_to_universal", "is_memcpy_batch_available"),
+    "copy": ("vectorized_copy", "memcpy_batch", "is_memcpy_batch_available"),
+}
 
 MIB = 1 << 20
 GPU_L2_FALLBACK = 60 * MIB
 CPU_L3_FALLBACK = 32 * MIB
 CACHE_MULTIPLE = 3                      # rotate buffers until the working set is 3x the cache
 MAX_SETS = 64
-SLEEP_FACTOR = 2.0                      # GPU sleep before a timed call, in units of its host time
-SLEEP_MARGIN_US = 20.0
+CAP_TARGETS = 4                         # a case times at most 4 targets (RepPolicy.cap_s)
+SLEEP_FACTOR = 1.2                      # GPU sleep before a timed call, in units of its host time
+SLEEP_MARGIN_US = 50.0
 
 COLUMNS = [
-    "gpu_name", "date", "mode", "direction", "placement", "layout", "nt", "nb", "bytes",
-    "gpu_us", "host_us", "gbps", "ceiling_gbps", "pct_of_ceiling", "ratio_vs_memcpy",
-    "reps", "sets", "uncovered_reps", "status",
+    "gpu_name", "date", "mode", "api", "function", "direction", "placement", "layout",
+    "backend", "granularity", "nt", "nb", "pairs", "bytes", "gpu_us", "host_us", "gbps",
+    "ceiling_gbps", "pct_of_ceiling", "same_size_memcpy_gbps", "pct_same_size_memcpy",
+    "best_backend", "auto_vs_best", "auto_within_5pct", "ratio_vs_memcpy",
+    "reps", "sets", "uncovered_reps", "gpu_timing", "status",
 ]
+
+SHORT = {  # names in the printed tables
+    "operational": "op", "pinned": "pin", "ceiling": "ceil",
+    "vectorized_copy": "vc", "memcpy_batch": "mb", "host_list": "host", "device_list": "dev",
+    "batched_with_fallback": "bwf", "fallback_only": "loop", "batch_without_fallback": "batch",
+}
+LABEL_WIDTH = 28
+MAX_FAILURES_SHOWN = 8
 
 RNG = np.random.default_rng()
 
@@ -73,24 +110,29 @@ def layout_list(text):
 
 def parse_args():
     parser = argparse.ArgumentParser(
-        description="Time kvbm_ext block_to_universal / universal_to_block on a "
-                    "Llama-3.1-70B KV cache (nl=80 no=2 nh=8 hd=128 bf16).")
+        description="Time kvbm_ext on a Llama-3.1-70B KV cache (nl=80 no=2 nh=8 hd=128 bf16).")
+    parser.add_argument("--api", choices=APIS + ("all",), default="list",
+                        help="GPU groups: list (block_to_universal / universal_to_block, plus "
+                             "the CPU section), operational (block/universal <-> operational), "
+                             "copy (vectorized_copy, memcpy_batch), or all (default list)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="cuda: GPU cases, copy ceilings and a small CPU section; "
-                             "cpu: CPU cases only; auto (default): cuda when available")
-    parser.add_argument("--nt", type=int_list, default=[16, 32],
-                        help="tokens per block for GPU cases (default 16,32)")
+                        help="cuda: ceilings and GPU cases (and the CPU section with the list "
+                             "group); cpu: CPU cases of the list API only; auto (default): cuda "
+                             "when available")
+    parser.add_argument("--nt", type=int_list, default=[16, 32, 64],
+                        help="tokens per block for GPU cases (default 16,32,64)")
     parser.add_argument("--nb", type=int_list, default=[1, 8, 64, 256],
                         help="blocks per call for GPU cases (default 1,8,64,256)")
     parser.add_argument("--layouts", type=layout_list, default=["NHD"],
-                        help="chunk layouts, NHD and/or HND (default NHD)")
+                        help="chunk layouts of the list API and of universal <-> operational, "
+                             "NHD and/or HND (default NHD)")
     parser.add_argument("--cpu-nt", type=int_list, default=[16],
                         help="tokens per block for CPU cases (default 16)")
     parser.add_argument("--cpu-nb", type=int_list, default=[1, 8],
                         help="blocks per call for CPU cases (default 1,8)")
     parser.add_argument("--target-ms", type=float, default=None,
                         help="timing budget per case in ms, sets the repetitions "
-                             "(default 300, 20 with --quick)")
+                             "(default 100, 20 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: GPU nt 16, nb 1,8, few repetitions, small ceilings")
     parser.add_argument("--csv", default=None,
@@ -100,26 +142,30 @@ def parse_args():
     if args.quick:
         args.nt, args.nb = [16], [1, 8]
     if args.target_ms is None:
-        args.target_ms = 20.0 if args.quick else 300.0
+        args.target_ms = 20.0 if args.quick else 100.0
+    args.apis = APIS if args.api == "all" else (args.api,)
     return args
 
 
 @dataclass
 class RepPolicy:
-    """How many repetitions a case gets: target_s of timing, within [min_reps, max_reps]."""
+    """How many repetitions a case gets: target_s of timing, within [min_reps, max_reps];
+    but a case never times more than cap_s, so a call slower than cap_s / min_reps gets
+    fewer (at least one)."""
     target_s: float
     min_reps: int
     max_reps: int
+    cap_s: float
 
     def reps_for(self, seconds_per_rep):
-        wanted = int(self.target_s / max(seconds_per_rep, 1e-7))
-        return max(self.min_reps, min(self.max_reps, wanted))
+        seconds = max(seconds_per_rep, 1e-7)
+        wanted = max(self.min_reps, min(self.max_reps, int(self.target_s / seconds)))
+        return max(1, min(wanted, int(self.cap_s / seconds)))
 
 
 def rep_policy(args):
-    if args.quick:
-        return RepPolicy(args.target_ms / 1e3, 3, 10)
-    return RepPolicy(args.target_ms / 1e3, 5, 200)
+    target_s = args.target_ms / 1e3
+    return RepPolicy(target_s, 3, 10 if args.quick else 200, CAP_TARGETS * target_s)
 
 
 # ----------------------------------------------------------------------------- data
@@ -142,22 +188,28 @@ def fill_random_(tensor, gen_device):
     bits.copy_(fresh)
 
 
-def make_layer_caches(nt, num_blocks, layout, device, gen_device):
-    """vLLM-style block stack: one cache [no, num_blocks, *chunk] per layer, random filled."""
-    caches = []
-    for _ in range(NL):
-        cache = torch.empty((NO, num_blocks) + chunk_shape(nt, layout), dtype=DTYPE, device=device)
-        fill_random_(cache, gen_device)
-        caches.append(cache)
-    return caches
+def arena_shape(num_blocks, nt):
+    """num_blocks operational blocks [nl, no, nt*nh*hd]; the other forms are views of it."""
+    return (num_blocks, NL, NO, nt * NH * HD)
 
 
-def make_universals(nt, num_blocks, device, pin, gen_device):
-    """num_blocks universals [nh, nl, no, nt, hd] in one random-filled allocation."""
-    universals = torch.empty((num_blocks, NH, NL, NO, nt, HD), dtype=DTYPE, device=device,
-                             pin_memory=pin)
-    fill_random_(universals, gen_device)
-    return universals
+def new_arena(num_blocks, nt, device):
+    return torch.empty(arena_shape(num_blocks, nt), dtype=DTYPE, device=device)
+
+
+def pinned_arena(pool, num_blocks, nt):
+    """The front of the pinned pool as an arena (the pool is allocated once: pinning is slow)."""
+    return pool[:num_blocks * block_bytes(nt)].view(DTYPE).view(arena_shape(num_blocks, nt))
+
+
+def layer_caches(arena, nt, layout):
+    """An arena seen as a vLLM block stack: per layer, a cache [no, num_blocks, *chunk]."""
+    stack = arena.view((NL, NO, arena.shape[0]) + chunk_shape(nt, layout))
+    return list(stack.unbind(0))
+
+
+def as_universals(arena, nt):
+    return arena.view(arena.shape[0], NH, NL, NO, nt, HD)
 
 
 def block_views(caches, block_ids):
@@ -170,13 +222,39 @@ def rotation_sets(working_set_bytes, cache_bytes):
     return max(1, min(MAX_SETS, math.ceil(CACHE_MULTIPLE * cache_bytes / working_set_bytes)))
 
 
-def split_sets(caches, universals, nb, nsets):
-    """Per rotation set s: (blocks, universals) over block ids [s*nb, (s+1)*nb)."""
-    sets = []
-    for s in range(nsets):
-        ids = range(s * nb, (s + 1) * nb)
-        sets.append((block_views(caches, ids), list(universals[s * nb:(s + 1) * nb].unbind(0))))
-    return sets
+def set_slices(arena, nb, nsets):
+    """Rotation set s: blocks [s*nb, (s+1)*nb) of the arena, as one tensor."""
+    return [arena[s * nb:(s + 1) * nb] for s in range(nsets)]
+
+
+def tensor_sets(arena, nb, nsets):
+    """Per rotation set, its nb blocks as separate tensors."""
+    return [list(blocks.unbind(0)) for blocks in set_slices(arena, nb, nsets)]
+
+
+def block_sets(caches, nb, nsets):
+    """Per rotation set, the chunk views of its nb blocks."""
+    return [block_views(caches, range(s * nb, (s + 1) * nb)) for s in range(nsets)]
+
+
+def chunk_pointers(blocks):
+    """Addresses of every chunk of the blocks, in block, layer, outer order."""
+    return np.array([chunk.data_ptr() for chunks in blocks for chunk in chunks], dtype=np.uint64)
+
+
+def operational_chunk_pointers(operationals):
+    """Addresses of every chunk [l, o, :] of operational blocks, in the same order."""
+    offsets = np.arange(NL * NO, dtype=np.uint64) * np.uint64(operationals[0][0, 0].nbytes)
+    return np.concatenate([np.uint64(op.data_ptr()) + offsets for op in operationals])
+
+
+def block_pointers(tensors):
+    return np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
+
+
+def on_device(pointers, device):
+    """A host address list as a torch int64 tensor on the device."""
+    return torch.from_numpy(pointers.view(np.int64)).to(device)
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -189,42 +267,80 @@ def reference_universal(chunks, layout):
     return stacked.permute(order)
 
 
+def reference_operational(chunks):
+    """Pure-torch operational [nl, no, inner] of one block's chunks."""
+    return torch.stack(chunks).view(NL, NO, -1)
+
+
+def operational_of_universal(universal, layout):
+    """Pure-torch operational of a universal, [nl, no, nt, nh, hd] (NHD) or [nl, no, nh, nt, hd]."""
+    return universal.permute((1, 2, 3, 0, 4) if layout == "NHD" else (1, 2, 0, 3, 4))
+
+
+def bitwise_equal(actual, expected):
+    """Same bits, compared on expected's device; actual is reshaped to expected's shape."""
+    actual = actual.to(expected.device).reshape(expected.shape)
+    return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+
+
+def chunks_match_universal(chunks, universal, layout):
+    return bitwise_equal(universal, reference_universal(chunks, layout))
+
+
+def chunks_match_operational(chunks, operational):
+    return bitwise_equal(operational, reference_operational(chunks))
+
+
+def universal_matches_operational(universal, operational, layout):
+    expected = operational_of_universal(universal.to(operational.device), layout)
+    return bitwise_equal(operational, expected)
+
+
+def same_block(device_block, other):
+    return bitwise_equal(other, device_block)
+
+
+@dataclass
+class Pairing:
+    """Two sides that hold the same blocks in two forms, per rotation set (a block is a list
+    of chunk views or one tensor), and the bitwise relation between block i of side a and
+    block i of side b that a call converting either side into the other establishes."""
+    a: list
+    b: list
+    relation: object
+
+
+@dataclass
+class Case:
+    fields: dict          # the row fields that name the case
+    link: str             # d2d, d2h or h2d (pinned: the way over PCIe), host (CPU)
+    calls: list           # one per rotation set
+    pairing: Pairing
+    writes_b: bool        # the call writes side b (else side a)
+    queue_bound: bool     # may enqueue more operations than a stream queues (QUEUE_BOUND)
+
+
 def checked_ids(nb):
     """Blocks verified per case: first, middle, last."""
     return sorted({0, nb // 2, nb - 1})
 
 
-def poison_destination(direction, blocks, universals, ids, gen_device):
-    """Fresh random bits in the destination of the checked blocks, so unwritten bytes show."""
-    for b in ids:
-        for tensor in (universals[b],) if direction == "b2u" else blocks[b]:
+def block_tensors(block):
+    """The tensors of one block of a side: its chunk views, or its own tensor."""
+    return block if isinstance(block, list) else [block]
+
+
+def verify(case, synchronize, gen_device):
+    """Poison the destination of the checked blocks of rotation set 0 with fresh random bits,
+    run the call on it once from an idle device (the timing's warm-up) and check the relation
+    on those blocks.  Returns (exact, run_once's times)."""
+    a, b = case.pairing.a[0], case.pairing.b[0]
+    ids = checked_ids(len(a))
+    for i in ids:
+        for tensor in block_tensors(b[i] if case.writes_b else a[i]):
             fill_random_(tensor, gen_device)
-
-
-def matches_reference(blocks, universals, layout, ids):
-    """Bitwise: universal[h,l,o,t,:] == chunk[l*no+o][t,h,:] (NHD) for the checked blocks."""
-    for b in ids:
-        expected = reference_universal(blocks[b], layout).view(torch.int16)
-        actual = universals[b].to(expected.device).view(torch.int16)
-        if not torch.equal(actual, expected):
-            return False
-    return True
-
-
-def make_call(direction, blocks, universals, layout, stream):
-    if direction == "b2u":
-        return lambda: kvbm_ext.block_to_universal(blocks, universals, layout, stream=stream)
-    return lambda: kvbm_ext.universal_to_block(universals, blocks, layout, stream=stream)
-
-
-def verify_case(direction, blocks, universals, layout, stream, gen_device, synchronize):
-    """Poison, run once, compare a few blocks with the reference. Returns True when exact."""
-    ids = checked_ids(len(blocks))
-    poison_destination(direction, blocks, universals, ids, gen_device)
-    synchronize()
-    make_call(direction, blocks, universals, layout, stream)()
-    synchronize()
-    return matches_reference(blocks, universals, layout, ids)
+    first = run_once(case.calls[0], synchronize)
+    return all(case.pairing.relation(a[i], b[i]) for i in ids), first
 
 
 # ----------------------------------------------------------------------------- timing
@@ -232,9 +348,10 @@ def verify_case(direction, blocks, universals, layout, stream, gen_device, synch
 @dataclass
 class Timing:
     host_us: float
-    gpu_us: float        # nan on the CPU path, or when no repetition hid the host time
+    gpu_us: float        # nan on the CPU path
     reps: int
-    uncovered: int       # GPU repetitions dropped because the host outran the sleep
+    uncovered: int       # GPU attempts whose host work outran the sleep
+    method: str          # "hidden" or "fed" (see sleep_hidden_times), "" on the CPU path
 
 
 def cuda_synchronize():
@@ -245,23 +362,23 @@ def no_synchronize():
     pass
 
 
-def wall_seconds(call, synchronize):
+def run_once(call, synchronize):
+    """One call from an idle device: (seconds in the call, seconds until its work is done)."""
     synchronize()
     start = time.perf_counter()
     call()
+    host_s = time.perf_counter() - start
     synchronize()
-    return time.perf_counter() - start
+    return host_s, time.perf_counter() - start
 
 
-def median_host_us(calls, reps, synchronize):
-    """Median host time of a call; synchronization stays outside the measured region."""
+def median_host_us(calls, reps):
+    """Median wall time of a host-only call (rotating)."""
     samples = []
     for i in range(reps):
-        synchronize()
         start = time.perf_counter()
         calls[i % len(calls)]()
         samples.append(time.perf_counter() - start)
-    synchronize()
     return statistics.median(samples) * 1e6
 
 
@@ -280,46 +397,64 @@ def calibrate_sleep_cycles_per_us():
     return cycles / statistics.median(samples)
 
 
-def median_gpu_us(calls, reps, sleep_us, cycles_per_us):
-    """Median CUDA-event time of a call.  A GPU sleep enqueued first keeps the stream busy
-    while the host prepares the call, so the events bracket only the GPU work.  Repetitions
-    whose host time outran the sleep are dropped, counted, and retried with twice the sleep
-    (at most 3 * reps attempts in all)."""
-    samples, uncovered = [], 0
-    for attempt in range(3 * reps):
-        if len(samples) == reps:
-            break
+def sleep_hidden_times(calls, reps, sleep_us, cycles_per_us, queue_bound):
+    """GPU time of the calls (rotating), with the host times of the covered attempts.
+
+    Each attempt enqueues a GPU sleep of sleep_us, records the start event, makes the call
+    and records the end event.  The sleep keeps the GPU busy while the host prepares the
+    call, so the events bracket only its GPU work ("hidden").  An attempt whose host work
+    outran the sleep is uncovered; the first one doubles the sleep.  A call uncovered again
+    (at once when queue_bound) waits for the GPU, as one that enqueues more operations than
+    a stream queues (about a thousand) does: its uncovered attempts are then the samples
+    ("fed"), the GPU time from the sleep's end while the host keeps the queue full.
+    Returns (median GPU us, "hidden" or "fed", covered host seconds, uncovered count)."""
+    hidden, fed, host = [], [], []
+    doublings = 0 if queue_bound else 1
+    waits_for_gpu = False
+    attempt = 0
+    while len(hidden) < reps and not (waits_for_gpu and len(fed) >= reps):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(sleep_us * cycles_per_us))
+        slept_from = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        host_start = time.perf_counter()
         start.record()
+        call_start = time.perf_counter()
         calls[attempt % len(calls)]()
+        call_s = time.perf_counter() - call_start
         end.record()
-        if (time.perf_counter() - host_start) * 1e6 < sleep_us:
-            samples.append((start, end))
+        if (time.perf_counter() - slept_from) * 1e6 < sleep_us:
+            hidden.append((start, end))
+            host.append(call_s)
         else:
-            uncovered += 1
-            sleep_us *= 2
+            fed.append((start, end))
+            waits_for_gpu = doublings == 0
+            if doublings:
+                doublings -= 1
+                sleep_us *= 2
+        attempt += 1
     torch.cuda.synchronize()
-    if not samples:
-        return math.nan, uncovered
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in samples), uncovered
+    samples, method = (hidden, "hidden") if hidden else (fed, "fed")
+    gpu_us = statistics.median(start.elapsed_time(end) * 1e3 for start, end in samples)
+    return gpu_us, method, host, len(fed)
 
 
-def time_gpu_calls(calls, policy, cycles_per_us):
-    """Warm up, pick repetitions, then host time and GPU time of the calls (rotating)."""
-    reps = policy.reps_for(3 * wall_seconds(calls[0], cuda_synchronize))
-    host_us = median_host_us(calls, reps, cuda_synchronize)
-    sleep_us = SLEEP_FACTOR * host_us + SLEEP_MARGIN_US
-    gpu_us, uncovered = median_gpu_us(calls, reps, sleep_us, cycles_per_us)
-    return Timing(host_us, gpu_us, reps, uncovered)
+def time_gpu_calls(calls, policy, cycles_per_us, first, queue_bound=False):
+    """Time the calls after a first run (run_once's times, the warm-up): the GPU sleep covers
+    SLEEP_FACTOR times its host time, the repetitions follow the policy.  The host time is
+    the median of the covered attempts, else (fed) the first run's, made with the GPU idle."""
+    host_s, wall_s = first
+    sleep_us = SLEEP_FACTOR * host_s * 1e6 + SLEEP_MARGIN_US
+    reps = policy.reps_for(sleep_us * 1e-6 + wall_s - host_s)
+    gpu_us, method, host, uncovered = sleep_hidden_times(calls, reps, sleep_us, cycles_per_us,
+                                                         queue_bound)
+    host_us = statistics.median(host) * 1e6 if host else host_s * 1e6
+    return Timing(host_us, gpu_us, reps, uncovered, method)
 
 
-def time_cpu_calls(calls, policy):
-    """Warm up, pick repetitions, then the median wall time of the calls (rotating)."""
-    reps = policy.reps_for(wall_seconds(calls[0], no_synchronize))
-    return Timing(median_host_us(calls, reps, no_synchronize), math.nan, reps, 0)
+def time_cpu_calls(calls, policy, first):
+    """The median wall time of the calls (rotating) after a first run (the warm-up)."""
+    reps = policy.reps_for(first[1])
+    return Timing(median_host_us(calls, reps), math.nan, reps, 0, "")
 
 
 # ----------------------------------------------------------------------------- rows
@@ -342,6 +477,34 @@ def make_row(ctx, **fields):
     return row
 
 
+def timed_fields(timing, counted_bytes, ceiling_gbps=None, memcpy_gbps=None):
+    """Row fields of a GPU timing; percentages of the ceiling and of the same-size memcpy."""
+    rate = gbps(counted_bytes, timing.gpu_us)
+    fields = dict(gpu_us=timing.gpu_us, host_us=timing.host_us, gbps=rate, reps=timing.reps,
+                  uncovered_reps=timing.uncovered, gpu_timing=timing.method)
+    if ceiling_gbps is not None:
+        fields.update(ceiling_gbps=ceiling_gbps, pct_of_ceiling=100 * rate / ceiling_gbps)
+    if memcpy_gbps is not None:
+        fields.update(same_size_memcpy_gbps=memcpy_gbps,
+                      pct_same_size_memcpy=100 * rate / memcpy_gbps)
+    return fields
+
+
+def run_checked(row, case, synchronize, gen_device, measure):
+    """Verify the case, then fill the row with measure(first run's times).  A mismatch or an
+    exception goes into the row's status instead.  Prints and returns the row."""
+    try:
+        exact, first = verify(case, synchronize, gen_device)
+        if exact:
+            row.update(measure(first))
+        else:
+            row["status"] = "MISMATCH"
+    except Exception as exc:  # report the case and go on with the others
+        row["status"] = f"error: {type(exc).__name__}: {exc}"[:200]
+    print_progress(row)
+    return row
+
+
 def fmt(value, digits=1):
     if value == "" or value is None:
         return ""
@@ -350,108 +513,317 @@ def fmt(value, digits=1):
     return str(value)
 
 
+def short(name):
+    return SHORT.get(name, name)
+
+
+def variant(row):
+    """What a backend row times: the backend, or function:backend for raw copies."""
+    return f"{row['function']}:{row['backend']}" if row["api"] == "copy" else row["backend"]
+
+
+def short_variant(name):
+    return ":".join(short(part) for part in name.split(":"))
+
+
+def label(row, with_variant=True):
+    """A row's short name in the printed tables, e.g. 'op b2o pin kernel'."""
+    kind = row["api"] if row["mode"] == "gpu" else row["mode"]
+    parts = [short(kind), row["direction"], short(row["placement"]), row["layout"],
+             row["granularity"]]
+    if with_variant:
+        parts.append(short_variant(variant(row)))
+    return " ".join(part for part in parts if part)
+
+
 def print_progress(row):
     figures = [(row["gpu_us"], "us gpu"), (row["host_us"], "us host"), (row["gbps"], "GB/s"),
-               (row["pct_of_ceiling"], "% of ceiling")]
+               (row["pct_of_ceiling"], "% of ceiling"),
+               (row["pct_same_size_memcpy"], "% of same-size memcpy")]
     shown = ", ".join(f"{fmt(value)} {unit}" for value, unit in figures if value != "")
-    print(f"  {row['mode']:7} {row['direction']:4} {row['placement']:6} {row['layout']:3} "
-          f"nt={row['nt']} nb={row['nb']}: {shown} [{row['status']}]", flush=True)
+    size = f" nt={row['nt']} nb={row['nb']}" if row["nt"] != "" else ""
+    fed = " (fed)" if row["gpu_timing"] == "fed" else ""
+    print(f"  {label(row)}{size}: {shown}{fed} [{row['status']}]", flush=True)
 
 
 # ----------------------------------------------------------------------------- ceilings
+
+def time_copy_row(ctx, cycles_per_us, fields, calls, counted_bytes, ceiling_gbps=None):
+    """A ceiling row: torch copy_ calls, timed after a warm-up run."""
+    first = run_once(calls[0], cuda_synchronize)
+    timing = time_gpu_calls(calls, ctx.policy, cycles_per_us, first)
+    row = make_row(ctx, mode="ceiling", function="copy_", **fields,
+                   **timed_fields(timing, counted_bytes, ceiling_gbps))
+    print_progress(row)
+    return row
+
 
 def measure_ceilings(ctx, device, quick, cycles_per_us):
     """Copy ceilings: device-to-device (bytes read + written), pinned H2D and D2H."""
     d2d_bytes = (256 if quick else 2048) * MIB
     host_bytes = (64 if quick else 1024) * MIB
-    rows = {}
 
     src = torch.empty(d2d_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     fill_random_(src, device)
     fill_random_(dst, device)
-    timing = time_gpu_calls([lambda: dst.copy_(src, non_blocking=True)], ctx.policy, cycles_per_us)
-    rows["d2d"] = ceiling_row(ctx, "d2d", "device", d2d_bytes, 2 * d2d_bytes, timing)
+    rows = {"d2d": time_copy_row(ctx, cycles_per_us,
+                                 dict(direction="d2d", placement="device", bytes=d2d_bytes, sets=1),
+                                 [lambda: dst.copy_(src, non_blocking=True)], 2 * d2d_bytes)}
     del src, dst
 
     pinned = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(host_bytes, dtype=torch.uint8, device=device)
     fill_random_(pinned, device)
     fill_random_(dev, device)
-    timing = time_gpu_calls([lambda: dev.copy_(pinned, non_blocking=True)], ctx.policy, cycles_per_us)
-    rows["h2d"] = ceiling_row(ctx, "h2d", "pinned", host_bytes, host_bytes, timing)
-    timing = time_gpu_calls([lambda: pinned.copy_(dev, non_blocking=True)], ctx.policy, cycles_per_us)
-    rows["d2h"] = ceiling_row(ctx, "d2h", "pinned", host_bytes, host_bytes, timing)
+    fields = dict(placement="pinned", bytes=host_bytes, sets=1)
+    rows["h2d"] = time_copy_row(ctx, cycles_per_us, dict(fields, direction="h2d"),
+                                [lambda: dev.copy_(pinned, non_blocking=True)], host_bytes)
+    rows["d2h"] = time_copy_row(ctx, cycles_per_us, dict(fields, direction="d2h"),
+                                [lambda: pinned.copy_(dev, non_blocking=True)], host_bytes)
     del pinned, dev
     torch.cuda.empty_cache()
     return rows
 
 
-def ceiling_row(ctx, direction, placement, nbytes, counted_bytes, timing):
-    """nbytes: buffer size; counted_bytes: what the bandwidth counts (read + written for d2d)."""
-    row = make_row(ctx, mode="ceiling", direction=direction, placement=placement,
-                   bytes=nbytes, gpu_us=timing.gpu_us, host_us=timing.host_us,
-                   gbps=gbps(counted_bytes, timing.gpu_us), reps=timing.reps, sets=1,
-                   uncovered_reps=timing.uncovered)
-    print_progress(row)
-    return row
-
-
-def ceiling_for(ceilings, direction, placement):
-    if placement == "d2d":
-        return ceilings["d2d"]["gbps"]
-    return ceilings["d2h"]["gbps"] if direction == "b2u" else ceilings["h2d"]["gbps"]
+def measure_same_size_memcpys(ctx, gpu, shape):
+    """A pinned memcpy of exactly one call's bytes each way, rotating over the shape's sets."""
+    fields = dict(placement="pinned", nt=shape.nt, nb=shape.nb, bytes=shape.nbytes,
+                  sets=shape.nsets)
+    device = set_slices(shape.device_a, shape.nb, shape.nsets)
+    pinned = set_slices(shape.pinned, shape.nb, shape.nsets)
+    calls = {"d2h": [partial(h.copy_, d, non_blocking=True) for d, h in zip(device, pinned)],
+             "h2d": [partial(d.copy_, h, non_blocking=True) for d, h in zip(device, pinned)]}
+    return {link: time_copy_row(ctx, gpu.cycles_per_us, dict(fields, direction=link),
+                                calls[link], shape.nbytes, gpu.ceilings[link]["gbps"])
+            for link in ("d2h", "h2d")}
 
 
 # ----------------------------------------------------------------------------- GPU cases
 
-def run_gpu_group(ctx, device, stream, nt, nb, layout, ceilings, cycles_per_us):
-    """All directions and placements for one (nt, nb, layout); buffers freed on return."""
-    nbytes = nb * block_bytes(nt)
-    nsets = rotation_sets(2 * nbytes, l2_bytes(device))
-    caches = make_layer_caches(nt, nsets * nb, layout, device, device)
-    universals = {
-        "d2d": make_universals(nt, nsets * nb, device, False, device),
-        "pinned": make_universals(nt, nsets * nb, "cpu", True, device),
-    }
-    rows = []
-    for placement in PLACEMENTS:
-        sets = split_sets(caches, universals[placement], nb, nsets)
-        for direction in DIRECTIONS:
-            row = make_row(ctx, mode="gpu", direction=direction, placement=placement,
-                           layout=layout, nt=nt, nb=nb, bytes=nbytes, sets=nsets)
-            try:
-                if not verify_case(direction, *sets[0], layout, stream, device, cuda_synchronize):
-                    row["status"] = "MISMATCH"
-                else:
-                    calls = [make_call(direction, blocks, univs, layout, stream)
-                             for blocks, univs in sets]
-                    timing = time_gpu_calls(calls, ctx.policy, cycles_per_us)
-                    counted = 2 * nbytes if placement == "d2d" else nbytes
-                    ceiling = ceiling_for(ceilings, direction, placement)
-                    rate = gbps(counted, timing.gpu_us)
-                    row.update(gpu_us=timing.gpu_us, host_us=timing.host_us, gbps=rate,
-                               ceiling_gbps=ceiling, pct_of_ceiling=100 * rate / ceiling,
-                               reps=timing.reps, uncovered_reps=timing.uncovered)
-            except Exception as exc:  # report the case and go on with the others
-                row["status"] = f"error: {type(exc).__name__}: {exc}"[:200]
-            print_progress(row)
-            rows.append(row)
-    return rows
+@dataclass
+class Gpu:
+    device: torch.device
+    stream: object
+    cycles_per_us: float
+    ceilings: dict       # d2d, h2d, d2h -> ceiling row
+    batch: bool          # kvbm_ext.is_memcpy_batch_available()
+
+
+@dataclass
+class Shape:
+    """One (nt, nb) of the GPU cases: nsets rotation sets of nb blocks, in four random-filled
+    arenas of nsets*nb blocks each."""
+    nt: int
+    nb: int
+    nsets: int
+    stack: torch.Tensor      # device, seen as the vLLM block stack (layer_caches)
+    device_a: torch.Tensor   # device operationals; universals of the list API's d2d cases
+    device_b: torch.Tensor   # device universals of universal <-> operational d2d cases
+    pinned: torch.Tensor     # pinned host operationals or universals
+    blocks: dict             # layout -> per rotation set, the chunk views of its blocks
+
+    @property
+    def nbytes(self):
+        return self.nb * block_bytes(self.nt)
 
 
 def l2_bytes(device):
     return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or GPU_L2_FALLBACK
 
 
-def run_gpu_cases(ctx, args, device, ceilings, cycles_per_us):
-    stream = torch.cuda.current_stream(device)
+def shape_sets(nt, nb, device):
+    return rotation_sets(2 * nb * block_bytes(nt), l2_bytes(device))
+
+
+def make_shape(nt, nb, layouts, device, pool):
+    nsets = shape_sets(nt, nb, device)
+    arenas = [new_arena(nsets * nb, nt, device) for _ in range(3)]
+    arenas.append(pinned_arena(pool, nsets * nb, nt))
+    for arena in arenas:
+        fill_random_(arena, device)
+    blocks = {layout: block_sets(layer_caches(arenas[0], nt, layout), nb, nsets)
+              for layout in layouts}
+    return Shape(nt, nb, nsets, *arenas, blocks)
+
+
+def shape_fields(shape, **fields):
+    return dict(mode="gpu", nt=shape.nt, nb=shape.nb, bytes=shape.nbytes, sets=shape.nsets,
+                **fields)
+
+
+def link_for(placement, writes_pinned):
+    if placement != "pinned":
+        return placement
+    return "d2h" if writes_pinned else "h2d"
+
+
+def binder(*args, **kwargs):
+    """bind(function, sources, destinations) -> the call with these further arguments."""
+    return lambda function, sources, destinations: partial(function, sources, destinations,
+                                                            *args, **kwargs)
+
+
+def conversion_cases(fields, placement, pinned_side, pairing, directions, bind,
+                     queue_bound=False):
+    """One case per direction of a conversion between the pairing's sides."""
+    cases = []
+    for direction, name, writes_b in directions:
+        function = getattr(kvbm_ext, name)
+        sources, destinations = (pairing.a, pairing.b) if writes_b else (pairing.b, pairing.a)
+        calls = [bind(function, s, d) for s, d in zip(sources, destinations)]
+        link = link_for(placement, writes_b == (pinned_side == "b"))
+        cases.append(Case(dict(fields, function=name, direction=direction, placement=placement),
+                          link, calls, pairing, writes_b, queue_bound))
+    return cases
+
+
+def placements(device_arena, pinned):
+    return (("d2d", device_arena), ("pinned", pinned))
+
+
+def list_cases(gpu, shape, layouts):
+    """block_to_universal / universal_to_block: universals on the device or pinned."""
+    cases = []
+    for layout in layouts:
+        for placement, arena in placements(shape.device_a, shape.pinned):
+            universals = tensor_sets(as_universals(arena, shape.nt), shape.nb, shape.nsets)
+            pairing = Pairing(shape.blocks[layout], universals,
+                              partial(chunks_match_universal, layout=layout))
+            cases += conversion_cases(shape_fields(shape, api="list", layout=layout), placement,
+                                      "b", pairing, LIST_DIRECTIONS,
+                                      binder(layout, stream=gpu.stream))
+    return cases
+
+
+def backends(batch):
+    return [backend for backend in BACKENDS if batch or backend != "batch"]
+
+
+def block_operational_cases(gpu, shape, layouts):
+    """block_to_operational / operational_to_block per backend: operationals on the device
+    or pinned.  Chunks are copied as they are, so one layout's views serve."""
+    cases = []
+    for placement, arena in placements(shape.device_a, shape.pinned):
+        pairing = Pairing(shape.blocks[layouts[0]], tensor_sets(arena, shape.nb, shape.nsets),
+                          chunks_match_operational)
+        for backend in backends(gpu.batch):
+            cases += conversion_cases(shape_fields(shape, api="operational", backend=backend),
+                                      placement, "b", pairing, BLOCK_OP_DIRECTIONS,
+                                      binder(backend=backend, stream=gpu.stream),
+                                      backend in QUEUE_BOUND)
+    return cases
+
+
+def universal_operational_cases(gpu, shape, layouts):
+    """universal_to_operational / operational_to_universal: operationals on the device,
+    universals on the device or pinned."""
+    operationals = tensor_sets(shape.device_a, shape.nb, shape.nsets)
+    cases = []
+    for layout in layouts:
+        for placement, arena in placements(shape.device_b, shape.pinned):
+            universals = tensor_sets(as_universals(arena, shape.nt), shape.nb, shape.nsets)
+            pairing = Pairing(universals, operationals,
+                              partial(universal_matches_operational, layout=layout))
+            cases += conversion_cases(shape_fields(shape, api="operational", layout=layout),
+                                      placement, "a", pairing, UNIVERSAL_OP_DIRECTIONS,
+                                      binder(layout, stream=gpu.stream))
+    return cases
+
+
+def memcpy_batch_modes(batch):
+    return [mode for mode in MEMCPY_BATCH_MODES if batch or mode != "batch_without_fallback"]
+
+
+def copy_variants(gpu, size):
+    """(function, backend, bind(src_ptrs, dst_ptrs) -> call, queue_bound) per raw copy."""
+    def vectorized(src, dst):
+        return partial(kvbm_ext.vectorized_copy, src, dst, size, stream=gpu.stream)
+
+    def vectorized_device_list(src, dst):
+        return vectorized(on_device(src, gpu.device), on_device(dst, gpu.device))
+
+    def memcpy_batch(mode, src, dst):
+        return partial(kvbm_ext.memcpy_batch, src, dst, size, mode=mode, stream=gpu.stream)
+
+    variants = [("vectorized_copy", "host_list", vectorized, False),
+                ("vectorized_copy", "device_list", vectorized_device_list, False)]
+    variants += [("memcpy_batch", mode, partial(memcpy_batch, mode), True)
+                 for mode in memcpy_batch_modes(gpu.batch)]
+    return variants
+
+
+def copy_cases(gpu, shape, layouts):
+    """vectorized_copy and memcpy_batch between the device and pinned host: per-layer chunks
+    of the block stack <-> pinned operationals ("chunk"), device operationals <-> pinned
+    ones ("block")."""
+    pinned = tensor_sets(shape.pinned, shape.nb, shape.nsets)
+    chunk_bytes = shape.nt * NH * HD * DTYPE.itemsize
+    granularities = (
+        ("chunk", Pairing(shape.blocks[layouts[0]], pinned, chunks_match_operational),
+         chunk_pointers, operational_chunk_pointers, chunk_bytes),
+        ("block", Pairing(tensor_sets(shape.device_a, shape.nb, shape.nsets), pinned, same_block),
+         block_pointers, block_pointers, block_bytes(shape.nt)),
+    )
+    cases = []
+    for granularity, pairing, a_pointers, b_pointers, size in granularities:
+        a = [a_pointers(blocks) for blocks in pairing.a]
+        b = [b_pointers(blocks) for blocks in pairing.b]
+        fields = shape_fields(shape, api="copy", placement="pinned", granularity=granularity,
+                              pairs=len(a[0]))
+        for direction, writes_b in COPY_DIRECTIONS:
+            sources, destinations = (a, b) if writes_b else (b, a)
+            for function, backend, bind, queue_bound in copy_variants(gpu, size):
+                calls = [bind(s, d) for s, d in zip(sources, destinations)]
+                cases.append(Case(dict(fields, function=function, direction=direction,
+                                       backend=backend),
+                                  direction, calls, pairing, writes_b, queue_bound))
+    return cases
+
+
+GROUPS = {
+    "list": (list_cases,),
+    "operational": (block_operational_cases, universal_operational_cases),
+    "copy": (copy_cases,),
+}
+
+
+def run_gpu_case(ctx, gpu, case, memcpys):
+    """Verify, then time one case against the ceiling of its link and the same-size memcpy."""
+    nbytes = case.fields["bytes"]
+    counted = 2 * nbytes if case.link == "d2d" else nbytes
+    ceiling = gpu.ceilings[case.link]["gbps"]
+    memcpy = memcpys[case.link]["gbps"] if case.link in memcpys else None
+
+    def measure(first):
+        timing = time_gpu_calls(case.calls, ctx.policy, gpu.cycles_per_us, first,
+                                case.queue_bound)
+        return timed_fields(timing, counted, ceiling, memcpy)
+
+    return run_checked(make_row(ctx, **case.fields), case, cuda_synchronize, gpu.device, measure)
+
+
+def run_shape(ctx, gpu, args, nt, nb, pool):
+    """The same-size memcpys and every case of the selected groups for one (nt, nb)."""
+    shape = make_shape(nt, nb, args.layouts, gpu.device, pool)
+    memcpys = measure_same_size_memcpys(ctx, gpu, shape)
+    rows = list(memcpys.values())
+    for api in args.apis:
+        for group in GROUPS[api]:
+            for case in group(gpu, shape, args.layouts):
+                rows.append(run_gpu_case(ctx, gpu, case, memcpys))
+    return rows
+
+
+def run_gpu_cases(ctx, gpu, args):
+    pool_bytes = max(shape_sets(nt, nb, gpu.device) * nb * block_bytes(nt)
+                     for nt in args.nt for nb in args.nb)
+    pool = torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=True)
     rows = []
     for nt in args.nt:
         for nb in args.nb:
-            for layout in args.layouts:
-                rows += run_gpu_group(ctx, device, stream, nt, nb, layout, ceilings, cycles_per_us)
-                torch.cuda.empty_cache()
+            rows += run_shape(ctx, gpu, args, nt, nb, pool)
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -476,33 +848,35 @@ def time_memcpy(nbytes, nsets, policy):
     fill_random_(dst, torch.device("cpu"))
     src_np, dst_np = src.numpy(), dst.numpy()
     calls = [lambda s=s: np.copyto(dst_np[s], src_np[s]) for s in range(nsets)]
-    return time_cpu_calls(calls, policy)
+    return time_cpu_calls(calls, policy, run_once(calls[0], no_synchronize))
+
+
+def run_cpu_case(ctx, case, memcpy):
+    nbytes = case.fields["bytes"]
+
+    def measure(first):
+        timing = time_cpu_calls(case.calls, ctx.policy, first)
+        return dict(host_us=timing.host_us, gbps=gbps(2 * nbytes, timing.host_us),
+                    pct_of_ceiling=100 * memcpy.host_us / timing.host_us,
+                    ratio_vs_memcpy=timing.host_us / memcpy.host_us, reps=timing.reps)
+
+    row = make_row(ctx, **case.fields, ceiling_gbps=gbps(2 * nbytes, memcpy.host_us))
+    return run_checked(row, case, no_synchronize, torch.device("cpu"), measure)
 
 
 def run_cpu_group(ctx, nt, nb, layout, nsets, memcpy):
     cpu = torch.device("cpu")
-    nbytes = nb * block_bytes(nt)
-    caches = make_layer_caches(nt, nsets * nb, layout, cpu, cpu)
-    sets = split_sets(caches, make_universals(nt, nsets * nb, cpu, False, cpu), nb, nsets)
-    memcpy_gbps = gbps(2 * nbytes, memcpy.host_us)
-    rows = []
-    for direction in DIRECTIONS:
-        row = make_row(ctx, mode="cpu", direction=direction, placement="host", layout=layout,
-                       nt=nt, nb=nb, bytes=nbytes, sets=nsets, ceiling_gbps=memcpy_gbps)
-        try:
-            if not verify_case(direction, *sets[0], layout, None, cpu, no_synchronize):
-                row["status"] = "MISMATCH"
-            else:
-                calls = [make_call(direction, blocks, univs, layout, None) for blocks, univs in sets]
-                timing = time_cpu_calls(calls, ctx.policy)
-                row.update(host_us=timing.host_us, gbps=gbps(2 * nbytes, timing.host_us),
-                           pct_of_ceiling=100 * memcpy.host_us / timing.host_us,
-                           ratio_vs_memcpy=timing.host_us / memcpy.host_us, reps=timing.reps)
-        except Exception as exc:  # report the case and go on with the others
-            row["status"] = f"error: {type(exc).__name__}: {exc}"[:200]
-        print_progress(row)
-        rows.append(row)
-    return rows
+    stack, universals = new_arena(nsets * nb, nt, cpu), new_arena(nsets * nb, nt, cpu)
+    fill_random_(stack, cpu)
+    fill_random_(universals, cpu)
+    pairing = Pairing(block_sets(layer_caches(stack, nt, layout), nb, nsets),
+                      tensor_sets(as_universals(universals, nt), nb, nsets),
+                      partial(chunks_match_universal, layout=layout))
+    fields = dict(mode="cpu", api="list", layout=layout, nt=nt, nb=nb,
+                  bytes=nb * block_bytes(nt), sets=nsets)
+    return [run_cpu_case(ctx, case, memcpy)
+            for case in conversion_cases(fields, "host", "b", pairing, LIST_DIRECTIONS,
+                                         binder(layout, stream=None))]
 
 
 def run_cpu_cases(ctx, nts, nbs, layouts):
@@ -522,6 +896,33 @@ def run_cpu_cases(ctx, nts, nbs, layouts):
 
 # ----------------------------------------------------------------------------- output
 
+def is_timed(row):
+    gpu_us = row["gpu_us"]
+    return row["status"] == "ok" and isinstance(gpu_us, float) and not math.isnan(gpu_us)
+
+
+def annotate_backends(rows):
+    """On backend rows (operational backends, raw copy variants): the fastest variant of the
+    same size by GPU time, auto left out; on auto rows, auto's GPU time over the fastest."""
+    groups = {}
+    for row in rows:
+        if row["mode"] == "gpu" and row["backend"]:
+            key = tuple(row[k] for k in ("api", "direction", "placement", "layout",
+                                         "granularity", "nt", "nb"))
+            groups.setdefault(key, []).append(row)
+    for group in groups.values():
+        timed = [row for row in group if row["backend"] != "auto" and is_timed(row)]
+        if not timed:
+            continue
+        best = min(timed, key=lambda row: row["gpu_us"])
+        for row in group:
+            row["best_backend"] = variant(best)
+            if row["backend"] == "auto" and is_timed(row):
+                ratio = row["gpu_us"] / best["gpu_us"]
+                row.update(auto_vs_best=ratio,
+                           auto_within_5pct="yes" if ratio <= AUTO_TOLERANCE else "no")
+
+
 def csv_path(arg, gpu_name, date):
     name = f"kvbench-{re.sub(r'[^A-Za-z0-9]+', '-', gpu_name).strip('-')}-{date}.csv"
     if arg is None:
@@ -538,28 +939,116 @@ def write_csv(path, rows):
             writer.writerow({k: fmt(v, 3) if isinstance(v, float) else v for k, v in row.items()})
 
 
+def batch_available():
+    return hasattr(kvbm_ext, "is_memcpy_batch_available") and kvbm_ext.is_memcpy_batch_available()
+
+
 def environment_line(gpu_name):
     info = kvbm_ext.build_info()
     return (f"gpu={gpu_name} torch={torch.__version__} kvbm_ext={info.get('version')} "
             f"({os.path.dirname(kvbm_ext.__file__)}) "
             f"cuda={info.get('cuda_version')} archs={','.join(info.get('cuda_archs') or [])} "
-            f"stubs={kvbm_ext.is_using_stubs()} torch_threads={torch.get_num_threads()}")
+            f"stubs={kvbm_ext.is_using_stubs()} memcpy_batch={batch_available()} "
+            f"torch_threads={torch.get_num_threads()}")
 
 
-def print_table(rows):
-    header = (f"{'mode':7} {'dir':4} {'place':6} {'lay':3} {'nt':>3} {'nb':>4} {'MB':>8} "
-              f"{'gpu_us':>9} {'host_us':>9} {'GB/s':>8} {'ceil':>7} {'%ceil':>6} "
-              f"{'x_mcpy':>6} {'reps':>4} {'sets':>4} status")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        mb = r["bytes"] / 1e6 if r["bytes"] != "" else ""
-        print(f"{r['mode']:7} {r['direction']:4} {r['placement']:6} {r['layout']:3} "
-              f"{r['nt']!s:>3} {r['nb']!s:>4} {fmt(mb, 2):>8} {fmt(r['gpu_us']):>9} "
-              f"{fmt(r['host_us']):>9} {fmt(r['gbps']):>8} {fmt(r['ceiling_gbps'], 0):>7} "
-              f"{fmt(r['pct_of_ceiling']):>6} {fmt(r['ratio_vs_memcpy'], 2):>6} "
-              f"{r['reps']!s:>4} {r['sets']!s:>4} {r['status']}"
-              + (f" (uncovered {r['uncovered_reps']})" if r["uncovered_reps"] else ""))
+def header_lines(names, columns, width):
+    """Column headings, a line per part of the column tuples; an outer part is shown where
+    it changes."""
+    lines = []
+    for level, name in enumerate(names):
+        cells = []
+        for i, column in enumerate(columns):
+            shown = (level == len(names) - 1 or i == 0
+                     or columns[i - 1][:level + 1] != column[:level + 1])
+            cells.append(f"{column[level] if shown else '':>{width}}")
+        lines.append(f"{name:>{LABEL_WIDTH}}" + "".join(cells))
+    return lines
+
+
+def print_pivot(title, rows, label_of, column_of, names, cell, width):
+    """A line per label_of(row), a column per column_of(row) (a tuple, its parts named by
+    names); cell(the rows of one line and column) -> text."""
+    if not rows:
+        return
+    columns = sorted({column_of(row) for row in rows})
+    cells = {}
+    for row in rows:
+        cells.setdefault((label_of(row), column_of(row)), []).append(row)
+    print()
+    print(title)
+    for line in header_lines(names, columns, width):
+        print(line)
+    for name in dict.fromkeys(label_of(row) for row in rows):
+        texts = [cell(cells[name, c]) if (name, c) in cells else "" for c in columns]
+        print(f"{name:{LABEL_WIDTH}}" + "".join(f"{text:>{width}}" for text in texts))
+
+
+def nt_nb(row):
+    return (row["nt"], row["nb"])
+
+
+def nb_only(row):
+    return (row["nb"],)
+
+
+def pct_cell(rows):
+    row = rows[0]
+    if row["status"] != "ok":
+        return "ERR" if row["status"].startswith("error") else "MIS"
+    value = row["pct_same_size_memcpy"]
+    value = row["pct_of_ceiling"] if value == "" else value
+    text = "999+" if value >= 999.5 else fmt(value, 0)
+    return text + ("f" if row["gpu_timing"] == "fed" else "")
+
+
+def host_cell(rows):
+    values = [row["host_us"] for row in rows if row["status"] == "ok"]
+    return f"{statistics.median(values) / 1e3:.3g}" if values else "ERR"
+
+
+def best_cell(rows):
+    return short_variant(rows[0]["best_backend"])
+
+
+def auto_cell(rows):
+    row = rows[0]
+    if row["auto_vs_best"] == "":
+        return ""
+    return f"{row['auto_vs_best']:.2f}" + ("*" if row["auto_within_5pct"] == "no" else "")
+
+
+def print_failures(rows):
+    failed = [row for row in rows if row["status"] != "ok"]
+    if not failed:
+        return
+    print()
+    print(f"not ok: {len(failed)}")
+    for row in failed[:MAX_FAILURES_SHOWN]:
+        print(f"  {label(row)} nt={row['nt']} nb={row['nb']}: {row['status']}"[:120])
+    if len(failed) > MAX_FAILURES_SHOWN:
+        print(f"  ... and {len(failed) - MAX_FAILURES_SHOWN} more in the CSV")
+
+
+def print_summary(rows, gpu_name):
+    """Compact tables (the lent GPU machine returns only the last 12,000 characters)."""
+    print(environment_line(gpu_name))
+    ceilings = [row for row in rows if row["mode"] == "ceiling" and row["nt"] == ""]
+    if ceilings:
+        print("ceilings: " + ", ".join(f"{row['direction']} {fmt(row['gbps'])} GB/s"
+                                       for row in ceilings) + " (d2d: read + written)")
+    sized = [row for row in rows if row["nt"] != ""]
+    print_pivot("% of ceiling (pin: same-size memcpy; d2d: device copy; ceil: 1 GiB memcpy; "
+                "cpu: memcpy time / ours; f: fed timing)",
+                sized, label, nt_nb, ("nt", "nb"), pct_cell, 5)
+    print_pivot("host ms per call (median over nt)", sized, label, nb_only, ("nb",), host_cell, 8)
+    with_best = [row for row in rows if row["best_backend"]]
+    print_pivot("fastest by GPU time (auto left out)", with_best,
+                partial(label, with_variant=False), nt_nb, ("nt", "nb"), best_cell, 9)
+    autos = [row for row in with_best if row["backend"] == "auto"]
+    print_pivot("auto / fastest, GPU time (*: beyond 5%)", autos,
+                partial(label, with_variant=False), nt_nb, ("nt", "nb"), auto_cell, 6)
+    print_failures(rows)
 
 
 # ----------------------------------------------------------------------------- main
@@ -576,6 +1065,10 @@ def run_gpu_mode(ctx, args):
     if kvbm_ext.is_using_stubs():
         sys.exit("kvbench: kvbm_ext was built without CUDA (is_using_stubs()); "
                  "rebuild with nvcc or use --device cpu")
+    missing = [name for api in args.apis for name in REQUIRED[api] if not hasattr(kvbm_ext, name)]
+    if missing:
+        sys.exit(f"kvbench: this kvbm_ext build has no {', '.join(dict.fromkeys(missing))}: "
+                 "rebuild it, or use --api list")
     device = torch.device("cuda", torch.cuda.current_device())
     rows = []
     with torch.cuda.stream(torch.cuda.Stream(device)):
@@ -583,14 +1076,19 @@ def run_gpu_mode(ctx, args):
         print(f"torch.cuda._sleep: {cycles_per_us:.0f} cycles/us", flush=True)
         ceilings = measure_ceilings(ctx, device, args.quick, cycles_per_us)
         rows += ceilings.values()
-        rows += run_gpu_cases(ctx, args, device, ceilings, cycles_per_us)
-    rows += run_cpu_cases(ctx, args.cpu_nt, args.cpu_nb, args.layouts)
+        gpu = Gpu(device, torch.cuda.current_stream(device), cycles_per_us, ceilings,
+                  batch_available())
+        rows += run_gpu_cases(ctx, gpu, args)
+    if "list" in args.apis:
+        rows += run_cpu_cases(ctx, args.cpu_nt, args.cpu_nb, args.layouts)
     return rows
 
 
 def main():
     args = parse_args()
     device = resolve_device(args.device)
+    if device == "cpu" and args.apis != ("list",):
+        sys.exit("kvbench: CPU mode times the list API only (--api list)")
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "none"
     ctx = Context(gpu_name, datetime.date.today().isoformat(), rep_policy(args))
     print(environment_line(gpu_name), flush=True)
@@ -599,12 +1097,12 @@ def main():
         rows = run_gpu_mode(ctx, args)
     else:
         rows = run_cpu_cases(ctx, args.cpu_nt, args.cpu_nb, args.layouts)
+    annotate_backends(rows)
 
     path = csv_path(args.csv, gpu_name, ctx.date)
     write_csv(path, rows)
     print()
-    print(environment_line(gpu_name))
-    print_table(rows)
+    print_summary(rows, gpu_name)
     print(f"CSV: {path}")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:

@@ -68,6 +68,9 @@ const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size)
 
 int kv_array_is_contiguous(const kv_array *a)
 {
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] == 0)
+            return 1; /* no elements: any strides will do (torch reports 0 for them) */
     int64_t expected = a->itemsize;
     for (int i = a->ndim - 1; i >= 0; i--) {
         if (a->shape[i] != 1 && a->strides[i] != expected)

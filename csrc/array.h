@@ -68,7 +68,8 @@ int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_st
 
 void kv_array_release(kv_array *a);
 
-/* True when the array is C-contiguous (strides of size-1 dimensions ignored). */
+/* True when the array is C-contiguous (strides of size-1 dimensions ignored;
+ * an array without elements always is). */
 int kv_array_is_contiguous(const kv_array *a);
 
 /* A readable name for an element type, e.g. "bfloat16", "raw2". */

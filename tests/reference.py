@@ -483,3 +483,162 @@ def check_rejected(direction, blocks, universals, exc, path, *words, layout="NHD
     for i, (a, s) in enumerate(zip(src_arrays, snapshots)):
         assert_bitwise_equal(a, s, f"source array #{i}")
     return msg
+
+
+# ==========================================================================
+# Operational layout
+# ==========================================================================
+#
+# operational block: one C-contiguous [nl, no, inner] array, inner = nt*nh*hd.
+#   operational[l, o, :] == chunk[l*no + o].reshape(-1)               (block <-> operational)
+#   operational[l, o].view(nt, nh, hd)[t, h, :] == universal[h, l, o, t, :]   (NHD)
+#   operational[l, o].view(nh, nt, hd)[h, t, :] == universal[h, l, o, t, :]   (HND)
+# Like the references above, these work on a same-size integer view (bit-exact).
+
+# direction code -> kvbm_ext function; every function takes (source, destination, ...).
+OP_FUNCTIONS = {
+    "b2o": "block_to_operational",
+    "o2b": "operational_to_block",
+    "u2o": "universal_to_operational",
+    "o2u": "operational_to_universal",
+}
+OP_BACKENDS = ["kernel", "async", "batch", "auto"]
+
+
+def operational_shape(nl, no, nh, nt, hd):
+    return (nl, no, nt * nh * hd)
+
+
+def block_to_operational_ref(chunks, no):
+    """nl*no chunks of one block (any common shape) -> operational [nl, no, chunk numel]."""
+    chunks = [as_torch(c).cpu() for c in chunks]
+    dtype = chunks[0].dtype
+    assert len(chunks) % no == 0
+    nl = len(chunks) // no
+    flat = [_as_int(c).contiguous().reshape(-1) for c in chunks]
+    return torch.stack(flat).reshape(nl, no, -1).view(dtype)
+
+
+def operational_to_block_ref(operational, chunk_shape_):
+    """operational [nl, no, inner] -> list of nl*no chunks shaped chunk_shape_ (contiguous)."""
+    op = as_torch(operational).cpu()
+    dtype = op.dtype
+    ints = _as_int(op)
+    nl, no, inner = ints.shape
+    chunk_shape_ = tuple(chunk_shape_)
+    assert int(np.prod(chunk_shape_)) == inner
+    return [ints[l, o].reshape(chunk_shape_).contiguous().view(dtype) for l in range(nl) for o in range(no)]
+
+
+def universal_to_operational_ref(universal, layout):
+    """universal [nh, nl, no, nt, hd] -> operational [nl, no, nt*nh*hd] (contiguous)."""
+    layout = _check_layout(layout)
+    u = as_torch(universal).cpu()
+    dtype = u.dtype
+    ints = _as_int(u)
+    nh, nl, no, nt, hd = ints.shape
+    if layout == "NHD":
+        per_chunk = ints.permute(1, 2, 3, 0, 4)  # [nl, no, nt, nh, hd]
+    else:
+        per_chunk = ints.permute(1, 2, 0, 3, 4)  # [nl, no, nh, nt, hd]
+    return per_chunk.contiguous().reshape(nl, no, nt * nh * hd).view(dtype)
+
+
+def operational_to_universal_ref(operational, nh, nt, hd, layout):
+    """operational [nl, no, nt*nh*hd] -> universal [nh, nl, no, nt, hd] (contiguous)."""
+    layout = _check_layout(layout)
+    op = as_torch(operational).cpu()
+    dtype = op.dtype
+    ints = _as_int(op)
+    nl, no, inner = ints.shape
+    assert inner == nt * nh * hd
+    if layout == "NHD":
+        u = ints.reshape(nl, no, nt, nh, hd).permute(3, 0, 1, 2, 4)
+    else:
+        u = ints.reshape(nl, no, nh, nt, hd).permute(2, 0, 1, 3, 4)
+    return u.contiguous().view(dtype)
+
+
+def make_operationals(nb, nl, no, inner, dtype, device="cpu", generator=None, pin=False):
+    """nb random [nl, no, inner] arrays (random bytes, torch)."""
+    return [random_tensor((nl, no, inner), dtype, device, generator, pin) for _ in range(nb)]
+
+
+def make_op_case(nb, nl, no, nh, nt, hd, dtype, layout="NHD", device="cpu", pin=False, generator=None):
+    """blocks (chunks of `layout`), universals and operationals, all random, torch."""
+    if generator is None:
+        seed = seed_for("op", nb, nl, no, nh, nt, hd, str(dtype), layout, str(device), pin)
+        print(f"make_op_case seed={seed}")
+        generator = make_generator(seed)
+    blocks, universals = make_case(nb, nl, no, nh, nt, hd, dtype, layout, device, pin, generator)
+    operationals = make_operationals(nb, nl, no, nt * nh * hd, dtype, device, generator, pin)
+    return blocks, universals, operationals
+
+
+def call_op(direction, src, dst, *args, **kwargs):
+    """'b2o' -> block_to_operational(src, dst, ...), 'o2b', 'u2o', 'o2u' likewise."""
+    import kvbm_ext
+
+    return getattr(kvbm_ext, OP_FUNCTIONS[direction])(src, dst, *args, **kwargs)
+
+
+def expected_op(direction, src, dst, layout="NHD"):
+    """Reference output of `direction` from the sources `src`; shapes the reference needs
+    (no, chunk shape, nh/nt/hd) are taken from the destinations `dst`. Returns a list
+    (one entry per block) shaped like the destination argument."""
+    if direction == "b2o":
+        return [block_to_operational_ref(chunks, op.shape[1]) for chunks, op in zip(src, _as_list(dst))]
+    if direction == "o2b":
+        return [operational_to_block_ref(op, tuple(dst[0][0].shape)) for op in _as_list(src)]
+    if direction == "u2o":
+        return [universal_to_operational_ref(u, layout) for u in _as_list(src)]
+    if direction == "o2u":
+        return [
+            operational_to_universal_ref(op, u.shape[0], u.shape[3], u.shape[4], layout)
+            for op, u in zip(_as_list(src), _as_list(dst))
+        ]
+    raise ValueError(direction)
+
+
+def _dest_list(direction, dst):
+    return dst if direction == "o2b" else _as_list(dst)
+
+
+def op_and_check(direction, src, dst, *args, after=None, **kwargs):
+    """Poison the destinations, call, wait (`after`, default: the whole device), compare with
+    the reference byte for byte; the sources must be unchanged. args/kwargs go to the call
+    (layout for u2o/o2u, backend=, stream=)."""
+    before = clone_all(src)
+    poison_(list(arrays_in(dst)))
+    sync()
+    assert call_op(direction, src, dst, *args, **kwargs) is None
+    (after or sync)()
+    layout = args[0] if args else kwargs.get("layout", "NHD")
+    want = expected_op(direction, before, dst, layout)
+    assert_all_bitwise_equal(_dest_list(direction, dst), want, "destinations")
+    assert_all_bitwise_equal(list(arrays_in(src)), list(arrays_in(before)), "sources")
+
+
+def check_op_rejected(direction, src, dst, exc, path, *words, args=(), **kwargs):
+    """Like check_rejected for the operational functions: exception type, message starting
+    with `path` (a regex) and containing `words`, destinations still poisoned, sources
+    unchanged. Returns the message."""
+    dest_arrays, src_arrays = list(arrays_in(dst)), list(arrays_in(src))
+    for a in dest_arrays:
+        poison_even_if_read_only(a)
+    snapshots = clone_all(src_arrays)
+    sync()
+    with pytest.raises(exc, match=path_regex(path)) as info:
+        call_op(direction, src, dst, *args, **kwargs)
+    sync()
+    msg = str(info.value)
+    for w in words:
+        if isinstance(w, re.Pattern):
+            assert w.search(msg), f"{w.pattern!r} not in message {msg!r}"
+        else:
+            assert w in msg, f"{w!r} not in message {msg!r}"
+    for i, a in enumerate(dest_arrays):
+        assert_poisoned(a, f"destination array #{i}")
+    for i, (a, s) in enumerate(zip(src_arrays, snapshots)):
+        assert_bitwise_equal(a, s, f"source array #{i}")
+    return msg

@@ -15,7 +15,24 @@ import kvbm_ext
 from conftest import REPO_ROOT, requires_cuda
 from reference import FakeDeviceArray
 
-PUBLIC_FUNCTIONS = ["block_to_universal", "universal_to_block", "is_using_stubs", "build_info", "cuda_devices"]
+PUBLIC_FUNCTIONS = [
+    "block_to_universal",
+    "universal_to_block",
+    "block_to_operational",
+    "operational_to_block",
+    "universal_to_operational",
+    "operational_to_universal",
+    "vectorized_copy",
+    "memcpy_batch",
+    "is_memcpy_batch_available",
+    "is_using_stubs",
+    "build_info",
+    "cuda_devices",
+]
+
+
+def test_all_lists_every_public_function():
+    assert sorted(kvbm_ext.__all__) == sorted(PUBLIC_FUNCTIONS + ["__version__"])
 
 
 # --------------------------------------------------------------------------
@@ -89,7 +106,8 @@ def test_public_functions_have_docstrings(name):
     assert doc and len(doc.strip()) > 20, f"{name} lacks a docstring"
 
 
-@pytest.mark.parametrize("name", ["block_to_universal", "universal_to_block"])
+@pytest.mark.parametrize("name", ["block_to_universal", "universal_to_block", "block_to_operational",
+                                  "operational_to_block", "universal_to_operational", "operational_to_universal"])
 def test_help_text_mentions_layouts_and_stream(name):
     text = pydoc.plain(pydoc.render_doc(getattr(kvbm_ext, name)))
     for word in ("NHD", "HND", "stream"):
