@@ -1,3 +1,6 @@
+// Probe: whether access hints (ld.global.nc, L2 prefetch sizes, streaming
+// stores) or the grid size move SM reads and writes of pinned host memory
+// closer to the copy engines' rate.
 #include <cstdio>
 #include <cstdint>
 #include <vector>
