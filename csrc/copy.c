@@ -149,11 +149,16 @@ static int resolve_target(const kv_copy_call *call, int found, kv_gpu_target *ta
     return target->device < 0 ? -1 : 0;
 }
 
-int kv_vectorized_copy(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream)
+/* Both Python functions: read and check the lists, then copy with `engine`.
+ * The kernel takes device-resident lists but no pageable memory; the copy
+ * engines take pageable memory but only lists they can read on the host. */
+static int copy_pairs(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream, kv_engine engine,
+                      int fallback, const char *function, const char *reason)
 {
+    const int kernel = engine == KV_ENGINE_KERNEL;
     kv_copy_call call;
     int rc = -1, device;
-    if (read_call(src, dst, sizes, stream, 1, &call) < 0)
+    if (read_call(src, dst, sizes, stream, kernel, &call) < 0)
         goto done;
     kv_pairs pairs = pairs_of(&call);
     if (pairs.count == 0) {
@@ -162,37 +167,27 @@ int kv_vectorized_copy(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *size
     }
     kv_gpu_target target;
     intptr_t producers[3];
-    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, 0, &device) < 0 || resolve_target(&call, device, &target, producers) < 0)
+    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0
+        || resolve_target(&call, device, &target, producers) < 0)
         goto done;
-    rc = copy_and_log(gpu, &target, &pairs, KV_ENGINE_KERNEL, 0, "vectorized_copy", "copy kernel");
+    rc = copy_and_log(gpu, &target, &pairs, engine, fallback, function, reason);
 done:
     release_call(&call);
     return rc;
 }
 
+int kv_vectorized_copy(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream)
+{
+    return copy_pairs(gpu, src, dst, sizes, stream, KV_ENGINE_KERNEL, 0, "vectorized_copy", "copy kernel");
+}
+
 int kv_memcpy_batch(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream)
 {
-    kv_copy_call call;
-    int rc = -1, device, m;
-    memset(&call, 0, sizeof call);
-    if (kv_parse_name(mode, "mode", MODE_NAMES, 3, MODE_BATCHED_WITH_FALLBACK, &m) < 0
-        || read_call(src, dst, sizes, stream, 0, &call) < 0)
-        goto done;
-    kv_pairs pairs = pairs_of(&call);
-    if (pairs.count == 0) {
-        rc = 0;
-        goto done;
-    }
-    kv_gpu_target target;
-    intptr_t producers[3];
-    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, 1, &device) < 0 || resolve_target(&call, device, &target, producers) < 0)
-        goto done;
+    int m;
+    if (kv_parse_name(mode, "mode", MODE_NAMES, 3, MODE_BATCHED_WITH_FALLBACK, &m) < 0)
+        return -1;
     if (m == MODE_FALLBACK_ONLY)
-        rc = copy_and_log(gpu, &target, &pairs, KV_ENGINE_ASYNC, 0, "memcpy_batch", "mode fallback_only");
-    else
-        rc = copy_and_log(gpu, &target, &pairs, KV_ENGINE_BATCH, m == MODE_BATCHED_WITH_FALLBACK, "memcpy_batch",
-                          "cudaMemcpyBatchAsync");
-done:
-    release_call(&call);
-    return rc;
+        return copy_pairs(gpu, src, dst, sizes, stream, KV_ENGINE_ASYNC, 0, "memcpy_batch", "mode fallback_only");
+    return copy_pairs(gpu, src, dst, sizes, stream, KV_ENGINE_BATCH, m == MODE_BATCHED_WITH_FALLBACK, "memcpy_batch",
+                      "cudaMemcpyBatchAsync");
 }

@@ -23,7 +23,6 @@ from reference import (
     assert_bitwise_equal,
     b2u_and_check,
     block_to_universal_ref,
-    chunk_shape,
     clone_all,
     dtype_id,
     expected_blocks,

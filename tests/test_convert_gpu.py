@@ -13,6 +13,7 @@ import torch
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
 from reference import (
+    place,
     SHAPES,
     TORCH_DTYPES,
     CudaArrayInterfaceOnly,
@@ -146,19 +147,6 @@ def test_device_zero_blocks_with_stream():
 # --------------------------------------------------------------------------
 # Pinned host memory.
 # --------------------------------------------------------------------------
-
-
-def place(t, where, index):
-    """'device', 'pinned', 'pageable', or 'mixed' (alternating pinned / device by index)."""
-    if where == "mixed":
-        where = "pinned" if index % 2 else "device"
-    if where == "device":
-        return t.cuda()
-    host = t.cpu()
-    if where == "pinned":
-        host = host.pin_memory()
-        assert host.is_pinned()
-    return host
 
 
 def placed_case(shape, dtype, layout, gen, blocks_where, universals_where):

@@ -16,7 +16,6 @@ checked to be raised before any byte is written. Sections:
 """
 
 import re
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ import torch
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
 from reference import (
+    place,
     NUMPY_DTYPES,
     OP_BACKENDS,
     SHAPES,
@@ -903,19 +903,6 @@ def test_non_array_universals(direction, where, path, gen):
 # ==========================================================================
 # 4. GPU.
 # ==========================================================================
-
-
-def place(t, where, index):
-    """'device', 'pinned', 'pageable', or 'mixed' (alternating pinned / device by index)."""
-    if where == "mixed":
-        where = "pinned" if index % 2 else "device"
-    if where == "device":
-        return t.cuda()
-    host = t.cpu()
-    if where == "pinned":
-        host = host.pin_memory()
-        assert host.is_pinned()
-    return host
 
 
 def placed_op_case(shape, dtype, layout, gen, other_where, ops_where):
