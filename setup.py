@@ -17,10 +17,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-VERSION = "0.2.0"
+VERSION = "0.3.0"
 ROOT = Path(__file__).parent
 DEFAULT_ARCHS = "80;86;89;90"
-C_SOURCES = ["address_list.c", "args.c", "array.c", "convert.c", "copy.c", "cpu_copy.c", "debug.c", "module.c", "stream.c"]
+C_SOURCES = ["address_list.c", "args.c", "array.c", "convert.c", "copy.c", "cpu_copy.c", "debug.c", "module.c", "paged.c",
+             "stream.c"]
 
 
 def find_nvcc():

@@ -1,9 +1,10 @@
-/* Address and size lists.  See address_list.h. */
+/* Address, size and block-id lists.  See address_list.h. */
 #include "address_list.h"
 
 #include <string.h>
 
 #include "args.h"
+#include "dlpack.h"
 #include "gpu.h"
 
 /* Names entry `index` of a list in errors, e.g. src_ptrs[3]. */
@@ -13,10 +14,36 @@ static kv_path entry_path(const char *name, Py_ssize_t index)
     return path;
 }
 
-static int from_sequence(PyObject *obj, const char *name, kv_address_list *out)
+static const char *const EXPECTED[2] = {"a sequence of ints or a 1-D int64/uint64 array",
+                                        "a sequence of ints or a 1-D int32/int64 array"};
+
+/* One int of a sequence: an address or size from 0 to 2**64 - 1, or a block
+ * id that fits in int64. */
+static int read_int(PyObject *item, const kv_path *entry, kv_list_kind kind, uint64_t *value)
+{
+    if (PyBool_Check(item) || !PyLong_Check(item))
+        return kv_path_error(PyExc_TypeError, entry, "expected an int, got %s", Py_TYPE(item)->tp_name);
+    if (kind == KV_LIST_BLOCK_IDS) {
+        const long long id = PyLong_AsLongLong(item);
+        if (id == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return kv_path_error(PyExc_ValueError, entry, "block id %R does not fit in int64", item);
+        }
+        *value = (uint64_t)id;
+        return 0;
+    }
+    *value = PyLong_AsUnsignedLongLong(item);
+    if (*value == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return kv_path_error(PyExc_ValueError, entry, "expected an int from 0 to 2**64 - 1, got %R", item);
+    }
+    return 0;
+}
+
+static int from_sequence(PyObject *obj, const char *name, kv_list_kind kind, kv_address_list *out)
 {
     const kv_path path = {name, {0, 0}, 0};
-    PyObject *seq = kv_as_sequence(obj, &path, "a sequence of ints or a 1-D int64/uint64 array");
+    PyObject *seq = kv_as_sequence(obj, &path, EXPECTED[kind]);
     if (seq == NULL)
         return -1;
     out->count = PySequence_Fast_GET_SIZE(seq);
@@ -27,30 +54,28 @@ static int from_sequence(PyObject *obj, const char *name, kv_address_list *out)
         return -1;
     }
     for (Py_ssize_t i = 0; i < out->count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         const kv_path entry = entry_path(name, i);
-        if (PyBool_Check(item) || !PyLong_Check(item)) {
-            kv_path_error(PyExc_TypeError, &entry, "expected an int, got %s", Py_TYPE(item)->tp_name);
-            goto fail;
+        if (read_int(PySequence_Fast_GET_ITEM(seq, i), &entry, kind, &out->values[i]) < 0) {
+            Py_DECREF(seq);
+            PyMem_Free(out->values);
+            out->values = NULL;
+            return -1;
         }
-        unsigned long long value = PyLong_AsUnsignedLongLong(item);
-        if (value == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            kv_path_error(PyExc_ValueError, &entry, "expected an int from 0 to 2**64 - 1, got %R", item);
-            goto fail;
-        }
-        out->values[i] = value;
     }
     Py_DECREF(seq);
     return 0;
-fail:
-    Py_DECREF(seq);
-    PyMem_Free(out->values);
-    out->values = NULL;
-    return -1;
 }
 
-static int from_array(PyObject *obj, const char *name, int allow_device, PyObject *dlpack_stream,
+/* The element types a list accepts: int64/uint64 addresses and sizes,
+ * int32/int64 block ids. */
+static int element_type_ok(kv_dtype dtype, kv_list_kind kind)
+{
+    if (kind == KV_LIST_BLOCK_IDS)
+        return dtype.code == kDLInt && (dtype.bits == 32 || dtype.bits == 64);
+    return (dtype.code == kDLInt || dtype.code == kDLUInt) && dtype.bits == 64;
+}
+
+static int from_array(PyObject *obj, const char *name, kv_list_kind kind, int allow_device, PyObject *dlpack_stream,
                       kv_address_list *out)
 {
     const kv_path path = {name, {0, 0}, 0};
@@ -61,8 +86,9 @@ static int from_array(PyObject *obj, const char *name, int allow_device, PyObjec
     int rc = -1;
     if (a->ndim != 1)
         kv_path_error(PyExc_ValueError, &path, "expected a 1-D array, got %d dimensions", a->ndim);
-    else if ((a->dtype.code != 0 && a->dtype.code != 1) || a->dtype.bits != 64)
-        kv_path_error(PyExc_TypeError, &path, "expected int64 or uint64 elements, got %s",
+    else if (!element_type_ok(a->dtype, kind))
+        kv_path_error(PyExc_TypeError, &path, "expected %s elements, got %s",
+                      kind == KV_LIST_BLOCK_IDS ? "int32 or int64" : "int64 or uint64",
                       kv_dtype_name(a->dtype, dtype, sizeof dtype));
     else if (!kv_array_is_contiguous(a))
         kv_path_error(PyExc_ValueError, &path, "array must be contiguous");
@@ -77,11 +103,10 @@ static int from_array(PyObject *obj, const char *name, int allow_device, PyObjec
         return -1;
     }
     out->count = a->shape[0];
+    out->int32 = a->dtype.bits == 32;
     if (a->place == KV_DEVICE) {
         out->on_device = 1;
         out->device_id = a->device_id;
-        out->has_stream = a->has_stream;
-        out->stream = a->stream;
         out->values = (uint64_t *)a->data;
         return 0; /* the array stays borrowed */
     }
@@ -91,10 +116,15 @@ static int from_array(PyObject *obj, const char *name, int allow_device, PyObjec
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(out->values, a->data, (size_t)out->count * sizeof(uint64_t));
-    const int is_signed = a->dtype.code == 0;
+    if (out->int32)
+        for (Py_ssize_t i = 0; i < out->count; i++)
+            out->values[i] = (uint64_t)(int64_t)((const int32_t *)a->data)[i];
+    else
+        memcpy(out->values, a->data, (size_t)out->count * sizeof(uint64_t));
+    out->int32 = 0;
+    const int check_sign = kind == KV_LIST_ADDRESSES && a->dtype.code == kDLInt;
     kv_array_release(a);
-    for (Py_ssize_t i = 0; is_signed && i < out->count; i++) {
+    for (Py_ssize_t i = 0; check_sign && i < out->count; i++) {
         if ((int64_t)out->values[i] < 0) {
             const kv_path entry = entry_path(name, i);
             kv_path_error(PyExc_ValueError, &entry, "expected a non-negative value, got %lld",
@@ -107,14 +137,16 @@ static int from_array(PyObject *obj, const char *name, int allow_device, PyObjec
     return 0;
 }
 
-int kv_address_list_from_object(PyObject *obj, const char *name, int allow_device, PyObject *dlpack_stream,
-                                kv_address_list *out)
+int kv_address_list_from_object(PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
+                                PyObject *dlpack_stream, kv_address_list *out)
 {
     memset(out, 0, sizeof *out);
     out->device_id = -1;
-    if (kv_is_array(obj))
-        return from_array(obj, name, allow_device, dlpack_stream, out);
-    return from_sequence(obj, name, out);
+    /* Lists and tuples first: asking them for the array protocols costs more
+     * than reading a short list. */
+    if (!PyList_Check(obj) && !PyTuple_Check(obj) && kv_is_array(obj))
+        return from_array(obj, name, kind, allow_device, dlpack_stream, out);
+    return from_sequence(obj, name, kind, out);
 }
 
 void kv_address_list_release(kv_address_list *list)

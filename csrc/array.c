@@ -66,18 +66,30 @@ const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size)
     return buf;
 }
 
-int kv_array_is_contiguous(const kv_array *a)
+int kv_array_is_contiguous(const kv_array *a) { return kv_array_is_contiguous_from(a, 0); }
+
+int kv_array_is_contiguous_from(const kv_array *a, int first)
 {
     for (int i = 0; i < a->ndim; i++)
         if (a->shape[i] == 0)
             return 1; /* no elements: any strides will do (torch reports 0 for them) */
     int64_t expected = a->itemsize;
-    for (int i = a->ndim - 1; i >= 0; i--) {
+    for (int i = a->ndim - 1; i >= first; i--) {
         if (a->shape[i] != 1 && a->strides[i] != expected)
             return 0;
         expected *= a->shape[i];
     }
     return 1;
+}
+
+void kv_array_add_producer(const kv_array *a, intptr_t *streams, Py_ssize_t *count)
+{
+    if (!a->has_stream)
+        return;
+    for (Py_ssize_t k = 0; k < *count; k++)
+        if (streams[k] == a->stream)
+            return;
+    streams[(*count)++] = a->stream;
 }
 
 static void set_compact_strides(kv_array *a)
@@ -128,6 +140,37 @@ static DLTensor *capsule_tensor(PyObject *capsule, const kv_path *path, uint64_t
     }
     kv_path_error(PyExc_TypeError, path, "__dlpack__() returned %R, not a DLPack capsule", capsule);
     return NULL;
+}
+
+/* Fills *out from a DLPack tensor (everything but the owner and the
+ * read-only flag). */
+static int fill_from_dltensor(const DLTensor *t, const kv_path *path, kv_array *out)
+{
+    const int type = t->device.device_type;
+    if (type != kDLCPU && type != kDLCUDA && type != kDLCUDAHost && type != kDLCUDAManaged)
+        return kv_path_error(PyExc_ValueError, path,
+                             "DLPack device type %d is not supported (expected CPU, CUDA, CUDA host or CUDA managed "
+                             "memory)", type);
+    if (check_ndim(path, t->ndim) < 0)
+        return -1;
+    if (t->dtype.lanes != 1 || t->dtype.bits % 8 != 0 || t->dtype.bits == 0)
+        return kv_path_error(PyExc_TypeError, path, "DLPack element type (code %u, %u bits, %u lanes) is not supported",
+                             t->dtype.code, t->dtype.bits, t->dtype.lanes);
+    out->data = (char *)t->data + t->byte_offset;
+    out->ndim = t->ndim;
+    out->itemsize = t->dtype.bits / 8;
+    out->dtype.code = t->dtype.code;
+    out->dtype.bits = t->dtype.bits;
+    for (int i = 0; i < t->ndim; i++)
+        out->shape[i] = t->shape[i];
+    if (t->strides == NULL)
+        set_compact_strides(out);
+    else
+        for (int i = 0; i < t->ndim; i++)
+            out->strides[i] = t->strides[i] * out->itemsize;
+    out->place = type == kDLCPU ? KV_HOST : type == kDLCUDAHost ? KV_HOST_PINNED : KV_DEVICE;
+    out->device_id = t->device.device_id;
+    return 0;
 }
 
 /* obj.__dlpack__(stream=stream, max_version=(1, 3)), retried without
@@ -199,35 +242,79 @@ static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream
         return -1;
     uint64_t flags;
     DLTensor *t = capsule_tensor(capsule, path, &flags);
-    if (t == NULL) {
+    if (t == NULL || fill_from_dltensor(t, path, out) < 0) {
         Py_DECREF(capsule);
         return -1;
     }
-    if (check_ndim(path, t->ndim) < 0 || t->dtype.lanes != 1 || t->dtype.bits % 8 != 0) {
-        if (!PyErr_Occurred())
-            kv_path_error(PyExc_TypeError, path, "DLPack element type (code %u, %u bits, %u lanes) is not supported",
-                          t->dtype.code, t->dtype.bits, t->dtype.lanes);
-        Py_DECREF(capsule);
-        return -1;
-    }
-    out->data = (char *)t->data + t->byte_offset;
-    out->ndim = t->ndim;
-    out->itemsize = t->dtype.bits / 8;
-    out->dtype.code = t->dtype.code;
-    out->dtype.bits = t->dtype.bits;
-    for (int i = 0; i < t->ndim; i++)
-        out->shape[i] = t->shape[i];
-    if (t->strides == NULL)
-        set_compact_strides(out);
-    else
-        for (int i = 0; i < t->ndim; i++)
-            out->strides[i] = t->strides[i] * out->itemsize;
-    out->place = device_type == kDLCPU ? KV_HOST : device_type == kDLCUDAHost ? KV_HOST_PINNED : KV_DEVICE;
-    out->device_id = t->device.device_id;
     out->readonly = (flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
     /* The capsule keeps the tensor alive; its destructor calls the deleter
      * because the capsule is never renamed to used_*. */
     out->owner = capsule;
+    return 0;
+}
+
+/* ------------------------------------------------ DLPack C exchange API */
+
+/* The exchange API of recently seen types, or NULL for types without one:
+ * asking a type costs an attribute lookup (an AttributeError for most
+ * types), far more than the call it saves.  Entries hold a reference to
+ * their type, so an address is never reused by another type while cached;
+ * the slots are recycled in turn.  Guarded by the GIL. */
+#define KV_EXCHANGE_TYPES 8
+static struct {
+    PyTypeObject *type;
+    const DLPackExchangeAPI *api;
+} exchange_types[KV_EXCHANGE_TYPES];
+static int exchange_next;
+
+static const DLPackExchangeAPI *exchange_api(PyTypeObject *type)
+{
+    for (int i = 0; i < KV_EXCHANGE_TYPES; i++)
+        if (exchange_types[i].type == type)
+            return exchange_types[i].api;
+    const DLPackExchangeAPI *api = NULL;
+    PyObject *capsule = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+    if (capsule == NULL)
+        PyErr_Clear();
+    else {
+        const DLPackExchangeAPI *found = PyCapsule_IsValid(capsule, "dlpack_exchange_api")
+                                             ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
+                                             : NULL;
+        /* A major version other than 1 may have another layout. */
+        if (found != NULL && found->header.version.major == 1 && found->dltensor_from_py_object_no_sync != NULL
+            && found->current_work_stream != NULL)
+            api = found;
+        Py_DECREF(capsule);
+    }
+    Py_XSETREF(exchange_types[exchange_next].type, (PyTypeObject *)Py_NewRef(type));
+    exchange_types[exchange_next].api = api;
+    exchange_next = (exchange_next + 1) % KV_EXCHANGE_TYPES;
+    return api;
+}
+
+/* Fills *out through the producer's C function.  The producer does not
+ * synchronize: its current stream on the array's device becomes the array's
+ * producer stream, which the call orders before its own, as
+ * __dlpack__(stream=...) would.  Returns 0, -1 with an exception, or 1 when
+ * the producer cannot describe obj (the Python protocols then try). */
+static int from_exchange(PyObject *obj, const DLPackExchangeAPI *api, const kv_path *path, kv_array *out)
+{
+    DLTensor t;
+    if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    if (fill_from_dltensor(&t, path, out) < 0)
+        return -1;
+    if (out->place == KV_DEVICE) {
+        void *stream = NULL;
+        if (api->current_work_stream(t.device.device_type, t.device.device_id, &stream) != 0)
+            return -1;
+        out->has_stream = 1;
+        out->stream = (intptr_t)stream;
+    }
+    /* The DLTensor carries no read-only flag: the array is taken as writable. */
+    out->owner = Py_NewRef(obj);
     return 0;
 }
 
@@ -396,12 +483,27 @@ static int from_buffer(PyObject *obj, const kv_path *path, kv_array *out)
 
 /* ---------------------------------------------------------------- entry */
 
-int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+static void clear_array(kv_array *out)
 {
     memset(out, 0, sizeof *out);
     out->place = KV_HOST;
     out->device_id = -1;
+}
+
+int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+{
+    clear_array(out);
     int rc;
+    const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
+    if (api != NULL) {
+        rc = from_exchange(obj, api, path, out);
+        if (rc <= 0) {
+            if (rc < 0)
+                kv_array_release(out);
+            return rc;
+        }
+        clear_array(out);
+    }
     if (PyObject_HasAttrString(obj, "__dlpack__") && PyObject_HasAttrString(obj, "__dlpack_device__"))
         rc = from_dlpack(obj, path, dlpack_stream, out);
     else if (PyObject_HasAttrString(obj, "__cuda_array_interface__")) {

@@ -72,6 +72,14 @@ void kv_array_release(kv_array *a);
  * an array without elements always is). */
 int kv_array_is_contiguous(const kv_array *a);
 
+/* The same for dimensions first .. ndim - 1 only (a stack of contiguous
+ * arrays along the leading dimensions). */
+int kv_array_is_contiguous_from(const kv_array *a, int first);
+
+/* Lists a's producer stream (CAI v3, or the DLPack C exchange API's current
+ * stream) in streams[0 .. *count) unless it is there already. */
+void kv_array_add_producer(const kv_array *a, intptr_t *streams, Py_ssize_t *count);
+
 /* A readable name for an element type, e.g. "bfloat16", "raw2". */
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size);
 

@@ -377,14 +377,8 @@ static int run(kv_gpu *gpu, kv_call *call)
             PyErr_NoMemory();
             return -1;
         }
-        for (Py_ssize_t i = 0; i < count; i++) {
-            const kv_array *a = &call->arrays[i];
-            Py_ssize_t k = 0;
-            while (a->has_stream && k < target.producer_count && producers[k] != a->stream)
-                k++;
-            if (a->has_stream && k == target.producer_count)
-                producers[target.producer_count++] = a->stream;
-        }
+        for (Py_ssize_t i = 0; i < count; i++)
+            kv_array_add_producer(&call->arrays[i], producers, &target.producer_count);
         target.producers = producers;
     }
     const int rc = call->conversion == KV_BLOCK_OPERATIONAL ? run_block_operational(gpu, call, &target, on_gpu)

@@ -74,10 +74,12 @@ static int read_call(PyObject *src, PyObject *dst, PyObject *sizes, PyObject *st
     call->dlpack_stream = kv_stream_for_dlpack(call->stream);
     if (call->dlpack_stream == NULL)
         return -1;
-    if (kv_address_list_from_object(src, LIST_NAMES[0], allow_device, call->dlpack_stream, &call->src) < 0)
+    if (kv_address_list_from_object(src, LIST_NAMES[0], KV_LIST_ADDRESSES, allow_device, call->dlpack_stream,
+                                    &call->src) < 0)
         return -1;
     call->parsed = 1;
-    if (kv_address_list_from_object(dst, LIST_NAMES[1], allow_device, call->dlpack_stream, &call->dst) < 0)
+    if (kv_address_list_from_object(dst, LIST_NAMES[1], KV_LIST_ADDRESSES, allow_device, call->dlpack_stream,
+                                    &call->dst) < 0)
         return -1;
     call->parsed = 2;
     if (call->dst.count != call->src.count) {
@@ -95,7 +97,8 @@ static int read_call(PyObject *src, PyObject *dst, PyObject *sizes, PyObject *st
         }
         return 0;
     }
-    if (kv_address_list_from_object(sizes, "sizes", allow_device, call->dlpack_stream, &call->sizes) < 0)
+    if (kv_address_list_from_object(sizes, "sizes", KV_LIST_ADDRESSES, allow_device, call->dlpack_stream,
+                                    &call->sizes) < 0)
         return -1;
     call->parsed = 3;
     if (call->sizes.count != call->src.count) {
@@ -141,8 +144,7 @@ static int resolve_target(const kv_copy_call *call, int found, kv_gpu_target *ta
             return -1;
         }
         target->device = lists[i]->device_id;
-        if (lists[i]->has_stream)
-            producers[target->producer_count++] = lists[i]->stream;
+        kv_array_add_producer(&lists[i]->array, producers, &target->producer_count);
     }
     if (target->device < 0)
         target->device = kv_gpu_current_device();

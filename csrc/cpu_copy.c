@@ -1,4 +1,5 @@
-/* The CPU implementation: one memcpy per segment (see kvbm_layout.h). */
+/* The CPU implementation: one memcpy per segment (see kvbm_layout.h and
+ * kvbm_paged.h). */
 #include "cpu_copy.h"
 
 #include <string.h>
@@ -21,6 +22,31 @@ void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvb
                     memcpy(in_universal, in_chunk, (size_t)segment_bytes);
                 else
                     memcpy(in_chunk, in_universal, (size_t)segment_bytes);
+            }
+        }
+    }
+}
+
+void kv_cpu_paged(const kvbm_paged *p, const kvbm_paged_addresses *a, const uint64_t *table)
+{
+    const uint64_t *flats = table + (a->ids == NULL ? p->nb : 0);
+    for (int64_t b = 0; b < p->nb; b++) {
+        const int64_t id = (int64_t)table[b]; /* host ids are always in the table, checked */
+        char *flat = a->flat_base ? (char *)(uintptr_t)(a->flat_base + (uint64_t)(b * a->flat_block))
+                                  : (char *)(uintptr_t)flats[b];
+        for (int64_t i = 0; i < p->nl; i++) {
+            const int64_t layer = kvbm_paged_layer(p, i);
+            for (int64_t o = 0; o < p->no; o++) {
+                char *cache_chunk = (char *)(uintptr_t)a->layers[layer] + kvbm_paged_cache_chunk(p, id, o);
+                char *flat_chunk = flat + kvbm_paged_flat_chunk(p, layer, o);
+                for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
+                    int64_t cache_off, flat_off;
+                    kvbm_paged_segment(p, s, &cache_off, &flat_off);
+                    if (p->to_flat)
+                        memcpy(flat_chunk + flat_off, cache_chunk + cache_off, (size_t)p->segment_bytes);
+                    else
+                        memcpy(cache_chunk + cache_off, flat_chunk + flat_off, (size_t)p->segment_bytes);
+                }
             }
         }
     }

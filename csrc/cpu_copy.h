@@ -8,6 +8,10 @@
  * without the GIL. */
 void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvbm_direction direction);
 
+/* Same arguments as kvbm_launch_paged, with every address in host memory.
+ * Call without the GIL. */
+void kv_cpu_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses, const uint64_t *table);
+
 /* One memcpy per pair (host lists).  Call without the GIL. */
 void kv_cpu_copy_pairs(const kv_pairs *pairs);
 

@@ -1,5 +1,6 @@
 /* The DLPack ABI (https://github.com/dmlc/dlpack, Apache-2.0), the parts this
- * extension reads: the tensor descriptor and both capsule payloads. */
+ * extension reads: the tensor descriptor, both capsule payloads and the C
+ * exchange API of DLPack 1.3. */
 #ifndef KVBM_DLPACK_H
 #define KVBM_DLPACK_H
 
@@ -71,5 +72,27 @@ typedef struct DLManagedTensorVersioned {
     uint64_t flags;
     DLTensor dl_tensor;
 } DLManagedTensorVersioned;
+
+/* The C exchange API: a producer's type attribute __dlpack_c_exchange_api__
+ * is a capsule "dlpack_exchange_api" holding this table, valid for the life
+ * of the process.  New minor versions only append members.  Only the two
+ * members read here are spelled out; the others are opaque pointers. */
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+typedef struct {
+    DLPackExchangeAPIHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    /* Fills *out (shape and strides owned by the producer, valid while
+     * py_object lives) without a Python call and without any stream
+     * synchronization; 0, or -1 with a Python exception.  May be NULL. */
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
+    /* The producer's current stream on a device; 0, or -1 with an exception. */
+    int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_current_stream);
+} DLPackExchangeAPI;
 
 #endif /* KVBM_DLPACK_H */

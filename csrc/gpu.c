@@ -559,6 +559,16 @@ static int run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work w
 static int stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts, const size_t *part_bytes,
                        int nparts, char **device_copy, size_t *offset, size_t *bytes, kv_failure *f)
 {
+    /* A graph would replay the upload from the ring, which later calls
+     * overwrite: refuse rather than capture it. */
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_STEP(f, cudaStreamIsCapturing(stream, &capture), "asking whether the stream is capturing");
+    if (capture != cudaStreamCaptureStatusNone) {
+        f->error = cudaErrorStreamCaptureUnsupported;
+        f->what = "staging a pointer table while the stream is captured into a CUDA graph (capture calls whose "
+                  "tables travel in the kernel's parameters: device-resident block ids and one array)";
+        return -1;
+    }
     *bytes = 0;
     for (int i = 0; i < nparts; i++)
         *bytes += part_bytes[i];
@@ -578,6 +588,30 @@ static int stage_table(kv_ring *ring, cudaStream_t stream, const void *const *pa
     return 0;
 }
 
+/* A launch that reads a table of 8-byte entries: from host memory, by value,
+ * when device_table is NULL. */
+typedef cudaError_t (*kv_table_launch)(const void *args, const void *host_table, const void *device_table,
+                                       cudaStream_t stream);
+
+/* Launches with `entries` table entries by value when they fit in the
+ * kernel's parameters, else from a staged copy. */
+static int launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries,
+                             kv_table_launch launch, const void *args, const char *what, kv_failure *f)
+{
+    if (entries <= KVBM_TABLE_BY_VALUE_MAX) {
+        CUDA_STEP(f, launch(args, table, NULL, stream), what);
+        return 0;
+    }
+    const void *parts[] = {table};
+    const size_t part_bytes[] = {(size_t)entries * 8};
+    char *device_table;
+    size_t offset, bytes;
+    if (stage_table(ring, stream, parts, part_bytes, 1, &device_table, &offset, &bytes, f) < 0)
+        return -1;
+    CUDA_STEP(f, launch(args, NULL, device_table, stream), what);
+    return ring_commit(ring, offset, bytes, stream, f);
+}
+
 typedef struct {
     const kvbm_block_dims *dims;
     kvbm_direction direction;
@@ -585,25 +619,19 @@ typedef struct {
     int vector_bytes;
 } kv_block_universal_args;
 
+static cudaError_t launch_block_universal(const void *args, const void *host_table, const void *device_table,
+                                          cudaStream_t stream)
+{
+    const kv_block_universal_args *a = args;
+    return kvbm_launch_block_universal(a->dims, (void *const *)host_table, (void *const *)device_table, a->direction,
+                                       a->vector_bytes, stream);
+}
+
 static int enqueue_block_universal(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
 {
     const kv_block_universal_args *a = args;
-    const int64_t count = kvbm_table_entries(a->dims);
-    if (count <= KVBM_TABLE_BY_VALUE_MAX) {
-        CUDA_STEP(f, kvbm_launch_block_universal(a->dims, a->table, NULL, a->direction, a->vector_bytes, stream),
-                  "launching the block/universal kernel");
-        return 0;
-    }
-    const void *parts[] = {a->table};
-    const size_t part_bytes[] = {(size_t)count * sizeof(void *)};
-    char *device_table;
-    size_t offset, bytes;
-    if (stage_table(ring, stream, parts, part_bytes, 1, &device_table, &offset, &bytes, f) < 0)
-        return -1;
-    CUDA_STEP(f, kvbm_launch_block_universal(a->dims, NULL, (void *const *)device_table, a->direction,
-                                             a->vector_bytes, stream),
-              "launching the block/universal kernel");
-    return ring_commit(ring, offset, bytes, stream, f);
+    return launch_with_table(ring, stream, a->table, kvbm_table_entries(a->dims), launch_block_universal, args,
+                             "launching the block/universal kernel", f);
 }
 
 int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
@@ -611,6 +639,77 @@ int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_
 {
     const kv_block_universal_args args = {dims, direction, table, vector_bytes};
     return run_on_device(gpu, target, enqueue_block_universal, &args);
+}
+
+/* ------------------------------------------------------------ paged caches */
+
+typedef struct {
+    const kvbm_paged *paged;
+    const kvbm_paged_addresses *addresses;
+    const uint64_t *table;
+    int vector_bytes;
+    uint32_t max_ctas;
+} kv_paged_args;
+
+static cudaError_t launch_paged(const void *args, const void *host_table, const void *device_table,
+                                cudaStream_t stream)
+{
+    const kv_paged_args *a = args;
+    return kvbm_launch_paged(a->paged, a->addresses, host_table, device_table, a->vector_bytes, a->max_ctas, stream);
+}
+
+static int enqueue_paged(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
+{
+    const kv_paged_args *a = args;
+    return launch_with_table(ring, stream, a->table, kvbm_paged_table_entries(a->addresses, a->paged->nb),
+                             launch_paged, args, "launching the paged cache kernel", f);
+}
+
+int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
+                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas)
+{
+    const kv_paged_args args = {paged, addresses, table, vector_bytes, max_ctas};
+    return run_on_device(gpu, target, enqueue_paged, &args);
+}
+
+int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy)
+{
+    kv_failure failure = {cudaSuccess, NULL};
+    int previous = -1, rc = -1;
+    *device_copy = NULL;
+    cudaError_t error = select_device(device, &previous);
+    if (error != cudaSuccess) {
+        failure.error = error;
+        failure.what = "selecting the device";
+    }
+    else {
+        error = cudaMalloc(device_copy, bytes);
+        if (error == cudaSuccess)
+            error = cudaMemcpy(*device_copy, host, bytes, cudaMemcpyHostToDevice);
+        if (error != cudaSuccess) {
+            failure.error = error;
+            failure.what = "copying a table to the device";
+            cudaFree(*device_copy);
+            *device_copy = NULL;
+        }
+        else
+            rc = 0;
+        kv_gpu_restore_device(previous);
+    }
+    if (rc < 0) {
+        cudaGetLastError();
+        raise_failure(&failure);
+    }
+    return rc;
+}
+
+void kv_gpu_release(int device, void *device_copy)
+{
+    int previous = -1;
+    if (device_copy != NULL && select_device(device, &previous) == cudaSuccess) {
+        cudaFree(device_copy);
+        kv_gpu_restore_device(previous);
+    }
 }
 
 /* ------------------------------------------------------------ raw copies */

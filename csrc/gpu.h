@@ -6,6 +6,7 @@
 
 #include "array.h"
 #include "kvbm_layout.h"
+#include "kvbm_paged.h"
 
 /* Per-module GPU resources (pointer-table staging, events), created lazily
  * per device. */
@@ -47,6 +48,19 @@ typedef struct {
  * kvbm_launch_block_universal takes it. */
 int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
                            kvbm_direction direction, void *const *table, int vector_bytes);
+
+/* A paged cache <-> flat blocks move, as kvbm_launch_paged takes it (`table`
+ * in host memory); at most `max_ctas` CTAs (0: no bound). */
+int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
+                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas);
+
+/* Copies `bytes` of host memory into a new allocation on `device`, waiting
+ * for the copy (for tables built once, not per call).  Returns 0, or -1 with
+ * RuntimeError. */
+int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy);
+
+/* Frees what kv_gpu_upload allocated (NULL: nothing). */
+void kv_gpu_release(int device, void *device_copy);
 
 /* A batch of raw copies.  Each list lives in host memory or, flagged
  * `*_on_device`, in device memory of the target's device (kernel only). */

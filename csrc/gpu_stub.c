@@ -52,6 +52,22 @@ int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_
     return no_cuda();
 }
 
+int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
+                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas)
+{
+    (void)gpu, (void)target, (void)paged, (void)addresses, (void)table, (void)vector_bytes, (void)max_ctas;
+    return no_cuda();
+}
+
+int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy)
+{
+    (void)device, (void)host, (void)bytes;
+    *device_copy = NULL;
+    return no_cuda();
+}
+
+void kv_gpu_release(int device, void *device_copy) { (void)device, (void)device_copy; }
+
 const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
 
 int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,

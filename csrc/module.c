@@ -3,15 +3,12 @@
 #include <Python.h>
 
 #include "convert.h"
-#include "gpu.h"
+#include "paged.h"
+#include "state.h"
 
 #ifndef KVBM_VERSION
 #error "KVBM_VERSION must be defined by the build"
 #endif
-
-typedef struct {
-    kv_gpu *gpu;
-} kv_state;
 
 static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetState(module); }
 
@@ -278,7 +275,7 @@ static int module_exec(PyObject *module)
 {
     kv_state *state = state_of(module);
     state->gpu = kv_gpu_new();
-    if (state->gpu == NULL)
+    if (state->gpu == NULL || kv_paged_add_type(module) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kvbm_layout.h"
+#include "kvbm_paged.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -51,6 +52,17 @@ typedef struct {
  * KVBM_TABLE_BY_VALUE_MAX values in all, and travels in the launch's
  * parameters; the list pointers of `pairs` are then ignored. */
 cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_value, cudaStream_t stream);
+
+/* Moves paged->nb blocks between a paged cache and flat (universal or
+ * operational) blocks in one launch, as kvbm_paged.h describes; `paged` has
+ * been planned (kvbm_paged_plan).  The call's table (kvbm_paged_table_entries
+ * values) is `device_table` in device memory or, when that is NULL, read
+ * from `host_table` and passed by value (at most KVBM_TABLE_BY_VALUE_MAX
+ * values).  Every address, stride and the segment size must be a multiple of
+ * `vector_bytes`.  At most `max_ctas` CTAs run (0: one per tile). */
+cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
+                              const uint64_t *host_table, const uint64_t *device_table,
+                              int vector_bytes, uint32_t max_ctas, cudaStream_t stream);
 
 /* Vectors of 16 bytes that one CTA of kvbm_launch_copy_pairs moves per step:
  * the slice size a caller aims for when it picks `slices`. */

@@ -6,12 +6,17 @@ Layouts (nl layers, no outer chunks, nh heads, nt tokens per block, hd head dim)
   universal:       one contiguous [nh, nl, no, nt, hd] array per block
   operational:     one contiguous [nl, no, nt*nh*hd] array per block (TensorRT-LLM)
 
+PagedKVCache describes a serving worker's cache once (per-layer arrays or one
+array, blocks addressed by id) and moves blocks to and from universal and
+operational blocks with one kernel launch per call.
+
 Raw batched copies between device and pinned host memory: vectorized_copy
 (one kernel launch) and memcpy_batch (the copy engines).
 """
 
 try:
     from ._C import (
+        PagedKVCache,
         __version__,
         block_to_operational,
         block_to_universal,
@@ -33,6 +38,7 @@ except ImportError as error:  # pragma: no cover - only without a build
     ) from error
 
 __all__ = [
+    "PagedKVCache",
     "__version__",
     "block_to_operational",
     "block_to_universal",

@@ -87,6 +87,80 @@ def memcpy_batch(
     stream: Stream = None,
 ) -> None: ...
 def is_memcpy_batch_available() -> bool: ...
+
+# Block ids: a sequence of ints, or a 1-D int32/int64 array on the host or the cache's device.
+BlockIds = Sequence[int] | Array
+
+class PagedKVCache:
+    def __init__(self, layers: Sequence[Array] | Array, dims: str) -> None: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def num_outer(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def itemsize(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def dims(self) -> str: ...
+    @property
+    def layers(self) -> Sequence[Array] | Array: ...
+    def to_universal(
+        self,
+        block_ids: BlockIds,
+        universals: Sequence[Array] | Array,
+        /,
+        *,
+        layers: slice | range | None = None,
+        layer_offset: int = 0,
+        head_offset: int = 0,
+        num_ctas: int | None = None,
+        stream: Stream = None,
+    ) -> None: ...
+    def from_universal(
+        self,
+        universals: Sequence[Array] | Array,
+        block_ids: BlockIds,
+        /,
+        *,
+        layers: slice | range | None = None,
+        layer_offset: int = 0,
+        head_offset: int = 0,
+        num_ctas: int | None = None,
+        stream: Stream = None,
+    ) -> None: ...
+    def to_operational(
+        self,
+        block_ids: BlockIds,
+        operationals: Sequence[Array] | Array,
+        /,
+        *,
+        inner: str = "NHD",
+        layers: slice | range | None = None,
+        num_ctas: int | None = None,
+        stream: Stream = None,
+    ) -> None: ...
+    def from_operational(
+        self,
+        operationals: Sequence[Array] | Array,
+        block_ids: BlockIds,
+        /,
+        *,
+        inner: str = "NHD",
+        layers: slice | range | None = None,
+        num_ctas: int | None = None,
+        stream: Stream = None,
+    ) -> None: ...
 def is_using_stubs() -> bool: ...
 def build_info() -> BuildInfo: ...
 def cuda_devices() -> list[CudaDevice]: ...

@@ -40,6 +40,14 @@ def check_cpu():
             kvbm_ext.universal_to_block([universal], [back], layout)
             if not all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(back, chunks)):
                 return f"universal_to_block {layout} {np.dtype(dtype).name}: wrong bytes"
+            # The same chunks as a one-block paged cache per layer ([no, 1, *chunk]).
+            layers = [np.stack(chunks[l * NO_CHECK:(l + 1) * NO_CHECK])[:, None] for l in range(NL_CHECK)]
+            cache = kvbm_ext.PagedKVCache(layers, "kbthd" if layout == "NHD" else "kbhtd")
+            paged = np.empty_like(universal)[None]
+            paged.view(np.uint8)[...] = 0xA5
+            cache.to_universal([0], paged)
+            if not np.array_equal(paged[0].view(np.uint8), universal.view(np.uint8)):
+                return f"PagedKVCache.to_universal {layout} {np.dtype(dtype).name}: wrong bytes"
     return None
 
 

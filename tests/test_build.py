@@ -29,10 +29,11 @@ PUBLIC_FUNCTIONS = [
     "build_info",
     "cuda_devices",
 ]
+PUBLIC_TYPES = ["PagedKVCache"]
 
 
 def test_all_lists_every_public_function():
-    assert sorted(kvbm_ext.__all__) == sorted(PUBLIC_FUNCTIONS + ["__version__"])
+    assert sorted(kvbm_ext.__all__) == sorted(PUBLIC_FUNCTIONS + PUBLIC_TYPES + ["__version__"])
 
 
 # --------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def test_build_info_keys_and_types():
 
 
 def test_version():
-    assert kvbm_ext.__version__ == "0.2.0"
+    assert kvbm_ext.__version__ == "0.3.0"
     assert kvbm_ext.build_info()["version"] == kvbm_ext.__version__
 
 

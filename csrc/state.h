@@ -1,0 +1,12 @@
+/* The module's state, reached by the module's functions and by the methods
+ * of its types (PyType_GetModuleState). */
+#ifndef KVBM_STATE_H
+#define KVBM_STATE_H
+
+#include "gpu.h"
+
+typedef struct {
+    kv_gpu *gpu;
+} kv_state;
+
+#endif /* KVBM_STATE_H */

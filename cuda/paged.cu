@@ -1,0 +1,144 @@
+// Paged KV cache <-> universal or operational blocks.
+//
+// One CTA moves one tile of one chunk (block b, moved layer i, outer o) per
+// step of a grid-stride loop, so `max_ctas` bounds the SMs a transfer takes
+// without changing what it moves.  Each thread moves kUnroll vectors, all
+// loads before the stores.  Block ids and flat addresses come from the
+// launch's parameters, the device or both; where a byte goes is decided by
+// kvbm_paged.h, the code the CPU path runs too.
+#include <stdint.h>
+
+#include "kvbm_kernels.h"
+#include "kvbm_device.cuh"
+
+namespace {
+
+using namespace kvbm;
+
+struct Params {
+    kvbm_paged p;
+    kvbm_paged_addresses a;
+    kvbm_divisor vectors_per_segment;
+    kvbm_divisor tiles_per_chunk;
+    kvbm_divisor chunks_per_block;  // nl * no
+    kvbm_divisor outers;            // no
+    uint32_t vectors_per_chunk;
+    uint32_t vectors_per_tile;
+    uint32_t tiles;
+};
+
+template <class Table>
+__device__ __forceinline__ int64_t block_id(const Table &table, const Params &p, uint32_t b)
+{
+    if (p.a.ids == nullptr)
+        return (int64_t)table[b];
+    return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b] : static_cast<const int64_t *>(p.a.ids)[b];
+}
+
+template <class Table>
+__device__ __forceinline__ char *flat_block(const Table &table, const Params &p, uint32_t b)
+{
+    if (p.a.flat_base != 0)
+        return reinterpret_cast<char *>(p.a.flat_base + (int64_t)b * p.a.flat_block);
+    return reinterpret_cast<char *>(table[(p.a.ids == nullptr ? p.p.nb : 0) + b]);
+}
+
+template <int V, class Table>
+__global__ void __launch_bounds__(kThreads)
+paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
+{
+    using Vec = typename VectorOf<V>::type;
+    for (uint32_t tile_index = blockIdx.x; tile_index < p.tiles; tile_index += gridDim.x) {
+        const uint32_t chunk = kvbm_div(p.tiles_per_chunk, tile_index);  // (b * nl + i) * no + o
+        const uint32_t tile = tile_index - chunk * p.tiles_per_chunk.divisor;
+        const uint32_t b = kvbm_div(p.chunks_per_block, chunk);
+        const uint32_t layer_outer = chunk - b * p.chunks_per_block.divisor;
+        const uint32_t i = kvbm_div(p.outers, layer_outer);
+        const uint32_t o = layer_outer - i * p.outers.divisor;
+
+        const int64_t id = block_id(table, p, b);
+        if (id < 0 || id >= p.p.num_blocks)
+            continue;  // device-resident ids are not checked on the host
+        const int64_t layer = kvbm_paged_layer(&p.p, i);
+        char *cache = reinterpret_cast<char *>(p.a.layers[layer]) + kvbm_paged_cache_chunk(&p.p, id, o);
+        char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, layer, o);
+        const char *src = p.p.to_flat ? cache : flat;
+        char *dst = p.p.to_flat ? flat : cache;
+
+        const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
+        Vec values[kUnroll];
+        int64_t dst_off[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            const uint32_t j = first + k * blockDim.x;
+            if (j < p.vectors_per_chunk) {
+                const uint32_t s = kvbm_div(p.vectors_per_segment, j);
+                const int64_t within = (int64_t)(j - s * p.vectors_per_segment.divisor) * V;
+                int64_t cache_off, flat_off;
+                kvbm_paged_segment(&p.p, s, &cache_off, &flat_off);
+                const int64_t src_off = (p.p.to_flat ? cache_off : flat_off) + within;
+                dst_off[k] = (p.p.to_flat ? flat_off : cache_off) + within;
+                values[k] = *reinterpret_cast<const Vec *>(src + src_off);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            const uint32_t j = first + k * blockDim.x;
+            if (j < p.vectors_per_chunk)
+                *reinterpret_cast<Vec *>(dst + dst_off[k]) = values[k];
+        }
+    }
+}
+
+template <int V>
+cudaError_t launch(const Params &p, const uint64_t *host_table, const uint64_t *device_table, unsigned grid,
+                   unsigned threads, cudaStream_t stream)
+{
+    if (device_table != nullptr)
+        paged_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<uint64_t>{device_table}, p);
+    else
+        launch_by_value(paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
+                        paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
+                        kvbm_paged_table_entries(&p.a, p.p.nb), p, grid, threads, stream);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
+                                         const uint64_t *host_table, const uint64_t *device_table,
+                                         int vector_bytes, uint32_t max_ctas, cudaStream_t stream)
+{
+    // The caller has validated that the counts below fit in 32 bits and the
+    // tiles below 2^31.
+    const uint32_t vectors_per_chunk = (uint32_t)(paged->segments * paged->segment_bytes / vector_bytes);
+    const int64_t chunks = paged->nb * paged->nl * paged->no;
+    if (chunks == 0 || vectors_per_chunk == 0)
+        return cudaSuccess;
+
+    // Small chunks get narrower CTAs rather than idle threads.
+    uint32_t threads = (vectors_per_chunk + kUnroll - 1) / kUnroll;
+    threads = threads >= kThreads ? kThreads : (threads + 31) / 32 * 32;
+
+    Params p;
+    p.p = *paged;
+    p.a = *addresses;
+    p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
+    p.vectors_per_chunk = vectors_per_chunk;
+    p.vectors_per_tile = threads * kUnroll;
+    const uint32_t tiles_per_chunk = (vectors_per_chunk + p.vectors_per_tile - 1) / p.vectors_per_tile;
+    p.tiles_per_chunk = kvbm_divisor_make(tiles_per_chunk);
+    p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
+    p.outers = kvbm_divisor_make((uint32_t)paged->no);
+    p.tiles = (uint32_t)(chunks * tiles_per_chunk);
+    const unsigned grid = max_ctas != 0 && max_ctas < p.tiles ? max_ctas : p.tiles;
+
+    switch (vector_bytes) {
+    case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
+    case 8: return launch<8>(p, host_table, device_table, grid, threads, stream);
+    case 4: return launch<4>(p, host_table, device_table, grid, threads, stream);
+    case 2: return launch<2>(p, host_table, device_table, grid, threads, stream);
+    case 1: return launch<1>(p, host_table, device_table, grid, threads, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
