@@ -11,12 +11,15 @@ list of its nl*no chunk views ([nt, nh, hd] for NHD, [nh, nt, hd] for HND).  Uni
   operational  block_to_operational / operational_to_block per backend, and
                universal_to_operational / operational_to_universal
   copy         vectorized_copy and memcpy_batch on address lists
+  paged        PagedKVCache over the per-layer caches ("kbthd"): to/from universals with
+               host and device block ids, next to the list API and a plain-PyTorch loop on
+               the same blocks; to/from operationals; a num_ctas sweep (and a CPU section)
 with every array on the device ("d2d") or one side in pinned host memory ("pinned"),
 next to copy ceilings measured in the same run: a device copy, a 1 GiB pinned memcpy
 each way, and a pinned memcpy of exactly the bytes of each size.  CPU mode times the
-host implementation of the list API against a single-threaded memcpy.  Every case is
-checked bit for bit against a pure-torch reference before it is timed.  See
-benchmarks/README.md.
+host implementation of the list API (and of PagedKVCache) against a single-threaded
+memcpy.  Every case is checked bit for bit against a pure-torch reference before it is
+timed.  See benchmarks/README.md.
 """
 
 import argparse
@@ -40,7 +43,8 @@ import kvbm_ext  # noqa: E402
 
 NL, NO, NH, HD = 80, 2, 8, 128          # Llama-3.1-70B KV cache
 DTYPE = torch.bfloat16
-APIS = ("list", "operational", "copy")
+APIS = ("list", "operational", "copy", "paged")
+CPU_APIS = ("list", "paged")            # the groups with a CPU section
 
 # (direction, kvbm_ext function, whether it writes side b of the pairing)
 LIST_DIRECTIONS = (("b2u", "block_to_universal", True), ("u2b", "universal_to_block", False))
@@ -49,6 +53,15 @@ BLOCK_OP_DIRECTIONS = (("b2o", "block_to_operational", True),
 UNIVERSAL_OP_DIRECTIONS = (("u2o", "universal_to_operational", True),
                            ("o2u", "operational_to_universal", False))
 COPY_DIRECTIONS = (("d2h", True), ("h2d", False))      # side a on the device, side b pinned
+# PagedKVCache methods (and TorchLoop's): side a is the cache, side b the universals / operationals
+PAGED_DIRECTIONS = (("b2u", "to_universal", True), ("u2b", "from_universal", False))
+PAGED_OP_DIRECTIONS = (("b2o", "to_operational", True), ("o2b", "from_operational", False))
+PAGED_DIMS = {"NHD": "kbthd", "HND": "kbhtd"}          # a per-layer cache [no, num_blocks, *chunk]
+ID_KINDS = ("host_ids", "device_ids")    # block_ids as a list of ints, as an int64 CUDA tensor
+ID_SEED = 2026                           # the spread block ids are the same in every run
+CTAS_SWEEP = (8, 16, 32)                 # num_ctas swept at CTAS_NB, next to None (all SMs)
+CTAS_NB = 64                             # (the largest --nb when 64 is not in it)
+BANDWIDTH_MIN_NB = 64                    # the paged bandwidth targets hold from this nb on
 BACKENDS = ("kernel", "async", "batch", "auto")
 MEMCPY_BATCH_MODES = ("batched_with_fallback", "fallback_only", "batch_without_fallback")
 # Backends that may put one copy per chunk on the copy engines (memcpy_batch does, in every
@@ -60,7 +73,9 @@ REQUIRED = {
     "operational": ("block_to_operational", "operational_to_block", "universal_to_operational",
                     "operational_to_universal", "is_memcpy_batch_available"),
     "copy": ("vectorized_copy", "memcpy_batch", "is_memcpy_batch_available"),
+    "paged": ("PagedKVCache", "block_to_universal", "universal_to_block"),
 }
+BACKEND_APIS = ("operational", "copy")   # whose variants are compared by annotate_backends
 
 MIB = 1 << 20
 GPU_L2_FALLBACK = 60 * MIB
@@ -77,12 +92,14 @@ COLUMNS = [
     "ceiling_gbps", "pct_of_ceiling", "same_size_memcpy_gbps", "pct_same_size_memcpy",
     "best_backend", "auto_vs_best", "auto_within_5pct", "ratio_vs_memcpy",
     "reps", "sets", "uncovered_reps", "gpu_timing", "status",
+    "num_ctas", "sms", "gbps_per_sm", "speedup_vs_torch",      # paged rows
 ]
 
 SHORT = {  # names in the printed tables
     "operational": "op", "pinned": "pin", "ceiling": "ceil",
     "vectorized_copy": "vc", "memcpy_batch": "mb", "host_list": "host", "device_list": "dev",
     "batched_with_fallback": "bwf", "fallback_only": "loop", "batch_without_fallback": "batch",
+    "host_ids": "hostid", "device_ids": "devid",
 }
 LABEL_WIDTH = 28
 MAX_FAILURES_SHOWN = 8
@@ -114,18 +131,21 @@ def parse_args():
     parser.add_argument("--api", choices=APIS + ("all",), default="list",
                         help="GPU groups: list (block_to_universal / universal_to_block, plus "
                              "the CPU section), operational (block/universal <-> operational), "
-                             "copy (vectorized_copy, memcpy_batch), or all (default list)")
+                             "copy (vectorized_copy, memcpy_batch), paged (PagedKVCache next to "
+                             "the list API and a torch loop, plus its CPU section), or all "
+                             "(default list)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="cuda: ceilings and GPU cases (and the CPU section with the list "
-                             "group); cpu: CPU cases of the list API only; auto (default): cuda "
-                             "when available")
+                        help="cuda: ceilings and GPU cases (and the CPU sections of the list "
+                             "and paged groups); cpu: CPU cases of the list or paged group only; "
+                             "auto (default): cuda when available")
     parser.add_argument("--nt", type=int_list, default=[16, 32, 64],
                         help="tokens per block for GPU cases (default 16,32,64)")
     parser.add_argument("--nb", type=int_list, default=[1, 8, 64, 256],
                         help="blocks per call for GPU cases (default 1,8,64,256)")
     parser.add_argument("--layouts", type=layout_list, default=["NHD"],
-                        help="chunk layouts of the list API and of universal <-> operational, "
-                             "NHD and/or HND (default NHD)")
+                        help="chunk layouts of the list API, of universal <-> operational and "
+                             "of the paged caches (NHD: dims kbthd, HND: kbhtd), NHD and/or HND "
+                             "(default NHD)")
     parser.add_argument("--cpu-nt", type=int_list, default=[16],
                         help="tokens per block for CPU cases (default 16)")
     parser.add_argument("--cpu-nb", type=int_list, default=[1, 8],
@@ -235,6 +255,13 @@ def tensor_sets(arena, nb, nsets):
 def block_sets(caches, nb, nsets):
     """Per rotation set, the chunk views of its nb blocks."""
     return [block_views(caches, range(s * nb, (s + 1) * nb)) for s in range(nsets)]
+
+
+def spread_ids(nb, nsets):
+    """Per rotation set, nb block ids out of nsets*nb blocks: a random permutation (fixed
+    seed) cut into nsets parts, so the sets are disjoint and each is spread over the cache."""
+    order = np.random.default_rng(ID_SEED).permutation(nsets * nb)
+    return [order[s * nb:(s + 1) * nb].tolist() for s in range(nsets)]
 
 
 def chunk_pointers(blocks):
@@ -533,6 +560,8 @@ def label(row, with_variant=True):
              row["granularity"]]
     if with_variant:
         parts.append(short_variant(variant(row)))
+        if is_swept(row):
+            parts.append(f"c{row['num_ctas']}")
     return " ".join(part for part in parts if part)
 
 
@@ -608,6 +637,8 @@ class Gpu:
     cycles_per_us: float
     ceilings: dict       # d2d, h2d, d2h -> ceiling row
     batch: bool          # kvbm_ext.is_memcpy_batch_available()
+    sms: int             # multiprocessors (kvbm_ext.cuda_devices())
+    ctas_nb: int         # nb of the paged group's num_ctas sweep
 
 
 @dataclass
@@ -664,16 +695,25 @@ def binder(*args, **kwargs):
                                                             *args, **kwargs)
 
 
+def function_name(owner, name):
+    """A function's name in the rows: kvbm_ext's by name, methods as Type.method."""
+    return name if owner is kvbm_ext else f"{type(owner).__name__}.{name}"
+
+
 def conversion_cases(fields, placement, pinned_side, pairing, directions, bind,
-                     queue_bound=False):
-    """One case per direction of a conversion between the pairing's sides."""
+                     queue_bound=False, owner=kvbm_ext, sides=None):
+    """One case per direction of a conversion between the pairing's sides: owner's function
+    of each direction, called with the per-set arguments that stand for sides a and b
+    (sides; by default the pairing's own)."""
+    a, b = sides or (pairing.a, pairing.b)
     cases = []
     for direction, name, writes_b in directions:
-        function = getattr(kvbm_ext, name)
-        sources, destinations = (pairing.a, pairing.b) if writes_b else (pairing.b, pairing.a)
+        function = getattr(owner, name)
+        sources, destinations = (a, b) if writes_b else (b, a)
         calls = [bind(function, s, d) for s, d in zip(sources, destinations)]
         link = link_for(placement, writes_b == (pinned_side == "b"))
-        cases.append(Case(dict(fields, function=name, direction=direction, placement=placement),
+        cases.append(Case(dict(fields, function=function_name(owner, name), direction=direction,
+                               placement=placement),
                           link, calls, pairing, writes_b, queue_bound))
     return cases
 
@@ -781,10 +821,135 @@ def copy_cases(gpu, shape, layouts):
     return cases
 
 
+@dataclass
+class TorchLoop:
+    """The plain-PyTorch baseline, with PagedKVCache's universal methods: per layer, the
+    blocks gathered with index_select on the cache's block dimension, permuted and copied
+    into the universals' layer slice (index_copy_ back)."""
+    caches: list         # per layer [no, num_blocks, *chunk]
+    layout: str
+
+    def order(self):
+        """The gathered blocks' dimensions, [no, nb, *chunk], in universal order."""
+        return (1, 3, 0, 2, 4) if self.layout == "NHD" else (1, 2, 0, 3, 4)
+
+    def to_universal(self, block_ids, universals):
+        order = self.order()
+        for l, cache in enumerate(self.caches):
+            universals[:, :, l].copy_(cache.index_select(1, block_ids).permute(order))
+
+    def from_universal(self, universals, block_ids):
+        order = self.order()
+        inverse = tuple(order.index(d) for d in range(5))
+        for l, cache in enumerate(self.caches):
+            cache.index_copy_(1, block_ids, universals[:, :, l].permute(inverse))
+
+
+@dataclass
+class PagedSetup:
+    """A stack of nsets*nb blocks as a worker holds it: a vLLM cache per layer, described once
+    as a PagedKVCache, and per rotation set the spread ids of its nb blocks."""
+    nt: int
+    nb: int
+    layout: str
+    caches: list         # per layer [no, num_blocks, *chunk] (layer_caches)
+    cache: object        # kvbm_ext.PagedKVCache(caches, PAGED_DIMS[layout])
+    ids: list            # per rotation set, its block ids (ints)
+    id_tensors: list     # per rotation set, its block ids as an int64 tensor on the caches' device
+    blocks: list         # per rotation set, the chunk views of its blocks (the list API's argument)
+
+    def id_sets(self, kinds):
+        """(kind, ids per set) for the kinds of block_ids asked for that the cache takes
+        (device_ids: a GPU cache's)."""
+        by_kind = {"host_ids": self.ids, "device_ids": self.id_tensors}
+        on_gpu = self.id_tensors[0].is_cuda
+        return [(kind, by_kind[kind]) for kind in kinds if on_gpu or kind == "host_ids"]
+
+
+def paged_setup(stack, nt, nb, nsets, layout):
+    caches = layer_caches(stack, nt, layout)
+    ids = spread_ids(nb, nsets)
+    return PagedSetup(nt, nb, layout, caches, kvbm_ext.PagedKVCache(caches, PAGED_DIMS[layout]),
+                      ids, [torch.tensor(s, dtype=torch.int64, device=stack.device) for s in ids],
+                      [block_views(caches, s) for s in ids])
+
+
+def universal_pairing(setup, arena):
+    """The setup's blocks and, per rotation set, one universal array [nb, nh, nl, no, nt, hd],
+    a slice of the arena."""
+    universals = set_slices(as_universals(arena, setup.nt), setup.nb, len(setup.ids))
+    return Pairing(setup.blocks, universals, partial(chunks_match_universal, layout=setup.layout))
+
+
+def operational_pairing(setup, arena):
+    """The setup's blocks and, per rotation set, one operational array [nb, nl, no, inner]."""
+    return Pairing(setup.blocks, set_slices(arena, setup.nb, len(setup.ids)),
+                   chunks_match_operational)
+
+
+def ctas_fields(num_ctas, sms):
+    """The row fields of a GPU PagedKVCache call: num_ctas as passed, the SMs it can use."""
+    return dict(num_ctas="None" if num_ctas is None else num_ctas,
+                sms=sms if num_ctas is None else min(num_ctas, sms))
+
+
+def paged_kv_cases(fields, placement, setup, pairing, directions, stream, sms=None,
+                   num_ctas=None, kinds=ID_KINDS, **kwargs):
+    """PagedKVCache calls between the cache and side b of the pairing, per kind of ids."""
+    cases = []
+    for kind, ids in setup.id_sets(kinds):
+        kind_fields = dict(fields, backend=kind)
+        if sms is not None:
+            kind_fields.update(ctas_fields(num_ctas, sms))
+        cases += conversion_cases(kind_fields, placement, "b", pairing, directions,
+                                  binder(num_ctas=num_ctas, stream=stream, **kwargs),
+                                  owner=setup.cache, sides=(ids, pairing.b))
+    return cases
+
+
+def paged_universal_cases(fields, placement, setup, pairing, stream, sms=None):
+    """Cache <-> universals, the same blocks three ways: PagedKVCache (each kind of ids), the
+    list API on the blocks' chunk views and nb universals, and (not pinned) the torch loop."""
+    cases = paged_kv_cases(fields, placement, setup, pairing, PAGED_DIRECTIONS, stream, sms)
+    universals = [list(u.unbind(0)) for u in pairing.b]
+    cases += conversion_cases(dict(fields, backend="list"), placement, "b", pairing,
+                              LIST_DIRECTIONS, binder(setup.layout, stream=stream),
+                              sides=(pairing.a, universals))
+    if placement != "pinned":
+        cases += conversion_cases(dict(fields, backend="torch"), placement, "b", pairing,
+                                  PAGED_DIRECTIONS, binder(),
+                                  owner=TorchLoop(setup.caches, setup.layout),
+                                  sides=(setup.id_tensors, pairing.b))
+    return cases
+
+
+def paged_cases(gpu, shape, layouts):
+    """PagedKVCache over the stack seen as vLLM's per-layer caches: to/from universals on the
+    device or pinned (next to the list API and the torch loop), the num_ctas sweep of
+    to_universal at gpu.ctas_nb, and to/from operationals on the device or pinned."""
+    cases = []
+    for layout in layouts:
+        setup = paged_setup(shape.stack, shape.nt, shape.nb, shape.nsets, layout)
+        fields = shape_fields(shape, api="paged", layout=layout)
+        for placement, arena in placements(shape.device_a, shape.pinned):
+            pairing = universal_pairing(setup, arena)
+            cases += paged_universal_cases(fields, placement, setup, pairing, gpu.stream, gpu.sms)
+            if shape.nb == gpu.ctas_nb:
+                for num_ctas in CTAS_SWEEP:
+                    cases += paged_kv_cases(fields, placement, setup, pairing,
+                                            PAGED_DIRECTIONS[:1], gpu.stream, gpu.sms,
+                                            num_ctas, kinds=("device_ids",))
+        for placement, arena in placements(shape.device_b, shape.pinned):
+            cases += paged_kv_cases(fields, placement, setup, operational_pairing(setup, arena),
+                                    PAGED_OP_DIRECTIONS, gpu.stream, gpu.sms, inner=layout)
+    return cases
+
+
 GROUPS = {
     "list": (list_cases,),
     "operational": (block_operational_cases, universal_operational_cases),
     "copy": (copy_cases,),
+    "paged": (paged_cases,),
 }
 
 
@@ -864,22 +1029,43 @@ def run_cpu_case(ctx, case, memcpy):
     return run_checked(row, case, no_synchronize, torch.device("cpu"), measure)
 
 
-def run_cpu_group(ctx, nt, nb, layout, nsets, memcpy):
+def cpu_arenas(nt, nb, nsets):
+    """Two random-filled host arenas of nsets*nb blocks: the block stack and universals."""
     cpu = torch.device("cpu")
-    stack, universals = new_arena(nsets * nb, nt, cpu), new_arena(nsets * nb, nt, cpu)
-    fill_random_(stack, cpu)
-    fill_random_(universals, cpu)
+    arenas = new_arena(nsets * nb, nt, cpu), new_arena(nsets * nb, nt, cpu)
+    for arena in arenas:
+        fill_random_(arena, cpu)
+    return arenas
+
+
+def cpu_fields(api, nt, nb, layout, nsets):
+    return dict(mode="cpu", api=api, layout=layout, nt=nt, nb=nb, bytes=nb * block_bytes(nt),
+                sets=nsets)
+
+
+def cpu_list_cases(nt, nb, layout, nsets):
+    """The list API between the block stack and nb universals per set, in host memory."""
+    stack, universals = cpu_arenas(nt, nb, nsets)
     pairing = Pairing(block_sets(layer_caches(stack, nt, layout), nb, nsets),
                       tensor_sets(as_universals(universals, nt), nb, nsets),
                       partial(chunks_match_universal, layout=layout))
-    fields = dict(mode="cpu", api="list", layout=layout, nt=nt, nb=nb,
-                  bytes=nb * block_bytes(nt), sets=nsets)
-    return [run_cpu_case(ctx, case, memcpy)
-            for case in conversion_cases(fields, "host", "b", pairing, LIST_DIRECTIONS,
-                                         binder(layout, stream=None))]
+    return conversion_cases(cpu_fields("list", nt, nb, layout, nsets), "host", "b", pairing,
+                            LIST_DIRECTIONS, binder(layout, stream=None))
 
 
-def run_cpu_cases(ctx, nts, nbs, layouts):
+def cpu_paged_cases(nt, nb, layout, nsets):
+    """PagedKVCache on host caches (host ids) next to the list API and the torch loop."""
+    stack, universals = cpu_arenas(nt, nb, nsets)
+    setup = paged_setup(stack, nt, nb, nsets, layout)
+    return paged_universal_cases(cpu_fields("paged", nt, nb, layout, nsets), "host", setup,
+                                 universal_pairing(setup, universals), None)
+
+
+CPU_GROUPS = {"list": cpu_list_cases, "paged": cpu_paged_cases}
+
+
+def run_cpu_cases(ctx, apis, nts, nbs, layouts):
+    """The CPU sections of the groups in apis (CPU_APIS), each against the same memcpy."""
     print(f"CPU section: torch.get_num_threads()={torch.get_num_threads()}, "
           f"os.cpu_count()={os.cpu_count()}, L3={l3_bytes() // MIB} MiB, "
           "memcpy baseline = numpy.copyto (single thread)", flush=True)
@@ -889,8 +1075,10 @@ def run_cpu_cases(ctx, nts, nbs, layouts):
             nbytes = nb * block_bytes(nt)
             nsets = rotation_sets(2 * nbytes, l3_bytes())
             memcpy = time_memcpy(nbytes, nsets, ctx.policy)
-            for layout in layouts:
-                rows += run_cpu_group(ctx, nt, nb, layout, nsets, memcpy)
+            for api in apis:
+                for layout in layouts:
+                    rows += [run_cpu_case(ctx, case, memcpy)
+                             for case in CPU_GROUPS[api](nt, nb, layout, nsets)]
     return rows
 
 
@@ -906,7 +1094,7 @@ def annotate_backends(rows):
     same size by GPU time, auto left out; on auto rows, auto's GPU time over the fastest."""
     groups = {}
     for row in rows:
-        if row["mode"] == "gpu" and row["backend"]:
+        if row["mode"] == "gpu" and row["backend"] and row["api"] in BACKEND_APIS:
             key = tuple(row[k] for k in ("api", "direction", "placement", "layout",
                                          "granularity", "nt", "nb"))
             groups.setdefault(key, []).append(row)
@@ -921,6 +1109,30 @@ def annotate_backends(rows):
                 ratio = row["gpu_us"] / best["gpu_us"]
                 row.update(auto_vs_best=ratio,
                            auto_within_5pct="yes" if ratio <= AUTO_TOLERANCE else "no")
+
+
+def call_us(row):
+    """What back-to-back calls cost per call: the host or the GPU time, whichever is longer
+    (the host time on the CPU path)."""
+    gpu_us = row["gpu_us"]
+    return row["host_us"] if gpu_us == "" or math.isnan(gpu_us) else max(row["host_us"], gpu_us)
+
+
+def paged_key(row):
+    return tuple(row[k] for k in ("mode", "direction", "placement", "layout", "nt", "nb"))
+
+
+def annotate_paged(rows):
+    """On paged rows: GB/s per SM used (GPU PagedKVCache rows), and the speedup over the
+    torch loop of the same direction, placement and size by call_us."""
+    paged = [row for row in rows if row["api"] == "paged" and row["status"] == "ok"]
+    loops = {paged_key(row): row for row in paged if row["backend"] == "torch"}
+    for row in paged:
+        if row["sms"] != "":
+            row["gbps_per_sm"] = row["gbps"] / row["sms"]
+        loop = loops.get(paged_key(row))
+        if loop is not None and loop is not row and not is_swept(row):
+            row["speedup_vs_torch"] = call_us(loop) / call_us(row)
 
 
 def csv_path(arg, gpu_name, date):
@@ -992,10 +1204,14 @@ def nb_only(row):
     return (row["nb"],)
 
 
+def failed_cell(row):
+    return "ERR" if row["status"].startswith("error") else "MIS"
+
+
 def pct_cell(rows):
     row = rows[0]
     if row["status"] != "ok":
-        return "ERR" if row["status"].startswith("error") else "MIS"
+        return failed_cell(row)
     value = row["pct_same_size_memcpy"]
     value = row["pct_of_ceiling"] if value == "" else value
     text = "999+" if value >= 999.5 else fmt(value, 0)
@@ -1016,6 +1232,131 @@ def auto_cell(rows):
     if row["auto_vs_best"] == "":
         return ""
     return f"{row['auto_vs_best']:.2f}" + ("*" if row["auto_within_5pct"] == "no" else "")
+
+
+def is_swept(row):
+    """A row of the num_ctas sweep (num_ctas an int; None rows are the group's own)."""
+    return isinstance(row["num_ctas"], int)
+
+
+def is_paged_kv(row):
+    """A GPU row of PagedKVCache itself with num_ctas None (not the sweep, list API or torch)."""
+    return (row["mode"] == "gpu" and row["api"] == "paged" and not is_swept(row)
+            and row["function"].startswith("PagedKVCache."))
+
+
+def figure(value):
+    """Three significant digits, no exponent."""
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def speedup_cell(rows):
+    return f"{figure(rows[0]['speedup_vs_torch'])}x"
+
+
+def ctas_label(row):
+    """e.g. 'b2u pin NHD ctas=8 8SM'."""
+    return (f"{row['direction']} {short(row['placement'])} {row['layout']} "
+            f"ctas={row['num_ctas']} {row['sms']}SM")
+
+
+def ctas_cell(rows):
+    row = rows[0]
+    if row["status"] != "ok":
+        return failed_cell(row)
+    return f"{fmt(row['gbps'], 0)} {fmt(row['gbps_per_sm'])}"
+
+
+def ctas_order(row):
+    return (row["layout"], row["placement"], row["num_ctas"] if is_swept(row) else math.inf)
+
+
+def print_ctas_sweep(rows):
+    """The num_ctas sweep of to_universal (device ids) with its num_ctas None rows."""
+    nbs = {row["nb"] for row in rows if is_swept(row)}
+    swept = sorted((row for row in rows if row["num_ctas"] != "" and row["nb"] in nbs
+                    and row["function"] == "PagedKVCache.to_universal"
+                    and row["backend"] == "device_ids"), key=ctas_order)
+    print_pivot("paged num_ctas: PagedKVCache.to_universal, device ids; GB/s, GB/s per SM used",
+                swept, ctas_label, nt_nb, ("nt", "nb"), ctas_cell, 12)
+
+
+@dataclass
+class Target:
+    """One of the issue's targets: the worst figure of the rows it selects must pass."""
+    text: str
+    select: object      # row -> whether the target covers it
+    value: object       # row -> its figure, in unit
+    unit: str           # as printed after the figure: " us", "x"
+    goal: float
+    at_most: bool       # the figure must stay under goal (else reach it)
+
+    def passes(self, value):
+        return value < self.goal if self.at_most else value >= self.goal
+
+    def line(self, rows):
+        covered = [row for row in rows if self.select(row)]
+        goal = f"target {'<' if self.at_most else '>='} {fmt(float(self.goal), 0)}{self.unit}"
+        if not covered:
+            return f"  n/a   {self.text} ({goal}): not measured"
+        bad = [row for row in covered if row["status"] != "ok" or self.value(row) == ""]
+        if bad:
+            return (f"  MISS  {self.text} ({goal}): {len(bad)} of {len(covered)} rows "
+                    "without a figure")
+        worst = (max if self.at_most else min)(covered, key=self.value)
+        value = self.value(worst)
+        return (f"  {'PASS' if self.passes(value) else 'MISS'}  {self.text}: "
+                f"{figure(value)}{self.unit} ({goal}; worst of "
+                f"{len(covered)}: {label(worst)} nt={worst['nt']} nb={worst['nb']})")
+
+
+def paged_targets():
+    def host_time_at(kind, nb):
+        return lambda row: is_paged_kv(row) and row["backend"] == kind and row["nb"] == nb
+
+    def list_at(nb):
+        return lambda row: (row["mode"] == "gpu" and row["api"] == "paged"
+                            and row["backend"] == "list" and row["nb"] == nb)
+
+    def speedup_at(nb):
+        return lambda row: (is_paged_kv(row) and row["placement"] == "d2d" and row["nb"] == nb
+                            and row["direction"] in ("b2u", "u2b"))
+
+    def bandwidth_of(placement):
+        return lambda row: (is_paged_kv(row) and row["placement"] == placement
+                            and row["nb"] >= BANDWIDTH_MIN_NB)
+
+    return [
+        Target("PagedKVCache host time per call, nb=64, host ids", host_time_at("host_ids", 64),
+               lambda row: row["host_us"], " us", 15, True),
+        Target("PagedKVCache host time per call, nb=64, device ids",
+               host_time_at("device_ids", 64), lambda row: row["host_us"], " us", 15, True),
+        Target("list API host time per call, nb=64", list_at(64),
+               lambda row: row["host_us"] / 1e3, " ms", 3, True),
+        Target("PagedKVCache speedup over the torch loop, d2d, nb=1", speedup_at(1),
+               lambda row: row["speedup_vs_torch"], "x", 100, False),
+        Target("PagedKVCache speedup over the torch loop, d2d, nb=256", speedup_at(256),
+               lambda row: row["speedup_vs_torch"], "x", 6, False),
+        Target(f"PagedKVCache d2d, nb>={BANDWIDTH_MIN_NB}, % of the device copy ceiling",
+               bandwidth_of("d2d"), lambda row: row["pct_of_ceiling"], "%", 90, False),
+        Target(f"PagedKVCache pinned, nb>={BANDWIDTH_MIN_NB}, % of the same-size pinned memcpy",
+               bandwidth_of("pinned"), lambda row: row["pct_same_size_memcpy"], "%", 90, False),
+    ]
+
+
+def print_paged_summary(rows):
+    """The paged group: speedups over the torch loop, the num_ctas sweep, the targets."""
+    paged = [row for row in rows if row["api"] == "paged"]
+    if not paged:
+        return
+    print_pivot("paged speedup over the torch loop, time per call = max(host, GPU) "
+                "(cpu: host)", [row for row in paged if row["speedup_vs_torch"] != ""],
+                label, nt_nb, ("nt", "nb"), speedup_cell, 6)
+    print_ctas_sweep(paged)
+    print()
+    print("paged targets (PASS/MISS on the worst row; GPU rows, num_ctas None)")
+    for target in paged_targets():
+        print(target.line(paged))
 
 
 def print_failures(rows):
@@ -1048,6 +1389,7 @@ def print_summary(rows, gpu_name):
     autos = [row for row in with_best if row["backend"] == "auto"]
     print_pivot("auto / fastest, GPU time (*: beyond 5%)", autos,
                 partial(label, with_variant=False), nt_nb, ("nt", "nb"), auto_cell, 6)
+    print_paged_summary(rows)
     print_failures(rows)
 
 
@@ -1061,14 +1403,27 @@ def resolve_device(choice):
     return choice
 
 
+def check_required(apis):
+    missing = [name for api in apis for name in REQUIRED[api] if not hasattr(kvbm_ext, name)]
+    if missing:
+        sys.exit(f"kvbench: this kvbm_ext build has no {', '.join(dict.fromkeys(missing))}: "
+                 "rebuild it, or use --api list")
+
+
+def multiprocessors(device):
+    return next(d["multiprocessors"] for d in kvbm_ext.cuda_devices()
+                if d["index"] == device.index)
+
+
+def cpu_apis(apis):
+    return [api for api in apis if api in CPU_APIS]
+
+
 def run_gpu_mode(ctx, args):
     if kvbm_ext.is_using_stubs():
         sys.exit("kvbench: kvbm_ext was built without CUDA (is_using_stubs()); "
                  "rebuild with nvcc or use --device cpu")
-    missing = [name for api in args.apis for name in REQUIRED[api] if not hasattr(kvbm_ext, name)]
-    if missing:
-        sys.exit(f"kvbench: this kvbm_ext build has no {', '.join(dict.fromkeys(missing))}: "
-                 "rebuild it, or use --api list")
+    check_required(args.apis)
     device = torch.device("cuda", torch.cuda.current_device())
     rows = []
     with torch.cuda.stream(torch.cuda.Stream(device)):
@@ -1077,18 +1432,19 @@ def run_gpu_mode(ctx, args):
         ceilings = measure_ceilings(ctx, device, args.quick, cycles_per_us)
         rows += ceilings.values()
         gpu = Gpu(device, torch.cuda.current_stream(device), cycles_per_us, ceilings,
-                  batch_available())
+                  batch_available(), multiprocessors(device),
+                  CTAS_NB if CTAS_NB in args.nb else max(args.nb))
         rows += run_gpu_cases(ctx, gpu, args)
-    if "list" in args.apis:
-        rows += run_cpu_cases(ctx, args.cpu_nt, args.cpu_nb, args.layouts)
+    if cpu_apis(args.apis):
+        rows += run_cpu_cases(ctx, cpu_apis(args.apis), args.cpu_nt, args.cpu_nb, args.layouts)
     return rows
 
 
 def main():
     args = parse_args()
     device = resolve_device(args.device)
-    if device == "cpu" and args.apis != ("list",):
-        sys.exit("kvbench: CPU mode times the list API only (--api list)")
+    if device == "cpu" and cpu_apis(args.apis) != list(args.apis):
+        sys.exit("kvbench: CPU mode times the list and paged groups only (--api list or paged)")
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "none"
     ctx = Context(gpu_name, datetime.date.today().isoformat(), rep_policy(args))
     print(environment_line(gpu_name), flush=True)
@@ -1096,8 +1452,10 @@ def main():
     if device == "cuda":
         rows = run_gpu_mode(ctx, args)
     else:
-        rows = run_cpu_cases(ctx, args.cpu_nt, args.cpu_nb, args.layouts)
+        check_required(args.apis)
+        rows = run_cpu_cases(ctx, args.apis, args.cpu_nt, args.cpu_nb, args.layouts)
     annotate_backends(rows)
+    annotate_paged(rows)
 
     path = csv_path(args.csv, gpu_name, ctx.date)
     write_csv(path, rows)

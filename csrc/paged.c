@@ -96,7 +96,7 @@ static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, Py_ssize_t ndim
     const kv_array *first = &self->arrays[0];
     const kv_path path = layer_path(self, i);
     char got[96], want[96];
-    kv_format_shape(a->shape, a->ndim, got, sizeof got);
+    kv_format_shape(a->shape, a->ndim, got, sizeof got); /* once per array, at construction */
     if (a->ndim != ndim)
         return kv_path_error(PyExc_ValueError, &path, "dims %R names %zd dimensions, but the array has shape %s",
                              self->dims, ndim, got);
@@ -198,6 +198,18 @@ static int build_tables(kv_paged_cache *self)
     return 0;
 }
 
+/* An 'l' in dims goes with one array holding every layer, and only with it. */
+static int check_layer_letter(PyObject *dims, int single, const int position[DIM_COUNT])
+{
+    if (single && position[DIM_L] < 0)
+        return fail(PyExc_ValueError, "dims: %R has no 'l' (layer), but layers is one array; name its layer "
+                    "dimension, or pass a sequence of per-layer arrays", dims);
+    if (!single && position[DIM_L] >= 0)
+        return fail(PyExc_ValueError, "dims: %R has an 'l' (layer), which is only for one array holding every layer; "
+                    "layers is a sequence of per-layer arrays", dims);
+    return 0;
+}
+
 static int describe(kv_paged_cache *self)
 {
     int position[DIM_COUNT];
@@ -205,17 +217,18 @@ static int describe(kv_paged_cache *self)
         return -1;
     const Py_ssize_t ndim = PyUnicode_GetLength(self->dims);
     const int single = !PyList_Check(self->layers) && !PyTuple_Check(self->layers) && kv_is_array(self->layers);
-    if (single && position[DIM_L] < 0)
-        return fail(PyExc_ValueError, "dims: %R has no 'l' (layer), but layers is one array; name its layer "
-                    "dimension, or pass a sequence of per-layer arrays", self->dims);
-    if (!single && position[DIM_L] >= 0)
-        return fail(PyExc_ValueError, "dims: %R has an 'l' (layer), which is only for one array holding every layer; "
-                    "layers is a sequence of per-layer arrays", self->dims);
     const kv_path whole = {"layers", {0, 0}, 0};
     PyObject *seq = single ? PyTuple_Pack(1, self->layers)
                            : kv_as_sequence(self->layers, &whole, "a sequence of per-layer arrays, or one array");
     if (seq == NULL)
         return -1;
+    /* Keep the arrays, not the caller's (mutable) list. */
+    if (!single)
+        Py_SETREF(self->layers, PySequence_Tuple(seq));
+    if (self->layers == NULL || check_layer_letter(self->dims, single, position) < 0) {
+        Py_DECREF(seq);
+        return -1;
+    }
     int rc = -1;
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *no_sync = PyLong_FromLong(-1); /* __dlpack__(stream=-1): only addresses are taken here */
@@ -317,25 +330,27 @@ typedef struct {
     intptr_t stream;
 } kv_paged_options;
 
-/* An int option: absent or None gives `fallback` (-1: None is not allowed). */
-static int read_int_option(PyObject *obj, const char *name, int64_t minimum, int64_t fallback, int64_t *out)
+/* An int option from `minimum` to `maximum`: absent gives `fallback`, and so
+ * does None where `allow_none`. */
+static int read_int_option(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback,
+                           int allow_none, int64_t *out)
 {
-    if (obj == NULL || (obj == Py_None && fallback >= 0)) {
+    if (obj == NULL || (obj == Py_None && allow_none)) {
         *out = fallback;
         return 0;
     }
     if (PyBool_Check(obj) || !PyLong_Check(obj))
-        return fail(PyExc_TypeError, "%s: expected an int%s, got %s", name, fallback >= 0 ? " or None" : "",
+        return fail(PyExc_TypeError, "%s: expected an int%s, got %s", name, allow_none ? " or None" : "",
                     Py_TYPE(obj)->tp_name);
     const long long value = PyLong_AsLongLong(obj);
-    if (value == -1 && PyErr_Occurred()) {
+    if (value == -1 && PyErr_Occurred())
         PyErr_Clear();
-        return fail(PyExc_ValueError, "%s: %R is too large", name, obj);
+    else if (value >= minimum && value <= maximum) {
+        *out = value;
+        return 0;
     }
-    if (value < minimum)
-        return fail(PyExc_ValueError, "%s: expected an int >= %lld, got %lld", name, (long long)minimum, value);
-    *out = value;
-    return 0;
+    return fail(PyExc_ValueError, "%s: expected an int from %lld to %lld, got %R", name, (long long)minimum,
+                (long long)maximum, obj);
 }
 
 /* The layers argument: None, a slice (Python's clipping rules) or a range
@@ -348,8 +363,10 @@ static int read_layers(PyObject *obj, int64_t nl, kv_paged_options *o)
     }
     if (PySlice_Check(obj)) {
         Py_ssize_t start, stop, step;
-        if (PySlice_Unpack(obj, &start, &stop, &step) < 0)
-            return -1;
+        if (PySlice_Unpack(obj, &start, &stop, &step) < 0) {
+            PyErr_Clear();
+            return fail(PyExc_ValueError, "layers: %R has step 0", obj);
+        }
         o->count = PySlice_AdjustIndices((Py_ssize_t)nl, &start, &stop, step);
         o->first = start, o->step = step;
         return 0;
@@ -381,14 +398,15 @@ static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *
 {
     int64_t max_ctas;
     int inner_index = KVBM_NHD;
+    /* Offsets are bounded so that no sum with a dimension overflows. */
     if (read_layers(layers, self->nl, o) < 0
-        || read_int_option(layer_offset, "layer_offset", 0, 0, &o->layer_offset) < 0
-        || read_int_option(head_offset, "head_offset", 0, 0, &o->head_offset) < 0
-        || read_int_option(num_ctas, "num_ctas", 1, 0, &max_ctas) < 0
+        || read_int_option(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
+        || read_int_option(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
+        || read_int_option(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &max_ctas) < 0
         || kv_parse_name(inner, "inner", INNER_NAMES, 2, KVBM_NHD, &inner_index) < 0
         || kv_stream_from_object(stream, &o->stream) < 0)
         return -1;
-    o->max_ctas = max_ctas > (int64_t)UINT32_MAX ? UINT32_MAX : (uint32_t)max_ctas;
+    o->max_ctas = (uint32_t)max_ctas;
     o->inner = (kvbm_layout)inner_index;
     return 0;
 }
@@ -503,6 +521,22 @@ static int flat_shape_fits(const kv_paged_call *call, const int64_t *shape)
         && shape[3] == c->nt && shape[4] == c->hd;
 }
 
+/* A flat block's shape does not fit: the expected one, or that of the first
+ * block (`like_first`). */
+static int flat_shape_error(const kv_paged_call *call, const kv_path *path, const kv_array *a, int like_first)
+{
+    char got[96], want[256];
+    kv_format_shape(a->shape, a->ndim, got, sizeof got);
+    if (like_first) {
+        kv_format_shape(call->flat_shape, call->flat_ndim, want, sizeof want);
+        return kv_path_error(PyExc_ValueError, path, "shape %s differs from %s[0]'s %s", got, call->flat_name, want);
+    }
+    expected_flat(call, want, sizeof want);
+    return kv_path_error(PyExc_ValueError, path, "expected %s%d-D array %s%s, got shape %s",
+                         call->single ? "one " : "a ", call->flat_ndim + call->single,
+                         call->single ? "[nb] + " : "", want, got);
+}
+
 /* Checks flats[i]: shape, element type, contiguity, writability, place. */
 static int check_flat(kv_paged_call *call, Py_ssize_t i, Py_ssize_t nb)
 {
@@ -511,27 +545,16 @@ static int check_flat(kv_paged_call *call, Py_ssize_t i, Py_ssize_t nb)
     const kv_path path = flat_path(call, i);
     const int ndim = call->flat_ndim + call->single;
     const int64_t *shape = a->shape + call->single;
-    char got[96], want[256];
-    kv_format_shape(a->shape, a->ndim, got, sizeof got);
-    if (a->ndim != ndim) {
-        expected_flat(call, want, sizeof want);
-        return kv_path_error(PyExc_ValueError, &path, "expected %s %d-D array%s %s, got shape %s",
-                             call->single ? "one" : "a", ndim, call->single ? " of nb blocks, each" : "", want, got);
-    }
+    char got[48], want[48];
+    if (a->ndim != ndim || (i == 0 && !flat_shape_fits(call, shape)))
+        return flat_shape_error(call, &path, a, 0);
     if (call->single && a->shape[0] != nb)
         return kv_path_error(PyExc_ValueError, &path, "has %lld blocks (its leading dimension) but block_ids has %zd",
                              (long long)a->shape[0], nb);
-    if (i == 0 && !flat_shape_fits(call, shape)) {
-        expected_flat(call, want, sizeof want);
-        return kv_path_error(PyExc_ValueError, &path, "expected shape %s%s, got %s", call->single ? "[nb] + " : "",
-                             want, got);
-    }
     if (i == 0)
         memcpy(call->flat_shape, shape, (size_t)call->flat_ndim * sizeof(int64_t));
-    else if (memcmp(shape, call->flat_shape, (size_t)call->flat_ndim * sizeof(int64_t)) != 0) {
-        kv_format_shape(call->flat_shape, call->flat_ndim, want, sizeof want);
-        return kv_path_error(PyExc_ValueError, &path, "shape %s differs from %s[0]'s %s", got, call->flat_name, want);
-    }
+    else if (memcmp(shape, call->flat_shape, (size_t)call->flat_ndim * sizeof(int64_t)) != 0)
+        return flat_shape_error(call, &path, a, 1);
     if (a->dtype.code != cache->dtype.code || a->dtype.bits != cache->dtype.bits)
         return kv_path_error(PyExc_TypeError, &path, "element type %s differs from the cache's %s",
                              kv_dtype_name(a->dtype, got, sizeof got), kv_dtype_name(cache->dtype, want, sizeof want));

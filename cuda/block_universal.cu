@@ -84,7 +84,8 @@ cudaError_t launch(const Params &p, void *const *host_table, void *const *device
     if (device_table != nullptr)
         block_universal_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<void *>{device_table}, p);
     else
-        launch_by_value(block_universal_kernel<V, TableByValue<void *, kSmallTable>>,
+        launch_by_value(block_universal_kernel<V, TableByValue<void *, kTinyTable>>,
+                        block_universal_kernel<V, TableByValue<void *, kSmallTable>>,
                         block_universal_kernel<V, TableByValue<void *, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
                         kvbm_table_entries(&p.dims), p, grid, threads, stream);
     return cudaGetLastError();

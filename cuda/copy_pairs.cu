@@ -109,7 +109,8 @@ extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uin
         copy_pairs_kernel<<<grid, kThreads, 0, stream>>>(lists, p);
     }
     else {
-        launch_by_value(copy_pairs_kernel<TableByValue<uint64_t, kSmallTable>>,
+        launch_by_value(copy_pairs_kernel<TableByValue<uint64_t, kTinyTable>>,
+                        copy_pairs_kernel<TableByValue<uint64_t, kSmallTable>>,
                         copy_pairs_kernel<TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>, by_value,
                         pairs->count * (p.has_sizes ? 3 : 2), p, grid, kThreads, stream);
     }

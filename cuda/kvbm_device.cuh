@@ -29,29 +29,35 @@ template <class T, int N> struct TableByValue {
     T items[N];
     __device__ T operator[](uint32_t i) const { return items[i]; }
 };
-// Two by-value sizes, because a launch copies its whole parameter block: a
-// small call should not pay for 32 KB.
+// Three by-value sizes, because a launch copies its whole parameter block: a
+// small call should not pay for 32 KB, and the smallest keeps the parameters
+// of a one-block call under the 4 KB that launches carry cheapest.
+constexpr int kTinyTable = 64;
 constexpr int kSmallTable = 512;
 
-// Launches kernel<<<grid, threads>>>(table, params) with the table by value
-// (count <= KVBM_TABLE_BY_VALUE_MAX entries read from `host`) in the smaller
-// parameter block that holds it.
-template <class T, class Params, class Kernel512, class KernelMax>
-void launch_by_value(Kernel512 small, KernelMax large, const T *host, int64_t count, const Params &p, unsigned grid,
-                     unsigned threads, cudaStream_t stream)
+template <class T, int N, class Params, class Kernel>
+void launch_with(Kernel kernel, const T *host, int64_t count, const Params &p, unsigned grid, unsigned threads,
+                 cudaStream_t stream)
 {
-    if (count <= kSmallTable) {
-        TableByValue<T, kSmallTable> table;
-        for (int64_t i = 0; i < count; ++i)
-            table.items[i] = host[i];
-        small<<<grid, threads, 0, stream>>>(table, p);
-    }
-    else {
-        TableByValue<T, KVBM_TABLE_BY_VALUE_MAX> table;
-        for (int64_t i = 0; i < count; ++i)
-            table.items[i] = host[i];
-        large<<<grid, threads, 0, stream>>>(table, p);
-    }
+    TableByValue<T, N> table;
+    for (int64_t i = 0; i < count; ++i)
+        table.items[i] = host[i];
+    kernel<<<grid, threads, 0, stream>>>(table, p);
+}
+
+// Launches kernel<<<grid, threads>>>(table, params) with the table by value
+// (count <= KVBM_TABLE_BY_VALUE_MAX entries read from `host`) in the smallest
+// parameter block that holds it.
+template <class T, class Params, class KernelTiny, class KernelSmall, class KernelMax>
+void launch_by_value(KernelTiny tiny, KernelSmall small, KernelMax large, const T *host, int64_t count,
+                     const Params &p, unsigned grid, unsigned threads, cudaStream_t stream)
+{
+    if (count <= kTinyTable)
+        launch_with<T, kTinyTable>(tiny, host, count, p, grid, threads, stream);
+    else if (count <= kSmallTable)
+        launch_with<T, kSmallTable>(small, host, count, p, grid, threads, stream);
+    else
+        launch_with<T, KVBM_TABLE_BY_VALUE_MAX>(large, host, count, p, grid, threads, stream);
 }
 
 }  // namespace kvbm

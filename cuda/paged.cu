@@ -97,7 +97,8 @@ cudaError_t launch(const Params &p, const uint64_t *host_table, const uint64_t *
     if (device_table != nullptr)
         paged_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<uint64_t>{device_table}, p);
     else
-        launch_by_value(paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
+        launch_by_value(paged_kernel<V, TableByValue<uint64_t, kTinyTable>>,
+                        paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
                         paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
                         kvbm_paged_table_entries(&p.a, p.p.nb), p, grid, threads, stream);
     return cudaGetLastError();

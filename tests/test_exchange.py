@@ -1,0 +1,379 @@
+"""The DLPack C exchange fast path: every function that parses arrays first looks for
+`type(obj).__dlpack_c_exchange_api__` (a "dlpack_exchange_api" capsule, torch 2.11+) and
+fills the array through its C function, with no Python call; objects without it go through
+`__dlpack__` and the other protocols as before. For CUDA arrays found that way the
+producer's current work stream is ordered before the call's stream.
+
+Observable: torch.Tensor subclasses whose Python `__dlpack__` (and `__dlpack_device__`)
+raise still work. Every destination is poisoned before a call and compared byte for byte
+with the pure-torch references afterwards.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvbm_ext
+from conftest import requires_cuda
+from paged_reference import (
+    Buffers,
+    CacheCase,
+    block_buffers,
+    cache_rows,
+    per_block,
+    reference,
+    run_and_check,
+    snapshot,
+)
+from reference import (
+    DLPackOnly,
+    arrays_in,
+    assert_all_bitwise_equal,
+    assert_bitwise_equal,
+    b2u_and_check,
+    call,
+    clone_all,
+    expected_blocks,
+    expected_universals,
+    make_case,
+    make_op_case,
+    op_and_check,
+    poison_,
+    random_tensor,
+    sync,
+    u2b_and_check,
+)
+
+HAS_EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+requires_exchange_api = pytest.mark.skipif(
+    not HAS_EXCHANGE_API, reason=f"torch {torch.__version__} has no __dlpack_c_exchange_api__"
+)
+
+# ~0.25 s at H200 clocks (as in test_convert_gpu.py).
+SLEEP_CYCLES = 500_000_000
+
+
+class NoPythonDLPack(torch.Tensor):
+    """A tensor whose Python DLPack method raises: only a consumer using the C exchange
+    API (inherited from torch.Tensor's type) can read it."""
+
+    def __dlpack__(self, *args, **kwargs):
+        raise AssertionError("NoPythonDLPack.__dlpack__ called: the C exchange API was not used")
+
+
+class NoPythonProtocols(NoPythonDLPack):
+    """__dlpack_device__ and __cuda_array_interface__ raise as well: no Python call at all."""
+
+    def __dlpack_device__(self, *args, **kwargs):
+        raise AssertionError("NoPythonProtocols.__dlpack_device__ called")
+
+    @property
+    def __cuda_array_interface__(self):
+        raise AssertionError("NoPythonProtocols.__cuda_array_interface__ read")
+
+
+class NotACapsule(DLPackOnly):
+    """A DLPack producer whose type has an __dlpack_c_exchange_api__ that is not a capsule:
+    must be read through __dlpack__."""
+
+    __dlpack_c_exchange_api__ = None
+
+
+class IntInsteadOfCapsule(DLPackOnly):
+    __dlpack_c_exchange_api__ = 42
+
+
+def as_sub(x, cls):
+    """Subclass views (same memory) of every tensor of a nested list."""
+    if isinstance(x, (list, tuple)):
+        return [as_sub(v, cls) for v in x]
+    return x.as_subclass(cls)
+
+
+def wrap_all(x, cls):
+    if isinstance(x, (list, tuple)):
+        return [wrap_all(v, cls) for v in x]
+    return cls(x)
+
+
+# ==========================================================================
+# torch exposes the capsule; the subclasses really refuse the Python protocol.
+# ==========================================================================
+
+
+@requires_exchange_api
+def test_torch_tensor_type_has_the_exchange_capsule():
+    api = type(torch.empty(1)).__dlpack_c_exchange_api__
+    assert type(api).__name__ == "PyCapsule"
+    assert '"dlpack_exchange_api"' in repr(api)
+    assert NoPythonDLPack.__dlpack_c_exchange_api__ is api  # inherited by subclasses
+
+
+def test_subclass_python_protocols_raise():
+    t = torch.zeros(3).as_subclass(NoPythonProtocols)
+    with pytest.raises(AssertionError):
+        t.__dlpack__()
+    with pytest.raises(AssertionError):
+        t.__dlpack_device__()
+    with pytest.raises(AssertionError):
+        np.from_dlpack(t)
+    # a consumer WITHOUT the fast path (NumPy) fails on them, so the tests below can fail
+    u = torch.zeros(3).as_subclass(NoPythonDLPack)
+    with pytest.raises(AssertionError):
+        np.from_dlpack(u)
+
+
+# ==========================================================================
+# Host arrays: the list functions and PagedKVCache read subclasses through the C API.
+# ==========================================================================
+
+
+@requires_exchange_api
+@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_block_to_universal_reads_subclasses_via_the_c_api(layout, cls, gen):
+    blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.bfloat16, layout, generator=gen)
+    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
+    b2u_and_check(blocks, universals, layout, 2)
+
+
+@requires_exchange_api
+@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_universal_to_block_reads_subclasses_via_the_c_api(layout, cls, gen):
+    blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.float8_e4m3fn, layout, generator=gen)
+    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
+    u2b_and_check(universals, blocks, layout)
+
+
+@requires_exchange_api
+@pytest.mark.parametrize("direction", ["b2o", "o2b", "u2o", "o2u"])
+def test_operational_functions_read_subclasses_via_the_c_api(direction, gen):
+    blocks, universals, ops = make_op_case(3, 2, 2, 3, 4, 5, torch.float16, "NHD", generator=gen)
+    blocks, universals, ops = (as_sub(x, NoPythonDLPack) for x in (blocks, universals, ops))
+    src, dst = {"b2o": (blocks, ops), "o2b": (ops, blocks), "u2o": (universals, ops), "o2u": (ops, universals)}[direction]
+    args = ("NHD",) if direction in ("u2o", "o2u") else ()
+    op_and_check(direction, src, dst, *args)
+
+
+@requires_exchange_api
+def test_single_array_arguments_read_via_the_c_api(gen):
+    """One 5-D universal (nb = 1) and one 3-D operational as subclasses."""
+    blocks, universals, ops = make_op_case(1, 2, 2, 3, 4, 5, torch.int64, "HND", generator=gen)
+    blocks = as_sub(blocks, NoPythonDLPack)
+    u, op = universals[0].as_subclass(NoPythonDLPack), ops[0].as_subclass(NoPythonDLPack)
+    b2u_and_check(blocks, u, "HND", 2)
+    op_and_check("u2o", u, op, "HND")
+
+
+@requires_exchange_api
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_mixed_subclass_plain_and_python_dlpack_in_one_call(direction, gen):
+    """Fast path and fallback in one call: subclass, plain tensor and DLPack-only wrapper."""
+    blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.float32, "NHD", generator=gen)
+    blocks = [as_sub(chunks, NoPythonDLPack) if b == 0 else chunks for b, chunks in enumerate(blocks)]
+    blocks[2] = [DLPackOnly(c) if i % 2 else c for i, c in enumerate(blocks[2])]
+    universals = [universals[0].as_subclass(NoPythonDLPack), DLPackOnly(universals[1]), universals[2]]
+    plain_blocks = [[c._t if isinstance(c, DLPackOnly) else c for c in chunks] for chunks in blocks]
+    plain_universals = [u._t if isinstance(u, DLPackOnly) else u for u in universals]
+    if direction == "b2u":
+        before = clone_all(plain_blocks)
+        poison_(plain_universals)
+        call("b2u", blocks, universals, "NHD")
+        assert_all_bitwise_equal(plain_universals, expected_universals(before, 2, "NHD"), "universals")
+        assert_all_bitwise_equal(plain_blocks, before, "blocks (source)")
+    else:
+        before = clone_all(plain_universals)
+        poison_(plain_blocks)
+        call("u2b", blocks, universals, "NHD")
+        assert_all_bitwise_equal(plain_blocks, expected_blocks(before, "NHD"), "blocks")
+        assert_all_bitwise_equal(plain_universals, before, "universals (source)")
+    assert universals[1].calls, "the DLPack-only wrapper was not read through __dlpack__"
+
+
+# --------------------------------------------------------------------------
+# PagedKVCache with subclasses: layers, ids, universals and operationals.
+# --------------------------------------------------------------------------
+
+
+def sub_cache_case(layout, gen, cls=NoPythonDLPack, device="cpu"):
+    case = CacheCase(layout, 3, 9, 2, 3, 4, 16, torch.bfloat16, gen, device)
+    make = case.buf.make
+    case.buf = Buffers(case.buf.bases, make, lambda struct: as_sub(struct, cls) if isinstance(struct, list)
+                       else struct.as_subclass(cls))
+    return case
+
+
+def sub_other(case, method, nb, gen, form, cls=NoPythonDLPack, pin=False):
+    shape = case.universal_shape() if "universal" in method else case.operational_shape()
+    buf = block_buffers(form, nb, shape, case.dtype, gen, case.device, pin)
+    buf.arg = as_sub(buf.struct, cls) if isinstance(buf.struct, (list, tuple)) else buf.struct.as_subclass(cls)
+    return buf
+
+
+@requires_exchange_api
+@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
+@pytest.mark.parametrize("layout,form", [("kbthd", "list"), ("blkthd", "array")])
+def test_paged_cache_of_subclasses(layout, form, cls, gen):
+    """Layers, block ids (int64 CPU tensor) and universals/operationals all subclasses."""
+    case = sub_cache_case(layout, gen, cls)
+    cache = case.build()
+    assert all(isinstance(x, cls) for x in (cache.layers if isinstance(cache.layers, (list, tuple)) else [cache.layers]))
+    ids = torch.tensor([8, 0, 5], dtype=torch.int64).as_subclass(cls)
+    for method in ("to_universal", "from_universal", "to_operational", "from_operational"):
+        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, form, cls))
+
+
+@pytest.mark.parametrize("cls", [DLPackOnly, NotACapsule, IntInsteadOfCapsule])
+def test_paged_cache_through_python_dlpack(cls, gen):
+    """Objects without the capsule (or with an attribute of that name that is not one)
+    are read through __dlpack__: layers and universals as DLPack-only wrappers."""
+    case = CacheCase("kbthd", 3, 9, 2, 3, 4, 5, torch.float16, gen)
+    case.buf.arg = [cls(x) for x in case.buf.struct]
+    cache = case.build()
+    assert all(a is b for a, b in zip(cache.layers, case.buf.arg))
+    assert all(w.calls for w in case.buf.arg), "layers not read through __dlpack__"
+    for method in ("to_universal", "from_universal"):
+        other = block_buffers("list", 3, case.universal_shape(), case.dtype, gen)
+        other.arg = [cls(x) for x in other.struct]
+        run_and_check(case, cache, method, [8, 0, 5], other)
+        assert all(w.calls for w in other.arg), "universals not read through __dlpack__"
+
+
+@pytest.mark.parametrize("cls", [DLPackOnly, NotACapsule, IntInsteadOfCapsule])
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_list_api_through_python_dlpack(direction, cls, gen):
+    blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.bfloat16, "HND", generator=gen)
+    w_blocks, w_universals = wrap_all(blocks, cls), wrap_all(universals, cls)
+    if direction == "b2u":
+        before = clone_all(blocks)
+        poison_(universals)
+        call("b2u", w_blocks, w_universals, "HND")
+        assert_all_bitwise_equal(universals, expected_universals(before, 2, "HND"), "universals")
+    else:
+        before = clone_all(universals)
+        poison_(blocks)
+        call("u2b", w_blocks, w_universals, "HND")
+        assert_all_bitwise_equal(blocks, expected_blocks(before, "HND"), "blocks")
+    assert all(w.calls for w in w_universals) and all(w.calls for chunks in w_blocks for w in chunks)
+
+
+# ==========================================================================
+# GPU: the fast path on device arrays, and stream ordering through it.
+# ==========================================================================
+
+
+@requires_cuda
+@requires_exchange_api
+@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_gpu_subclasses_via_the_c_api(direction, cls, gen):
+    blocks, universals = make_case(3, 2, 2, 3, 8, 64, torch.bfloat16, "NHD", device="cuda", generator=gen)
+    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
+    if direction == "b2u":
+        b2u_and_check(blocks, universals, "NHD", 2)
+    else:
+        u2b_and_check(universals, blocks, "NHD")
+
+
+@requires_cuda
+@requires_exchange_api
+@pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
+def test_gpu_paged_cache_of_subclasses(pin, gen):
+    """GPU cache of subclasses; device ids and universals/operationals as subclasses."""
+    case = sub_cache_case("kbthd", gen, device="cuda")
+    cache = case.build()
+    assert cache.device == "cuda:0"
+    ids = torch.tensor([8, 0, 5], dtype=torch.int64, device="cuda").as_subclass(NoPythonDLPack)
+    for method in ("to_universal", "from_universal", "to_operational", "from_operational"):
+        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, "array", pin=pin))
+
+
+@requires_cuda
+@requires_exchange_api
+@pytest.mark.parametrize("fn,where", [("vectorized_copy", "host"), ("vectorized_copy", "device"),
+                                      ("memcpy_batch", "host")])
+def test_gpu_raw_copy_address_lists_via_the_c_api(fn, where, gen):
+    """The address and size arrays of vectorized_copy / memcpy_batch as subclasses."""
+    src = random_tensor((4096,), torch.uint8, "cuda", gen)
+    dst = poison_(torch.empty(8192, dtype=torch.uint8, device="cuda"))
+    offs_s, offs_d, sizes = [0, 17, 1000, 3000], [5000, 0, 2000, 7000], [17, 900, 1024, 1096]
+    dev = "cpu" if where == "host" else "cuda"
+    sp = torch.tensor([src.data_ptr() + o for o in offs_s], dtype=torch.int64, device=dev).as_subclass(NoPythonDLPack)
+    dp = torch.tensor([dst.data_ptr() + o for o in offs_d], dtype=torch.int64, device=dev).as_subclass(NoPythonDLPack)
+    sz = torch.tensor(sizes, dtype=torch.int64, device=dev).as_subclass(NoPythonDLPack)
+    sync()
+    getattr(kvbm_ext, fn)(sp, dp, sz)
+    sync()
+    want = poison_(torch.empty(8192, dtype=torch.uint8))
+    for s, d, n in zip(offs_s, offs_d, sizes):
+        want[d : d + n] = src[s : s + n].cpu()
+    assert_bitwise_equal(dst, want, "dst")
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["plain", "subclass"])
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, gen):
+    """The sources are rewritten on s1 (current) behind a long sleep; the call runs on s2
+    with no manual sync. Correct only if the library orders s1 (the producer's current work
+    stream) before s2. The subclass can only be read through the C API, so its case proves
+    the fast path orders streams."""
+    if kind == "subclass" and not HAS_EXCHANGE_API:
+        pytest.skip("torch has no __dlpack_c_exchange_api__")
+    blocks, universals = make_case(4, 2, 2, 4, 8, 64, torch.bfloat16, "NHD", device="cuda", generator=gen)
+    if kind == "subclass":
+        blocks, universals = as_sub(blocks, NoPythonDLPack), as_sub(universals, NoPythonDLPack)
+    sources, dests = (blocks, universals) if direction == "b2u" else (universals, blocks)
+    source_list = list(arrays_in(sources))
+    fresh = [random_tensor(t.shape, t.dtype, "cuda", gen) for t in source_list]
+    poison_(dests)
+    sync()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t, new in zip(source_list, fresh):
+            t.copy_(new)
+        t0 = time.perf_counter()
+        call(direction, blocks, universals, "NHD", stream=s2)
+        elapsed = time.perf_counter() - t0
+        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
+    s2.synchronize()
+    s1.synchronize()
+    assert_all_bitwise_equal(source_list, fresh, "sources")
+    if direction == "b2u":
+        assert_all_bitwise_equal(universals, expected_universals(blocks, 2, "NHD"), "universals")
+    else:
+        assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
+    print(f"call took {elapsed * 1e3:.2f} ms")
+
+
+@requires_cuda
+@requires_exchange_api
+@pytest.mark.parametrize("method", ["from_universal", "from_operational"])
+def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, gen):
+    """Universals/operationals (subclasses) rewritten on s1 (current) behind a sleep;
+    cache.from_* runs on s2: the cache must see the new data."""
+    case = CacheCase("kbthd", 2, 8, 2, 2, 8, 64, torch.bfloat16, gen, device="cuda")
+    cache = case.build()
+    other = sub_other(case, method, 4, gen, "list")
+    fresh = [random_tensor(b.shape, b.dtype, "cuda", gen) for b in other.bases]
+    ids = [7, 1, 4, 0]
+    poison_(case.buf.bases)
+    sync()
+    want = snapshot(case.buf.bases)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for b, f in zip(other.bases, fresh):
+            b.copy_(f)
+        getattr(cache, method)(other.arg, ids, stream=s2)
+        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
+    s2.synchronize()
+    s1.synchronize()
+    reference(method, cache_rows(case.buf.make(want), case.dims), per_block([f.cpu() for f in fresh]), ids,
+              list(range(case.nl)))
+    for i, (got, w) in enumerate(zip(case.buf.bases, want)):
+        assert_bitwise_equal(got.view(torch.int16), w, f"cache memory #{i}")
