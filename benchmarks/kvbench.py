@@ -85,6 +85,9 @@ MAX_SETS = 64
 CAP_TARGETS = 4                         # a case times at most 4 targets (RepPolicy.cap_s)
 SLEEP_FACTOR = 1.2                      # GPU sleep before a timed call, in units of its host time
 SLEEP_MARGIN_US = 50.0
+STEADY_REPS, STEADY_BATCH = 100, 10      # back-to-back calls for the steady host time (paged)
+STEADY_MAX_NB = 64                       # ... measured up to this nb (larger calls take long)
+TARGET_NT = 16                           # the issue's targets are stated for nt = 16
 
 COLUMNS = [
     "gpu_name", "date", "mode", "api", "function", "direction", "placement", "layout",
@@ -92,7 +95,7 @@ COLUMNS = [
     "ceiling_gbps", "pct_of_ceiling", "same_size_memcpy_gbps", "pct_same_size_memcpy",
     "best_backend", "auto_vs_best", "auto_within_5pct", "ratio_vs_memcpy",
     "reps", "sets", "uncovered_reps", "gpu_timing", "status",
-    "num_ctas", "sms", "gbps_per_sm", "speedup_vs_torch",      # paged rows
+    "num_ctas", "sms", "gbps_per_sm", "speedup_vs_torch", "host_steady_us",   # paged rows
 ]
 
 SHORT = {  # names in the printed tables
@@ -397,6 +400,22 @@ def run_once(call, synchronize):
     host_s = time.perf_counter() - start
     synchronize()
     return host_s, time.perf_counter() - start
+
+
+def steady_host_us(calls, reps=STEADY_REPS, batch=STEADY_BATCH):
+    """Median host time of GPU calls issued back to back, as a serving worker issues them
+    (the host_us of time_gpu_calls times each call right after a synchronize, from an idle
+    device).  The stream is synchronized every `batch` calls, outside the timed calls, so
+    that the queue stays short."""
+    samples = []
+    for i in range(reps):
+        if i % batch == 0:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        calls[i % len(calls)]()
+        samples.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
 
 
 def median_host_us(calls, reps):
@@ -963,7 +982,10 @@ def run_gpu_case(ctx, gpu, case, memcpys):
     def measure(first):
         timing = time_gpu_calls(case.calls, ctx.policy, gpu.cycles_per_us, first,
                                 case.queue_bound)
-        return timed_fields(timing, counted, ceiling, memcpy)
+        fields = timed_fields(timing, counted, ceiling, memcpy)
+        if case.fields["api"] == "paged" and case.fields["nb"] <= STEADY_MAX_NB:
+            fields["host_steady_us"] = steady_host_us(case.calls)
+        return fields
 
     return run_checked(make_row(ctx, **case.fields), case, cuda_synchronize, gpu.device, measure)
 
@@ -1250,6 +1272,11 @@ def figure(value):
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
+def host_times_cell(rows):
+    row = rows[0]
+    return f"{figure(row['host_us'])}/{figure(row['host_steady_us'])}"
+
+
 def speedup_cell(rows):
     return f"{figure(rows[0]['speedup_vs_torch'])}x"
 
@@ -1311,28 +1338,31 @@ class Target:
 
 
 def paged_targets():
+    """The issue's targets, for nt = TARGET_NT.  Host times are those of calls issued back
+    to back (host_steady_us); the from-idle figures are in the tables."""
     def host_time_at(kind, nb):
-        return lambda row: is_paged_kv(row) and row["backend"] == kind and row["nb"] == nb
+        return lambda row: (is_paged_kv(row) and row["backend"] == kind and row["nb"] == nb
+                            and row["nt"] == TARGET_NT)
 
     def list_at(nb):
-        return lambda row: (row["mode"] == "gpu" and row["api"] == "paged"
+        return lambda row: (row["mode"] == "gpu" and row["api"] == "paged" and row["nt"] == TARGET_NT
                             and row["backend"] == "list" and row["nb"] == nb)
 
     def speedup_at(nb):
         return lambda row: (is_paged_kv(row) and row["placement"] == "d2d" and row["nb"] == nb
-                            and row["direction"] in ("b2u", "u2b"))
+                            and row["direction"] in ("b2u", "u2b") and row["nt"] == TARGET_NT)
 
     def bandwidth_of(placement):
         return lambda row: (is_paged_kv(row) and row["placement"] == placement
-                            and row["nb"] >= BANDWIDTH_MIN_NB)
+                            and row["nb"] >= BANDWIDTH_MIN_NB and row["nt"] == TARGET_NT)
 
     return [
-        Target("PagedKVCache host time per call, nb=64, host ids", host_time_at("host_ids", 64),
-               lambda row: row["host_us"], " us", 15, True),
-        Target("PagedKVCache host time per call, nb=64, device ids",
-               host_time_at("device_ids", 64), lambda row: row["host_us"], " us", 15, True),
-        Target("list API host time per call, nb=64", list_at(64),
-               lambda row: row["host_us"] / 1e3, " ms", 3, True),
+        Target("PagedKVCache host time per call, back to back, nb=64, host ids",
+               host_time_at("host_ids", 64), lambda row: row["host_steady_us"], " us", 15, True),
+        Target("PagedKVCache host time per call, back to back, nb=64, device ids",
+               host_time_at("device_ids", 64), lambda row: row["host_steady_us"], " us", 15, True),
+        Target("list API host time per call, back to back, nb=64", list_at(64),
+               lambda row: row["host_steady_us"] / 1e3, " ms", 3, True),
         Target("PagedKVCache speedup over the torch loop, d2d, nb=1", speedup_at(1),
                lambda row: row["speedup_vs_torch"], "x", 100, False),
         Target("PagedKVCache speedup over the torch loop, d2d, nb=256", speedup_at(256),
@@ -1352,9 +1382,12 @@ def print_paged_summary(rows):
     print_pivot("paged speedup over the torch loop, time per call = max(host, GPU) "
                 "(cpu: host)", [row for row in paged if row["speedup_vs_torch"] != ""],
                 label, nt_nb, ("nt", "nb"), speedup_cell, 6)
+    print_pivot("paged host time per call, us: from an idle device / back to back",
+                [row for row in paged if row["host_steady_us"] != ""], label, nt_nb, ("nt", "nb"),
+                host_times_cell, 11)
     print_ctas_sweep(paged)
     print()
-    print("paged targets (PASS/MISS on the worst row; GPU rows, num_ctas None)")
+    print(f"paged targets (PASS/MISS on the worst row; GPU rows at nt={TARGET_NT}, num_ctas None)")
     for target in paged_targets():
         print(target.line(paged))
 

@@ -1,8 +1,8 @@
 // Block stack (or operational) <-> universal kernels.
 //
 // The work is pure data movement, so the kernel is shaped around memory
-// traffic: every thread moves kUnroll vectors of V bytes, issuing all its
-// loads before its stores, and a CTA moves one tile of one chunk.  Where a
+// traffic: every thread moves kUnroll vectors of V bytes (move_vectors), and
+// a CTA moves one tile of one chunk.  Where a
 // byte goes is decided by kvbm_layout.h, the same code the CPU path uses.
 #include <stdint.h>
 
@@ -41,7 +41,6 @@ template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
 block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    using Vec = typename VectorOf<V>::type;
     const uint32_t chunk_index = kvbm_div(p.tiles_per_chunk, blockIdx.x);   // b * nchunks + c
     const uint32_t tile = blockIdx.x - chunk_index * p.tiles_per_chunk.divisor;
     const uint32_t block = kvbm_div(p.chunks_per_block, chunk_index);
@@ -53,27 +52,13 @@ block_universal_kernel(const __grid_constant__ Table table, const __grid_constan
     char *dst_base = p.to_universal ? universal : chunk;
 
     const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
-    Vec values[kUnroll];
-    int64_t dst_off[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t j = first + k * blockDim.x;
-        if (j < p.vectors_per_chunk) {
-            int64_t chunk_off, universal_off;
-            vector_offsets<V>(p, c, j, &chunk_off, &universal_off);
-            const int64_t src_off = p.to_universal ? chunk_off : universal_off;
-            dst_off[k] = p.to_universal ? universal_off : chunk_off;
-            // Plain accesses: the evict-first hints (__ldcs, __stcs) measured
-            // 2 to 3 % slower on the H200.
-            values[k] = *reinterpret_cast<const Vec *>(src_base + src_off);
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t j = first + k * blockDim.x;
-        if (j < p.vectors_per_chunk)
-            *reinterpret_cast<Vec *>(dst_base + dst_off[k]) = values[k];
-    }
+    move_vectors<V>(src_base, dst_base, first, p.vectors_per_chunk,
+                    [&](uint32_t j, int64_t *from, int64_t *to) {
+                        int64_t chunk_off, universal_off;
+                        vector_offsets<V>(p, c, j, &chunk_off, &universal_off);
+                        *from = p.to_universal ? chunk_off : universal_off;
+                        *to = p.to_universal ? universal_off : chunk_off;
+                    });
 }
 
 template <int V>

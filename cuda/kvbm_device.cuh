@@ -19,6 +19,36 @@ template <> struct VectorOf<4> { using type = uint32_t; };
 template <> struct VectorOf<2> { using type = uint16_t; };
 template <> struct VectorOf<1> { using type = uint8_t; };
 
+// Moves the vectors j = first + k * blockDim.x (k < kUnroll, j < count) of V
+// bytes from src to dst, issuing every load before any store so that each
+// thread keeps kUnroll vectors in flight.  offsets(j, &from, &to) gives the
+// byte offsets of vector j in the source and the destination.  Plain
+// accesses: the evict-first hints (__ldcs, __stcs) measured 2 to 3 % slower
+// on the H200.
+template <int V, class Offsets>
+__device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_t first, uint32_t count,
+                                             const Offsets &offsets)
+{
+    using Vec = typename VectorOf<V>::type;
+    Vec values[kUnroll];
+    int64_t to[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t j = first + k * blockDim.x;
+        if (j < count) {
+            int64_t from;
+            offsets(j, &from, &to[k]);
+            values[k] = *reinterpret_cast<const Vec *>(src + from);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t j = first + k * blockDim.x;
+        if (j < count)
+            *reinterpret_cast<Vec *>(dst + to[k]) = values[k];
+    }
+}
+
 // A table in device-readable memory, or carried by value in the kernel's
 // parameters (small tables: no copy to stage before the launch).
 template <class T> struct TableInMemory {

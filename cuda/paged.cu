@@ -2,8 +2,8 @@
 //
 // One CTA moves one tile of one chunk (block b, moved layer i, outer o) per
 // step of a grid-stride loop, so `max_ctas` bounds the SMs a transfer takes
-// without changing what it moves.  Each thread moves kUnroll vectors, all
-// loads before the stores.  Block ids and flat addresses come from the
+// without changing what it moves.  Each thread moves kUnroll vectors
+// (move_vectors).  Block ids and flat addresses come from the
 // launch's parameters, the device or both; where a byte goes is decided by
 // kvbm_paged.h, the code the CPU path runs too.
 #include <stdint.h>
@@ -47,7 +47,6 @@ template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
 paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    using Vec = typename VectorOf<V>::type;
     for (uint32_t tile_index = blockIdx.x; tile_index < p.tiles; tile_index += gridDim.x) {
         const uint32_t chunk = kvbm_div(p.tiles_per_chunk, tile_index);  // (b * nl + i) * no + o
         const uint32_t tile = tile_index - chunk * p.tiles_per_chunk.divisor;
@@ -66,27 +65,14 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
         char *dst = p.p.to_flat ? flat : cache;
 
         const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
-        Vec values[kUnroll];
-        int64_t dst_off[kUnroll];
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            const uint32_t j = first + k * blockDim.x;
-            if (j < p.vectors_per_chunk) {
-                const uint32_t s = kvbm_div(p.vectors_per_segment, j);
-                const int64_t within = (int64_t)(j - s * p.vectors_per_segment.divisor) * V;
-                int64_t cache_off, flat_off;
-                kvbm_paged_segment(&p.p, s, &cache_off, &flat_off);
-                const int64_t src_off = (p.p.to_flat ? cache_off : flat_off) + within;
-                dst_off[k] = (p.p.to_flat ? flat_off : cache_off) + within;
-                values[k] = *reinterpret_cast<const Vec *>(src + src_off);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            const uint32_t j = first + k * blockDim.x;
-            if (j < p.vectors_per_chunk)
-                *reinterpret_cast<Vec *>(dst + dst_off[k]) = values[k];
-        }
+        move_vectors<V>(src, dst, first, p.vectors_per_chunk, [&](uint32_t j, int64_t *from, int64_t *to) {
+            const uint32_t s = kvbm_div(p.vectors_per_segment, j);
+            const int64_t within = (int64_t)(j - s * p.vectors_per_segment.divisor) * V;
+            int64_t cache_off, flat_off;
+            kvbm_paged_segment(&p.p, s, &cache_off, &flat_off);
+            *from = (p.p.to_flat ? cache_off : flat_off) + within;
+            *to = (p.p.to_flat ? flat_off : cache_off) + within;
+        });
     }
 }
 

@@ -12,6 +12,7 @@ bit pattern (NaN payloads, fp8 specials) is moved exactly.
 """
 
 import re
+import time
 import zlib
 
 import numpy as np
@@ -19,6 +20,9 @@ import pytest
 import torch
 
 POISON_BYTE = 0xA5
+
+# ~0.25 s at H200 clocks: long enough that "not finished right after the call" is robust.
+SLEEP_CYCLES = 500_000_000
 
 # Same-size integer dtype used to move elements bit-exactly.
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -413,6 +417,32 @@ def sync():
             torch.cuda.synchronize(d)
 
 
+def rewrite_sources_behind_sleep(source_list, gen, invoke, fresh=None):
+    """Producer/consumer stream ordering: with a new stream s1 current, a long sleep, then
+    every tensor in `source_list` is overwritten (on s1) with `fresh` (default: random bytes
+    from `gen`), then invoke(stream=s2) runs on a second new stream s2 with no manual sync.
+    s2 must not have finished right after the call (else the library did not order s1
+    before s2, or synchronised the host). Both streams are then synchronised. Returns the
+    fresh tensors: the sources now hold them only if s1 was ordered before s2."""
+    if fresh is None:
+        fresh = [random_tensor(t.shape, t.dtype, t.device, gen) for t in source_list]
+    assert len(fresh) == len(source_list)
+    sync()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t, new in zip(source_list, fresh):
+            t.copy_(new)
+        t0 = time.perf_counter()
+        invoke(stream=s2)
+        elapsed = time.perf_counter() - t0
+        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
+    s2.synchronize()
+    s1.synchronize()
+    print(f"call took {elapsed * 1e3:.2f} ms")
+    return fresh
+
+
 def call(direction, blocks, universals, layout="NHD", **kwargs):
     """direction 'b2u' -> block_to_universal(blocks, universals, ...); 'u2b' -> universal_to_block(universals, blocks, ...)."""
     import kvbm_ext
@@ -480,6 +510,16 @@ def check_rejected(direction, blocks, universals, exc, path, *words, layout="NHD
     return expect_rejected(lambda: call(direction, blocks, universals, layout, **kwargs), src, dest, exc, path, words)
 
 
+def assert_message_has(msg, words):
+    """Every entry of `words` occurs in `msg`: a str as a substring, a compiled regex
+    through search()."""
+    for w in words:
+        if isinstance(w, re.Pattern):
+            assert w.search(msg), f"{w.pattern!r} not in message {msg!r}"
+        else:
+            assert w in msg, f"{w!r} not in message {msg!r}"
+
+
 def expect_rejected(invoke, src, dst, exc, path, words):
     """Runs invoke() with the arrays in `dst` poisoned: it must raise `exc` with a message
     starting with `path` (a regex) and containing `words` (str or compiled regex), write
@@ -493,11 +533,7 @@ def expect_rejected(invoke, src, dst, exc, path, words):
         invoke()
     sync()
     msg = str(info.value)
-    for w in words:
-        if isinstance(w, re.Pattern):
-            assert w.search(msg), f"{w.pattern!r} not in message {msg!r}"
-        else:
-            assert w in msg, f"{w!r} not in message {msg!r}"
+    assert_message_has(msg, words)
     for i, a in enumerate(dest_arrays):
         assert_poisoned(a, f"destination array #{i}")
     for i, (a, s) in enumerate(zip(src_arrays, snapshots)):

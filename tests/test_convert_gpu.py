@@ -4,8 +4,6 @@ their ordering, multi-GPU placement, and CuPy / JAX / CAI inputs.
 Destinations are poisoned before every call and compared byte for byte afterwards.
 """
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from conftest import requires_cuda, requires_two_gpus
 from reference import (
     place,
     SHAPES,
+    SLEEP_CYCLES,
     TORCH_DTYPES,
     CudaArrayInterfaceOnly,
     DLPackOnly,
@@ -32,6 +31,7 @@ from reference import (
     misaligned,
     poison_,
     random_tensor,
+    rewrite_sources_behind_sleep,
     shape_id,
     sync,
     u2b_and_check,
@@ -42,9 +42,6 @@ pytestmark = requires_cuda
 
 LAYOUTS = ["NHD", "HND"]
 DIRECTIONS = ["b2u", "u2b"]
-
-# ~0.25 s at H200 clocks: long enough that "not finished right after the call" is robust.
-SLEEP_CYCLES = 500_000_000
 
 
 def device_case(shape, dtype, layout, gen, device="cuda"):
@@ -296,25 +293,13 @@ def test_producer_work_is_ordered_before_the_conversion(direction, gen):
     blocks, universals = device_case((4, 2, 2, 4, 8, 16), torch.bfloat16, "NHD", gen)
     sources, dests = sources_and_destinations(direction, blocks, universals)
     source_list = list(arrays_in(sources))
-    fresh = [random_tensor(t.shape, t.dtype, "cuda", gen) for t in source_list]
     poison_(dests)
-    sync()
-
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(s1):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t, new in zip(source_list, fresh):
-            t.copy_(new)
-        t0 = time.perf_counter()
-        call(direction, blocks, universals, "NHD", stream=s2)
-        elapsed = time.perf_counter() - t0
-        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
-    s2.synchronize()
+    fresh = rewrite_sources_behind_sleep(
+        source_list, gen, lambda stream: call(direction, blocks, universals, "NHD", stream=stream))
 
     want = expected_for(direction, blocks, universals, "NHD", 2)  # sources now hold `fresh`
     assert_all_bitwise_equal(source_list, fresh, "sources")
     assert_all_bitwise_equal(dests, want, "destinations")
-    print(f"call took {elapsed * 1e3:.2f} ms")
 
 
 # --------------------------------------------------------------------------

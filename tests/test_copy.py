@@ -26,12 +26,10 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
-from reference import POISON_BYTE, sync
+from reference import POISON_BYTE, SLEEP_CYCLES, sync
 
 HAVE_CUDA = torch.cuda.is_available()
 MODES = ["batched_with_fallback", "fallback_only", "batch_without_fallback"]
-# ~0.25 s at H200 clocks: long enough that "not finished right after the call" is robust.
-SLEEP_CYCLES = 500_000_000
 COMPARE_DEVICE = "cuda" if HAVE_CUDA else "cpu"
 
 

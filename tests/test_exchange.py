@@ -9,8 +9,6 @@ raise still work. Every destination is poisoned before a call and compared byte 
 with the pure-torch references afterwards.
 """
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -42,6 +40,7 @@ from reference import (
     op_and_check,
     poison_,
     random_tensor,
+    rewrite_sources_behind_sleep,
     sync,
     u2b_and_check,
 )
@@ -50,9 +49,6 @@ HAS_EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 requires_exchange_api = pytest.mark.skipif(
     not HAS_EXCHANGE_API, reason=f"torch {torch.__version__} has no __dlpack_c_exchange_api__"
 )
-
-# ~0.25 s at H200 clocks (as in test_convert_gpu.py).
-SLEEP_CYCLES = 500_000_000
 
 
 class NoPythonDLPack(torch.Tensor):
@@ -133,19 +129,18 @@ def test_subclass_python_protocols_raise():
 @requires_exchange_api
 @pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_block_to_universal_reads_subclasses_via_the_c_api(layout, cls, gen):
-    blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.bfloat16, layout, generator=gen)
+@pytest.mark.parametrize(
+    "direction,dtype",
+    [("b2u", torch.bfloat16), ("u2b", torch.float8_e4m3fn)],
+    ids=["block_to_universal-bfloat16", "universal_to_block-float8_e4m3fn"],
+)
+def test_list_conversions_read_subclasses_via_the_c_api(direction, dtype, layout, cls, gen):
+    blocks, universals = make_case(3, 2, 2, 3, 4, 5, dtype, layout, generator=gen)
     blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
-    b2u_and_check(blocks, universals, layout, 2)
-
-
-@requires_exchange_api
-@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_universal_to_block_reads_subclasses_via_the_c_api(layout, cls, gen):
-    blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.float8_e4m3fn, layout, generator=gen)
-    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
-    u2b_and_check(universals, blocks, layout)
+    if direction == "b2u":
+        b2u_and_check(blocks, universals, layout, 2)
+    else:
+        u2b_and_check(universals, blocks, layout)
 
 
 @requires_exchange_api
@@ -328,26 +323,14 @@ def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, 
         blocks, universals = as_sub(blocks, NoPythonDLPack), as_sub(universals, NoPythonDLPack)
     sources, dests = (blocks, universals) if direction == "b2u" else (universals, blocks)
     source_list = list(arrays_in(sources))
-    fresh = [random_tensor(t.shape, t.dtype, "cuda", gen) for t in source_list]
     poison_(dests)
-    sync()
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(s1):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t, new in zip(source_list, fresh):
-            t.copy_(new)
-        t0 = time.perf_counter()
-        call(direction, blocks, universals, "NHD", stream=s2)
-        elapsed = time.perf_counter() - t0
-        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
-    s2.synchronize()
-    s1.synchronize()
+    fresh = rewrite_sources_behind_sleep(
+        source_list, gen, lambda stream: call(direction, blocks, universals, "NHD", stream=stream))
     assert_all_bitwise_equal(source_list, fresh, "sources")
     if direction == "b2u":
         assert_all_bitwise_equal(universals, expected_universals(blocks, 2, "NHD"), "universals")
     else:
         assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
-    print(f"call took {elapsed * 1e3:.2f} ms")
 
 
 @requires_cuda
@@ -359,20 +342,12 @@ def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, 
     case = CacheCase("kbthd", 2, 8, 2, 2, 8, 64, torch.bfloat16, gen, device="cuda")
     cache = case.build()
     other = sub_other(case, method, 4, gen, "list")
-    fresh = [random_tensor(b.shape, b.dtype, "cuda", gen) for b in other.bases]
     ids = [7, 1, 4, 0]
     poison_(case.buf.bases)
     sync()
     want = snapshot(case.buf.bases)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(s1):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for b, f in zip(other.bases, fresh):
-            b.copy_(f)
-        getattr(cache, method)(other.arg, ids, stream=s2)
-        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
-    s2.synchronize()
-    s1.synchronize()
+    fresh = rewrite_sources_behind_sleep(
+        other.bases, gen, lambda stream: getattr(cache, method)(other.arg, ids, stream=stream))
     reference(method, cache_rows(case.buf.make(want), case.dims), per_block([f.cpu() for f in fresh]), ids,
               list(range(case.nl)))
     for i, (got, w) in enumerate(zip(case.buf.bases, want)):

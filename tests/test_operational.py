@@ -27,6 +27,7 @@ from reference import (
     place,
     NUMPY_DTYPES,
     OP_BACKENDS,
+    SLEEP_CYCLES,
     SHAPES,
     TORCH_DTYPES,
     arrays_in,
@@ -66,9 +67,6 @@ BLOCK_DIRECTIONS = ["b2o", "o2b"]  # block <-> operational: backend=, no layout
 UNIVERSAL_DIRECTIONS = ["u2o", "o2u"]  # universal <-> operational: layout
 # Every spelling of a backend the tests pass (the spec: case-insensitive).
 BACKEND_NAMES = OP_BACKENDS + ["KERNEL", "Batch"]
-
-# ~0.25 s at H200 clocks (as in test_convert_gpu.py).
-SLEEP_CYCLES = 500_000_000
 
 
 def src_dst(direction, blocks, universals, operationals):

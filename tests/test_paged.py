@@ -45,15 +45,18 @@ from paged_reference import (
     snapshot,
 )
 from reference import (
+    SLEEP_CYCLES,
     _as_int,
     misaligned,
     assert_bitwise_equal,
+    assert_message_has,
     assert_poisoned,
     dtype_id,
     expect_rejected,
     path_regex,
     poison_,
     random_tensor,
+    rewrite_sources_behind_sleep,
     sync,
 )
 
@@ -74,9 +77,6 @@ SHAPES = [(3, 9, 2, 3, 4, 5), (2, 6, 2, 2, 16, 64), (4, 5, 2, 1, 1, 1), (1, 20, 
 # Method codes of the data tests: inner order of the operational after the colon.
 DIRECTIONS = ["to_universal", "from_universal", "to_operational:NHD", "to_operational:HND",
               "from_operational:NHD", "from_operational:HND"]
-
-# ~0.25 s at H200 clocks (as in test_convert_gpu.py).
-SLEEP_CYCLES = 500_000_000
 
 
 def shape_id(s):
@@ -436,11 +436,7 @@ def construct_rejected(layers, dims, exc, path, *words):
     with pytest.raises(exc, match=path_regex(path)) as info:
         kvbm_ext.PagedKVCache(layers, dims)
     msg = str(info.value)
-    for w in words:
-        if isinstance(w, re.Pattern):
-            assert w.search(msg), f"{w.pattern!r} not in message {msg!r}"
-        else:
-            assert w in msg, f"{w!r} not in message {msg!r}"
+    assert_message_has(msg, words)
     return msg
 
 
@@ -1567,29 +1563,19 @@ def test_gpu_producer_work_is_ordered_before_the_call(method, gen):
     cache = case.build()
     other = other_buffers(case, method, 4, gen, form="list")
     if method.startswith("from_"):
-        fresh = [random_tensor(b.shape, b.dtype, "cuda", gen) for b in other.bases]
         ids = [7, 1, 4, 0]
         ids_arg = ids
+        sources, fresh = other.bases, None  # fresh random bytes
     else:
         ids = [6, 2, 5, 3]
         ids_arg = torch.tensor([0, 0, 0, 0], dtype=torch.int64, device="cuda")
-        fresh_ids = torch.tensor(ids, dtype=torch.int64, device="cuda")
+        sources, fresh = [ids_arg], [torch.tensor(ids, dtype=torch.int64, device="cuda")]
     dst = other if method.startswith("to_") else case.buf
     poison_(dst.bases)
     sync()
     cache_before, other_before = snapshot(case.buf.bases), None
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(s1):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        if method.startswith("from_"):
-            for b, f in zip(other.bases, fresh):
-                b.copy_(f)
-        else:
-            ids_arg.copy_(fresh_ids)
-        invoke(cache, method, ids_arg, other.arg, stream=s2)
-        assert not s2.query(), "s2 finished while s1 was still sleeping: no ordering, or a host sync"
-    s2.synchronize()
-    s1.synchronize()
+    rewrite_sources_behind_sleep(
+        sources, gen, lambda stream: invoke(cache, method, ids_arg, other.arg, stream=stream), fresh=fresh)
     other_before = snapshot(other.bases)
     if method.startswith("from_"):
         want = [b.clone() for b in cache_before]
