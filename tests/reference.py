@@ -252,6 +252,21 @@ def assert_poisoned(x, what="array"):
     assert written == 0, f"{what}: {written} of {b.numel()} bytes were written"
 
 
+def peek_still_poisoned(arrays, busy, what="destination"):
+    """While stream `busy` still sleeps, every array must still be poisoned: each is cloned
+    on an independent non-blocking stream (host arrays directly) and checked.  Returns
+    False, judging nothing, when the sleep ended before the clones did."""
+    peek = torch.cuda.Stream()  # independent of `busy` and of the legacy default stream
+    with torch.cuda.stream(peek):
+        snapshot = [a.clone() for a in arrays]
+    peek.synchronize()
+    if busy.query():
+        return False
+    for i, c in enumerate(snapshot):
+        assert_poisoned(c, f"{what} #{i} while its stream was still busy")
+    return True
+
+
 def clone_all(x):
     """Deep copy of a (nested list of) torch tensors / NumPy arrays."""
     if isinstance(x, (list, tuple)):

@@ -26,7 +26,7 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
-from reference import POISON_BYTE, SLEEP_CYCLES, sync
+from reference import POISON_BYTE, SLEEP_CYCLES, assert_poisoned, peek_still_poisoned, sync
 
 HAVE_CUDA = torch.cuda.is_available()
 MODES = ["batched_with_fallback", "fallback_only", "batch_without_fallback"]
@@ -255,12 +255,6 @@ def assert_unchanged(buf, snapshot, what="source"):
         raise AssertionError(f"{what}: {n} of {a.numel()} bytes changed")
 
 
-def assert_still_poisoned(buf, what="destination"):
-    b = buf.to(COMPARE_DEVICE)
-    written = int((b != POISON_BYTE).sum())
-    assert written == 0, f"{what}: {written} of {b.numel()} bytes were written"
-
-
 def assert_message(info, *patterns):
     msg = str(info.value)
     for p in patterns:
@@ -366,7 +360,7 @@ def test_argument_structure_errors(fn, case, gen):
         copy_fn(fn)(*args)
     sync()
     assert_message(info, *patterns)
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     assert_unchanged(src, snapshot)
 
 
@@ -377,7 +371,7 @@ def test_memcpy_batch_unknown_mode(mode, gen):
         kvbm_ext.memcpy_batch(s, d, z, mode=mode)
     sync()
     assert_message(info, "mode", *MODES)
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     assert_unchanged(src, snapshot)
 
 
@@ -402,7 +396,7 @@ def test_without_gpu_valid_looking_calls_raise_runtime_error(fn, kwargs, forms, 
     src, snapshot, dst = setup_copy("pageable", "pageable", plan, gen)
     with pytest.raises(RuntimeError):
         copy_fn(fn)(*pair_args(src, dst, plan, *forms), **kwargs)
-    assert_still_poisoned(dst)  # no silent CPU fallback
+    assert_poisoned(dst)  # no silent CPU fallback
     assert_unchanged(src, snapshot)
 
 
@@ -538,8 +532,8 @@ def test_vectorized_copy_zero_pairs_is_a_no_op(form, sizes, gen):
     assert kvbm_ext.vectorized_copy(empty, ADDRESS_FORMS[form]([]), size_arg) is None
     assert kvbm_ext.vectorized_copy(empty, ADDRESS_FORMS[form]([]), size_arg, stream=s) is None
     sync()
-    assert_still_poisoned(dst)
-    assert_still_poisoned(pinned_dst)
+    assert_poisoned(dst)
+    assert_poisoned(pinned_dst)
 
 
 @requires_cuda
@@ -570,19 +564,9 @@ def fill_on_current_stream(buf, fresh):
 
 
 def assert_not_written_yet(dst, busy, what="destination"):
-    """While `busy` is still sleeping, dst must still be poisoned (read through an
-    independent non-blocking stream, or directly for host memory)."""
-    if dst.is_cuda:
-        peek = torch.cuda.Stream()
-        with torch.cuda.stream(peek):
-            snapshot = dst.clone()
-        peek.synchronize()
-    else:
-        snapshot = dst.clone()
-    if busy.query():
+    """While `busy` is still sleeping, dst must still be poisoned (see peek_still_poisoned)."""
+    if not peek_still_poisoned([dst], busy, what):
         print("the sleep ended before the peek finished: peek not judged")
-        return
-    assert_still_poisoned(snapshot, f"{what} while its stream was still busy")
 
 
 STREAM_FORMS = ["None", "0", "torch.cuda.Stream", "int-handle"]
@@ -666,7 +650,7 @@ def test_address_lists_are_copied_before_return(fn, kwargs, gen):
     busy = not s.query()
     s.synchronize()
     assert_copied(dst, snapshot, plan)
-    assert_still_poisoned(decoy, "decoy destination")
+    assert_poisoned(decoy, "decoy destination")
     if not busy:
         print("the stream was already idle when the arrays were overwritten")
 
@@ -694,7 +678,7 @@ def test_vectorized_copy_null_address(which, form, gen):
     s, d = (_with(s, 3, 0), d) if which == "src_ptrs" else (s, _with(d, 3, 0))
     args = (ADDRESS_FORMS[form](s), ADDRESS_FORMS[form](d), z)
     rejected("vectorized_copy", args, ValueError, "^" + which + r"\[3\]", "null")
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     assert_unchanged(src, snapshot)
 
 
@@ -713,8 +697,8 @@ def test_vectorized_copy_pageable_address(which, gen):
         d = _with(d, 2, pageable_dst.data_ptr() + plan.dst_offs[2])
     name = r"(src_ptrs|dst_ptrs)" if which == "both" else which
     rejected("vectorized_copy", (s, d, z), ValueError, name + r"\[2\]", "pageable", "pinned")
-    assert_still_poisoned(dst)
-    assert_still_poisoned(pageable_dst, "pageable destination")
+    assert_poisoned(dst)
+    assert_poisoned(pageable_dst, "pageable destination")
     assert_unchanged(src, snapshot)
 
 
@@ -723,7 +707,7 @@ def test_vectorized_copy_all_pageable_rejected(gen):
     plan = make_plan([512] * 3, gen)
     src, snapshot, dst = setup_copy("pageable", "pageable", plan, gen)
     rejected("vectorized_copy", pair_args(src, dst, plan), ValueError, "pageable", "pinned")
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
 
 
 def whole_segment_buffer(n):
@@ -766,9 +750,9 @@ def test_vectorized_copy_range_past_end_of_allocation(which, gen):
     rejected("vectorized_copy", whole, ValueError, r"(src_ptrs|dst_ptrs)\[2\]")
     # ... and the tail pair one byte too long (the other side stays inside its buffer).
     rejected("vectorized_copy", (s, d, _with(z, 2, tail + 1)), ValueError, which + r"\[2\]")
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     if which == "dst_ptrs":
-        assert_still_poisoned(big, "allocation named by the bad pair")
+        assert_poisoned(big, "allocation named by the bad pair")
     assert_unchanged(src, snapshot)
     # Control: up to the very last byte is accepted and copied.
     kvbm_ext.vectorized_copy(s, d, z)
@@ -778,7 +762,7 @@ def test_vectorized_copy_range_past_end_of_allocation(which, gen):
         assert_copied(dst, want[0], want[1])
     else:
         assert torch.equal(big[n - tail:], src[plan.src_offs[2]:plan.src_offs[2] + tail]), "tail pair not copied"
-        assert_still_poisoned(big[:n - tail], "rest of the big allocation")
+        assert_poisoned(big[:n - tail], "rest of the big allocation")
         assert_copied(dst, snapshot, plan.without(2))
 
 
@@ -799,7 +783,7 @@ def test_vectorized_copy_structure_errors_with_device_address_arrays(gen):
     rejected("vectorized_copy", (s, d, torch.tensor(z[:3], device="cuda")), ValueError, r"^sizes\b")
     rejected("vectorized_copy", (s.double(), d, z), TypeError, "src_ptrs")
     rejected("vectorized_copy", (s, d, torch.tensor(z, dtype=torch.float32, device="cuda")), TypeError, "sizes")
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     assert_unchanged(src, snapshot)
 
 
@@ -813,8 +797,8 @@ def test_vectorized_copy_addresses_on_two_devices(gen):
     s, d, z = pair_args(src, dst0, plan)
     d = _with(d, 2, dst1.data_ptr() + plan.dst_offs[2])
     rejected("vectorized_copy", (s, d, z), ValueError)
-    assert_still_poisoned(dst0)
-    assert_still_poisoned(dst1)
+    assert_poisoned(dst0)
+    assert_poisoned(dst1)
 
 
 # --------------------------------------------------------------------------
@@ -850,7 +834,7 @@ def memcpy_batch_and_check(src_where, dst_where, mode, stream_kind, gen, forms=(
         src, snapshot, dst = setup_copy(src_where, dst_where, plan, gen)
         msg = rejected("memcpy_batch", pair_args(src, dst, plan, *forms), RuntimeError, stream=stream, **kwargs)
         assert re.search(r"not available|not supported|unsupported|cudaError|12\.8", msg, re.I), msg
-        assert_still_poisoned(dst)
+        assert_poisoned(dst)
         return
     copy_and_check("memcpy_batch", src_where, dst_where, plan, gen, forms, stream=stream, sync_on=sync_on, **kwargs)
 
@@ -910,7 +894,7 @@ def test_memcpy_batch_zero_pairs_is_a_no_op(mode):
     assert kvbm_ext.memcpy_batch(np.array([], dtype=np.uint64), np.array([], dtype=np.uint64), 8, mode=mode,
                                  stream=torch.cuda.Stream()) is None
     sync()
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
 
 
 @requires_cuda
@@ -922,7 +906,7 @@ def test_memcpy_batch_only_zero_size_pairs(mode, gen):
     src, snapshot, dst = setup_copy("device", "pinned", plan, gen)
     kvbm_ext.memcpy_batch(*pair_args(src, dst, plan), mode=mode)
     sync()
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
 
 
 @requires_cuda
@@ -946,7 +930,7 @@ def test_memcpy_batch_null_address(mode, which, form, gen):
     s, d = (_with(s, 3, 0), d) if which == "src_ptrs" else (s, _with(d, 3, 0))
     rejected("memcpy_batch", (ADDRESS_FORMS[form](s), ADDRESS_FORMS[form](d), z), ValueError,
              re.escape(which) + r"\[3\]", "null", mode=mode)
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     assert_unchanged(src, snapshot)
 
 
@@ -960,7 +944,7 @@ def test_memcpy_batch_device_resident_arrays_rejected(which, gen):
     sync()
     for mode in MODES:
         rejected("memcpy_batch", args, ValueError, which, mode=mode)
-    assert_still_poisoned(dst)
+    assert_poisoned(dst)
     assert_unchanged(src, snapshot)
 
 
