@@ -17,11 +17,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-VERSION = "0.3.0"
+VERSION = "0.4.0"
 ROOT = Path(__file__).parent
 DEFAULT_ARCHS = "80;86;89;90"
 C_SOURCES = ["address_list.c", "args.c", "array.c", "convert.c", "copy.c", "cpu_copy.c", "debug.c", "module.c", "paged.c",
-             "stream.c"]
+             "pieces.c", "stream.c"]
 
 
 def find_nvcc():
@@ -103,7 +103,7 @@ class BuildExt(build_ext):
             print(" ".join(cmd), file=sys.stderr)
             subprocess.run(cmd, check=True)
             ext.extra_objects.append(str(obj))
-        ext.sources.append("csrc/gpu.c")
+        ext.sources.extend(["csrc/gpu.c", "csrc/moves.c", "csrc/staging.c"])
         ext.include_dirs.append(str(cuda_home / "include"))
         lib_dir = cuda_home / "lib64" if (cuda_home / "lib64").is_dir() else cuda_home / "lib"
         ext.library_dirs.append(str(lib_dir))

@@ -50,3 +50,27 @@ void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size)
     if (n < size)
         snprintf(buf + n, size - n, ndim == 1 ? ",)" : ")");
 }
+
+int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback, int allow_none,
+                 int64_t *out)
+{
+    if (obj == NULL || (obj == Py_None && allow_none)) {
+        *out = fallback;
+        return 0;
+    }
+    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %s", name, allow_none ? " or None" : "",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const long long value = PyLong_AsLongLong(obj);
+    if (value == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    else if (value >= minimum && value <= maximum) {
+        *out = value;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "%s: expected an int from %lld to %lld, got %R", name, (long long)minimum,
+                 (long long)maximum, obj);
+    return -1;
+}

@@ -9,6 +9,12 @@
  * TypeError or ValueError (listing the valid names), naming `argument`. */
 int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, int fallback, int *out);
 
+/* Reads an int argument from `minimum` to `maximum`: absent (NULL) gives
+ * `fallback`, and so does None where `allow_none`.  TypeError (bool
+ * included) or ValueError naming `name`. */
+int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback, int allow_none,
+                 int64_t *out);
+
 /* A list or tuple view of a sequence argument (new reference); arrays and
  * strings are refused even though they are iterable.  TypeError naming
  * `path`, saying what was `expected`. */

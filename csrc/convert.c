@@ -7,6 +7,7 @@
 
 #include "args.h"
 #include "cpu_copy.h"
+#include "debug.h"
 #include "stream.h"
 
 /* One call's arguments as they are walked and checked.  Two sides: `flat`,
@@ -20,6 +21,8 @@ typedef struct {
     int to_flat; /* the bytes move into the flat side */
     kvbm_layout layout;
     kv_backend backend;
+    uint32_t num_ctas; /* 0: not given */
+    const char *function;
     intptr_t stream;
     PyObject *dlpack_stream;
     const char *flat_name, *other_name;
@@ -305,8 +308,7 @@ static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_gpu_
     for (Py_ssize_t i = 0; i < array_count(call) && !over_pcie; i++)
         over_pcie = call->arrays[i].place == KV_HOST_PINNED;
     if (on_gpu) {
-        rc = kv_copy_with_backend(gpu, target, &pairs, call->backend, over_pcie,
-                                  call->to_flat ? "block_to_operational" : "operational_to_block");
+        rc = kv_copy_with_backend(gpu, target, &pairs, call->backend, over_pcie, call->num_ctas, call->function);
     }
     else {
         Py_BEGIN_ALLOW_THREADS
@@ -318,7 +320,59 @@ static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_gpu_
     return rc;
 }
 
-/* Block stack or operational <-> universal: the layout kernel. */
+/* Whether every array of the flat side (`flat`) or of the other side is in
+ * pinned host memory. */
+static int side_is(const kv_call *call, int flat, kv_place place)
+{
+    const Py_ssize_t first = flat ? 0 : call->nb, end = flat ? call->nb : array_count(call);
+    for (Py_ssize_t i = first; i < end; i++)
+        if (call->arrays[i].place != place)
+            return 0;
+    return 1;
+}
+
+/* Describes the pinned side of a block stack (or operational) <-> universal
+ * move for the staged path (gpu.h), its unit addresses in `addresses` (room
+ * for every array of the call).  Returns NULL, or why it cannot be staged. */
+static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims, uint64_t *addresses,
+                                kv_staged *staged)
+{
+    const int flat_pinned = side_is(call, 1, KV_HOST_PINNED), other_pinned = side_is(call, 0, KV_HOST_PINNED);
+    if (!(flat_pinned && side_is(call, 0, KV_DEVICE)) && !(other_pinned && side_is(call, 1, KV_DEVICE)))
+        return "pinned host memory and device memory are mixed on one side of the call";
+    for (Py_ssize_t i = 0; i < array_count(call); i++)
+        addresses[i] = (uint64_t)(uintptr_t)call->arrays[i].data;
+    memset(staged, 0, sizeof *staged);
+    staged->nb = call->nb;
+    staged->flat_side = flat_pinned;
+    staged->to_host = flat_pinned == call->to_flat;
+    const int64_t rb = dims->row_bytes, chunk_bytes = dims->nh * dims->nt * rb;
+    if (flat_pinned) {
+        /* Universals: [nh][nchunks] units of nt rows. */
+        staged->mid = dims->nh;
+        staged->inner = dims->nchunks;
+        staged->unit_bytes = dims->nt * rb;
+        staged->block_address = addresses;
+        staged->mid_stride = dims->nchunks * dims->nt * rb;
+        staged->inner_stride = dims->nt * rb;
+        return NULL;
+    }
+    /* Chunks, each its own allocation, or operationals of nchunks chunks. */
+    staged->mid = 1;
+    staged->inner = dims->nchunks;
+    staged->unit_bytes = chunk_bytes;
+    if (call->other_is_blocks) {
+        staged->unit_address = addresses + call->nb;
+    }
+    else {
+        staged->block_address = addresses + call->nb;
+        staged->inner_stride = chunk_bytes;
+    }
+    return NULL;
+}
+
+/* Block stack or operational <-> universal: the layout kernel, alone or
+ * staged. */
 static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target, int on_gpu)
 {
     const Py_ssize_t count = array_count(call);
@@ -332,10 +386,14 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *
     dims.layout = call->layout;
     dims.nh_divisor = kvbm_divisor_make((uint32_t)dims.nh);
     dims.chunk_stride = call->other_is_blocks ? 0 : dims.nh * dims.nt * dims.row_bytes;
+    dims.universal_chunks = dims.nchunks;
+    dims.chunk_heads = dims.nh;
     const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
 
     void **table = PyMem_Malloc((size_t)count * sizeof *table);
-    if (table == NULL) {
+    uint64_t *addresses = on_gpu ? PyMem_Malloc((size_t)count * sizeof *addresses) : NULL;
+    if (table == NULL || (on_gpu && addresses == NULL)) {
+        PyMem_Free(table);
         PyErr_NoMemory();
         return -1;
     }
@@ -343,8 +401,20 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *
         table[i] = call->arrays[i].data;
     int rc = 0;
     if (on_gpu) {
+        int pinned = 0;
+        for (Py_ssize_t i = 0; i < count && !pinned; i++)
+            pinned = call->arrays[i].place == KV_HOST_PINNED;
+        kv_staged staged;
+        const char *unstageable = pinned ? plan_staging(call, &dims, addresses, &staged) : NULL;
+        const kv_route route = kv_route_move(call->backend, pinned, unstageable, call->num_ctas);
+        staged.async_copies = route.async_copies;
+        kv_gpu_report report;
+        memset(&report, 0, sizeof report);
         rc = kv_gpu_block_universal(gpu, target, &dims, direction, table,
-                                    vector_bytes((const void *const *)table, count, dims.row_bytes));
+                                    vector_bytes((const void *const *)table, count, dims.row_bytes), route.ctas,
+                                    route.staged ? &staged : NULL, &report);
+        if (rc == 0)
+            kv_debug_move(call->function, &route, &report, target->device);
     }
     else {
         Py_BEGIN_ALLOW_THREADS
@@ -352,6 +422,7 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *
         Py_END_ALLOW_THREADS
     }
     PyMem_Free(table);
+    PyMem_Free(addresses);
     return rc;
 }
 
@@ -397,8 +468,21 @@ static PyObject *flat_side(PyObject *obj, const char *name, int *single)
     return kv_as_sequence(obj, &path, "an array or a sequence of arrays");
 }
 
+/* The Python function a call came through, for the debug log. */
+static const char *function_name(kv_conversion conversion, int to_flat)
+{
+    switch (conversion) {
+    case KV_BLOCK_UNIVERSAL:
+        return to_flat ? "block_to_universal" : "universal_to_block";
+    case KV_UNIVERSAL_OPERATIONAL:
+        return to_flat ? "operational_to_universal" : "universal_to_operational";
+    default:
+        return to_flat ? "block_to_operational" : "operational_to_block";
+    }
+}
+
 int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *flat, PyObject *other,
-               PyObject *layout, PyObject *backend, PyObject *stream)
+               PyObject *layout, PyObject *backend, PyObject *num_ctas, PyObject *stream)
 {
     kv_call call;
     memset(&call, 0, sizeof call);
@@ -407,13 +491,17 @@ int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *fla
     call.flat_name = conversion == KV_BLOCK_OPERATIONAL ? "operationals" : "universals";
     call.other_name = conversion == KV_UNIVERSAL_OPERATIONAL ? "operationals" : "blocks";
     call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
+    call.function = function_name(conversion, to_flat);
     int layout_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
+    int64_t ctas;
     if (kv_parse_name(layout, "layout", LAYOUT_NAMES, 2, KVBM_NHD, &layout_index) < 0
-        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, 4, KV_BACKEND_AUTO, &backend_index) < 0
+        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
+        || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &ctas) < 0
         || kv_stream_from_object(stream, &call.stream) < 0)
         return -1;
     call.layout = (kvbm_layout)layout_index;
     call.backend = (kv_backend)backend_index;
+    call.num_ctas = (uint32_t)ctas;
 
     int rc = -1;
     const kv_path other_path = {call.other_name, {0, 0}, 0};

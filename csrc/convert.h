@@ -13,11 +13,10 @@ typedef enum {
 } kv_conversion;
 
 /* Validates every argument, then moves the bytes, into the flat side when
- * `to_flat`, else out of it.  `layout` and `backend` may be NULL (NHD,
- * auto); the backend matters only for block <-> operational.  Nothing is
- * written unless every check passes.  Returns 0, or -1 with an exception
- * set. */
+ * `to_flat`, else out of it.  `layout`, `backend` and `num_ctas` may be NULL
+ * (NHD, auto, no bound; see copy.h for the backends).  Nothing is written
+ * unless every check passes.  Returns 0, or -1 with an exception set. */
 int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *flat, PyObject *other,
-               PyObject *layout, PyObject *backend, PyObject *stream);
+               PyObject *layout, PyObject *backend, PyObject *num_ctas, PyObject *stream);
 
 #endif /* KVBM_CONVERT_H */

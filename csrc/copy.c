@@ -1,6 +1,7 @@
 /* Batched raw copies.  See copy.h. */
 #include "copy.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "address_list.h"
@@ -8,7 +9,7 @@
 #include "debug.h"
 #include "stream.h"
 
-const char *const KV_BACKEND_NAMES[4] = {"kernel", "async", "batch", "auto"};
+const char *const KV_BACKEND_NAMES[KV_BACKEND_COUNT] = {"kernel", "async", "batch", "auto", "copy_engines"};
 
 static const char *const MODE_NAMES[3] = {"batched_with_fallback", "fallback_only", "batch_without_fallback"};
 enum { MODE_BATCHED_WITH_FALLBACK, MODE_FALLBACK_ONLY, MODE_BATCH_WITHOUT_FALLBACK };
@@ -23,27 +24,79 @@ static int copy_and_log(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs
     char why[160];
     if (kv_gpu_copy_pairs(gpu, target, pairs, engine, fallback, &ran, why, sizeof why) < 0)
         return -1;
+    const char *path = ran == KV_ENGINE_KERNEL ? "kernel" : "copy_engines";
     if (ran != engine)
-        kv_debug("%s: backend %s (falling back from %s: %s)", function, KV_ENGINE_NAMES[ran], KV_ENGINE_NAMES[engine],
-                 why);
+        kv_debug("%s: path %s (backend %s, falling back from %s: %s)", function, path, KV_ENGINE_NAMES[ran],
+                 KV_ENGINE_NAMES[engine], why);
     else
-        kv_debug("%s: backend %s (%s, %lld copies on cuda:%d)", function, KV_ENGINE_NAMES[ran], reason,
+        kv_debug("%s: path %s (backend %s, %s, %lld copies on cuda:%d)", function, path, KV_ENGINE_NAMES[ran], reason,
                  (long long)pairs->count, target->device);
     return 0;
 }
 
-int kv_copy_with_backend(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_backend backend,
-                         int over_pcie, const char *function)
+int kv_copy_with_backend(kv_gpu *gpu, const kv_gpu_target *target, kv_pairs *pairs, kv_backend backend, int over_pcie,
+                         uint32_t num_ctas, const char *function)
 {
-    static const kv_engine ENGINE_OF[3] = {KV_ENGINE_KERNEL, KV_ENGINE_ASYNC, KV_ENGINE_BATCH};
-    if (backend != KV_BACKEND_AUTO)
-        return copy_and_log(gpu, target, pairs, ENGINE_OF[backend], 1, function, "requested");
+    pairs->max_ctas = num_ctas != 0 ? num_ctas : over_pcie ? KV_PINNED_CTAS : 0;
+    switch (backend) {
+    case KV_BACKEND_KERNEL:
+        return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function, "requested");
+    case KV_BACKEND_ASYNC:
+        return copy_and_log(gpu, target, pairs, KV_ENGINE_ASYNC, 1, function, "requested");
+    case KV_BACKEND_BATCH:
+    case KV_BACKEND_COPY_ENGINES:
+        return copy_and_log(gpu, target, pairs, KV_ENGINE_BATCH, 1, function, "requested");
+    default:
+        break;
+    }
     if (!over_pcie)
         return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function, "auto: device to device");
     if (!kv_gpu_batch_available())
         return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function,
                             "auto: over PCIe, no cudaMemcpyBatchAsync");
     return copy_and_log(gpu, target, pairs, KV_ENGINE_BATCH, 1, function, "auto: over PCIe");
+}
+
+kv_route kv_route_move(kv_backend backend, int pinned, const char *unstageable, uint32_t num_ctas)
+{
+    kv_route route = {0, num_ctas != 0 ? num_ctas : pinned ? KV_PINNED_CTAS : 0, backend == KV_BACKEND_ASYNC, NULL};
+    if (backend == KV_BACKEND_KERNEL)
+        route.why = pinned ? "requested; pinned host memory read directly" : "requested";
+    else if (!pinned)
+        route.why = backend == KV_BACKEND_AUTO ? "auto: device to device"
+                                               : "copy engines requested, but no pinned host memory takes part";
+    else if (unstageable != NULL)
+        route.why = unstageable;
+    else {
+        route.staged = 1;
+        route.why = backend == KV_BACKEND_AUTO ? "auto: pinned host memory takes part" : "requested";
+    }
+    return route;
+}
+
+void kv_debug_move(const char *function, const kv_route *route, const kv_gpu_report *report, int device)
+{
+    if (!kv_debug_enabled())
+        return;
+    char ctas[32];
+    if (report->ctas == 0)
+        snprintf(ctas, sizeof ctas, "every CTA it needs");
+    else
+        snprintf(ctas, sizeof ctas, "at most %u CTAs", report->ctas);
+    if (report->staged) {
+        char lane[32];
+        if (report->lane < 0)
+            snprintf(lane, sizeof lane, "the graph-capture lane");
+        else
+            snprintf(lane, sizeof lane, "lane %d", report->lane);
+        kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, cuda:%d)", function,
+                 route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane, ctas,
+                 route->async_copies ? "one cudaMemcpyAsync per run" : "copy engines", device);
+    }
+    else if (report->fallback[0] != '\0')
+        kv_debug("%s: path kernel (cannot stage: %s; %s, cuda:%d)", function, report->fallback, ctas, device);
+    else
+        kv_debug("%s: path kernel (%s; %s, cuda:%d)", function, route->why, ctas, device);
 }
 
 /* The three lists of one call and everything they borrow. */

@@ -38,7 +38,7 @@ void kv_cpu_paged(const kvbm_paged *p, const kvbm_paged_addresses *a, const uint
             const int64_t layer = kvbm_paged_layer(p, i);
             for (int64_t o = 0; o < p->no; o++) {
                 char *cache_chunk = (char *)(uintptr_t)a->layers[layer] + kvbm_paged_cache_chunk(p, id, o);
-                char *flat_chunk = flat + kvbm_paged_flat_chunk(p, layer, o);
+                char *flat_chunk = flat + kvbm_paged_flat_chunk(p, i, o);
                 for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
                     int64_t cache_off, flat_off;
                     kvbm_paged_segment(p, s, &cache_off, &flat_off);

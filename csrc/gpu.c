@@ -12,66 +12,15 @@
  * reads.  The per-call path neither allocates nor synchronizes (it waits only
  * when the ring is full, and grows the ring when one table does not fit).
  */
-#include "gpu.h"
+#include "gpu_internal.h"
 
 #include <cuda.h>
-#include <cuda_runtime_api.h>
 #include <stdio.h>
-#include <pythread.h>
 #include <string.h>
 
 #include "kvbm_kernels.h"
 
-#define KV_MAX_DEVICES 64
-#define KV_RING_REGIONS 64
-#define KV_RING_INITIAL_BYTES ((size_t)4 << 20)
-#define KV_RING_ALIGN 256
-
-typedef struct {
-    size_t start, end;
-    cudaEvent_t done; /* recorded after the kernel that reads [start, end) */
-} kv_region;
-
-typedef struct {
-    char *host;   /* pinned staging */
-    char *device; /* what kernels read */
-    size_t capacity;
-    size_t head;
-    kv_region busy[KV_RING_REGIONS]; /* FIFO: busy[first], ..., count of them */
-    int first, count;
-    /* Non-blocking streams, so that the legacy default stream does not
-     * serialize them: */
-    cudaStream_t copy_stream;  /* uploads tables */
-    cudaStream_t batch_stream; /* runs cudaMemcpyBatchAsync for callers on a default stream, which it rejects */
-    /* Events that order one stream after another: */
-    cudaEvent_t producer_done; /* a producer's stream before the caller's */
-    cudaEvent_t table_ready;   /* an upload before the caller's kernel */
-    cudaEvent_t batch_start;   /* the caller's stream before batch_stream */
-    cudaEvent_t batch_done;    /* batch_stream before the caller's stream */
-} kv_ring;
-
-struct kv_gpu {
-    PyThread_type_lock lock; /* the rings are used with the GIL released */
-    kv_ring *rings[KV_MAX_DEVICES];
-};
-
-/* A failed CUDA step, reported once the GIL is held again. */
-typedef struct {
-    cudaError_t error;
-    const char *what;
-} kv_failure;
-
-#define CUDA_STEP(failure, call, description)                                                      \
-    do {                                                                                           \
-        cudaError_t step_error_ = (call);                                                          \
-        if (step_error_ != cudaSuccess) {                                                          \
-            (failure)->error = step_error_;                                                        \
-            (failure)->what = (description);                                                       \
-            return -1;                                                                             \
-        }                                                                                          \
-    } while (0)
-
-static void raise_failure(const kv_failure *f)
+void kv_raise_failure(const kv_failure *f)
 {
     PyErr_Format(PyExc_RuntimeError, "CUDA error %s (%d) in %s: %s", cudaGetErrorName(f->error), (int)f->error,
                  f->what, cudaGetErrorString(f->error));
@@ -84,6 +33,8 @@ kv_gpu *kv_gpu_new(void)
     kv_gpu *gpu = PyMem_Calloc(1, sizeof *gpu);
     if (gpu == NULL)
         return (kv_gpu *)PyErr_NoMemory();
+    gpu->staging_bytes = KV_STAGING_DEFAULT_BYTES;
+    gpu->staging_lanes = KV_STAGING_DEFAULT_LANES;
     gpu->lock = PyThread_allocate_lock();
     if (gpu->lock == NULL) {
         PyMem_Free(gpu);
@@ -177,6 +128,7 @@ static cudaStream_t *ring_streams(kv_ring *ring, int i)
 
 static void ring_free(kv_ring *ring)
 {
+    kv_staging_free(ring->staging);
     while (ring->count > 0) {
         kv_failure ignored;
         if (ring_retire_oldest(ring, &ignored) < 0)
@@ -198,7 +150,7 @@ static void ring_free(kv_ring *ring)
 
 /* The ring of the current device, created on first use (without buffers:
  * see ring_reserve). */
-static kv_ring *ring_for(kv_gpu *gpu, int device, kv_failure *f)
+kv_ring *kv_ring_for(kv_gpu *gpu, int device, kv_failure *f)
 {
     if (device < 0 || device >= KV_MAX_DEVICES) {
         f->error = cudaErrorInvalidDevice;
@@ -276,7 +228,7 @@ int kv_gpu_locate(kv_array *a, const kv_path *path)
 
 /* Makes `device` current; *previous receives the device to restore, or -1
  * when it already was current.  Safe without the GIL. */
-static cudaError_t select_device(int device, int *previous)
+cudaError_t kv_select_device(int device, int *previous)
 {
     int current;
     cudaError_t error = cudaGetDevice(&current);
@@ -291,7 +243,7 @@ static cudaError_t select_device(int device, int *previous)
 
 int kv_gpu_use_device(int device, int *previous)
 {
-    cudaError_t error = select_device(device, previous);
+    cudaError_t error = kv_select_device(device, previous);
     if (error != cudaSuccess) {
         PyErr_Format(PyExc_RuntimeError, "CUDA error %s selecting device %d: %s", cudaGetErrorName(error), device,
                      cudaGetErrorString(error));
@@ -304,6 +256,16 @@ void kv_gpu_restore_device(int previous)
 {
     if (previous >= 0)
         cudaSetDevice(previous);
+}
+
+int kv_gpu_device_count(void)
+{
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return count;
 }
 
 int kv_gpu_current_device(void)
@@ -511,24 +473,20 @@ static int same_stream(intptr_t a, intptr_t b)
     return a == b || ((a == 0 || a == 1) && (b == 0 || b == 1));
 }
 
-/* The work of one call, run by run_on_device without the GIL, under
- * gpu->lock, on the target's device. */
-typedef int (*kv_gpu_work)(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f);
-
-static int run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args)
+int kv_run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args)
 {
     kv_failure failure = {cudaSuccess, NULL};
     cudaStream_t stream = (cudaStream_t)target->stream;
     int rc = -1, previous = -1;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    cudaError_t error = select_device(target->device, &previous);
+    cudaError_t error = kv_select_device(target->device, &previous);
     if (error != cudaSuccess) {
         failure.error = error;
         failure.what = "selecting the arrays' device";
     }
     else {
-        kv_ring *ring = ring_for(gpu, target->device, &failure);
+        kv_ring *ring = kv_ring_for(gpu, target->device, &failure);
         rc = ring == NULL ? -1 : 0;
         for (Py_ssize_t i = 0; rc == 0 && i < target->producer_count; i++) {
             if (same_stream(target->producers[i], target->stream))
@@ -543,13 +501,13 @@ static int run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work w
             }
         }
         if (rc == 0)
-            rc = work(ring, stream, args, &failure);
+            rc = work(gpu, ring, stream, args, &failure);
         kv_gpu_restore_device(previous);
     }
     PyThread_release_lock(gpu->lock);
     Py_END_ALLOW_THREADS
     if (rc < 0)
-        raise_failure(&failure);
+        kv_raise_failure(&failure);
     return rc;
 }
 
@@ -588,14 +546,7 @@ static int stage_table(kv_ring *ring, cudaStream_t stream, const void *const *pa
     return 0;
 }
 
-/* A launch that reads a table of 8-byte entries: from host memory, by value,
- * when device_table is NULL. */
-typedef cudaError_t (*kv_table_launch)(const void *args, const void *host_table, const void *device_table,
-                                       cudaStream_t stream);
-
-/* Launches with `entries` table entries by value when they fit in the
- * kernel's parameters, else from a staged copy. */
-static int launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries,
+int kv_launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries,
                              kv_table_launch launch, const void *args, const char *what, kv_failure *f)
 {
     if (entries <= KVBM_TABLE_BY_VALUE_MAX) {
@@ -612,72 +563,12 @@ static int launch_with_table(kv_ring *ring, cudaStream_t stream, const void *tab
     return ring_commit(ring, offset, bytes, stream, f);
 }
 
-typedef struct {
-    const kvbm_block_dims *dims;
-    kvbm_direction direction;
-    void *const *table;
-    int vector_bytes;
-} kv_block_universal_args;
-
-static cudaError_t launch_block_universal(const void *args, const void *host_table, const void *device_table,
-                                          cudaStream_t stream)
-{
-    const kv_block_universal_args *a = args;
-    return kvbm_launch_block_universal(a->dims, (void *const *)host_table, (void *const *)device_table, a->direction,
-                                       a->vector_bytes, stream);
-}
-
-static int enqueue_block_universal(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
-{
-    const kv_block_universal_args *a = args;
-    return launch_with_table(ring, stream, a->table, kvbm_table_entries(a->dims), launch_block_universal, args,
-                             "launching the block/universal kernel", f);
-}
-
-int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
-                           kvbm_direction direction, void *const *table, int vector_bytes)
-{
-    const kv_block_universal_args args = {dims, direction, table, vector_bytes};
-    return run_on_device(gpu, target, enqueue_block_universal, &args);
-}
-
-/* ------------------------------------------------------------ paged caches */
-
-typedef struct {
-    const kvbm_paged *paged;
-    const kvbm_paged_addresses *addresses;
-    const uint64_t *table;
-    int vector_bytes;
-    uint32_t max_ctas;
-} kv_paged_args;
-
-static cudaError_t launch_paged(const void *args, const void *host_table, const void *device_table,
-                                cudaStream_t stream)
-{
-    const kv_paged_args *a = args;
-    return kvbm_launch_paged(a->paged, a->addresses, host_table, device_table, a->vector_bytes, a->max_ctas, stream);
-}
-
-static int enqueue_paged(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
-{
-    const kv_paged_args *a = args;
-    return launch_with_table(ring, stream, a->table, kvbm_paged_table_entries(a->addresses, a->paged->nb),
-                             launch_paged, args, "launching the paged cache kernel", f);
-}
-
-int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
-                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas)
-{
-    const kv_paged_args args = {paged, addresses, table, vector_bytes, max_ctas};
-    return run_on_device(gpu, target, enqueue_paged, &args);
-}
-
 int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy)
 {
     kv_failure failure = {cudaSuccess, NULL};
     int previous = -1, rc = -1;
     *device_copy = NULL;
-    cudaError_t error = select_device(device, &previous);
+    cudaError_t error = kv_select_device(device, &previous);
     if (error != cudaSuccess) {
         failure.error = error;
         failure.what = "selecting the device";
@@ -698,7 +589,7 @@ int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy
     }
     if (rc < 0) {
         cudaGetLastError();
-        raise_failure(&failure);
+        kv_raise_failure(&failure);
     }
     return rc;
 }
@@ -706,7 +597,7 @@ int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy
 void kv_gpu_release(int device, void *device_copy)
 {
     int previous = -1;
-    if (device_copy != NULL && select_device(device, &previous) == cudaSuccess) {
+    if (device_copy != NULL && kv_select_device(device, &previous) == cudaSuccess) {
         cudaFree(device_copy);
         kv_gpu_restore_device(previous);
     }
@@ -739,7 +630,7 @@ static uint32_t slices_for(const kv_pairs *pairs)
 
 static int enqueue_copy_kernel(kv_ring *ring, cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
 {
-    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs)};
+    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs), pairs->max_ctas};
     uint64_t *lists[3] = {pairs->src, pairs->dst, pairs->sizes};
     const int on_device[3] = {pairs->src_on_device, pairs->dst_on_device, pairs->sizes_on_device};
     const int nlists = pairs->sizes != NULL ? 3 : 2;
@@ -882,8 +773,9 @@ typedef struct {
     cudaError_t batch_error;
 } kv_copy_args;
 
-static int enqueue_copies(kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
+static int enqueue_copies(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
 {
+    (void)gpu;
     kv_copy_args *a = (kv_copy_args *)args;
     *a->ran = a->engine;
     switch (a->engine) {
@@ -916,7 +808,7 @@ int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *
         *ran = engine;
         return 0;
     }
-    const int rc = run_on_device(gpu, target, enqueue_copies, &args);
+    const int rc = kv_run_on_device(gpu, target, enqueue_copies, &args);
     if (why != NULL && why_size > 0) {
         why[0] = '\0';
         if (args.batch_error == cudaErrorNotSupported && !kv_gpu_batch_available())

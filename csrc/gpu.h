@@ -44,15 +44,62 @@ typedef struct {
  * release the GIL and return 0, or -1 with RuntimeError naming the CUDA
  * error. */
 
+/* CTAs a kernel gets by default when pinned host memory takes part in the
+ * call (num_ctas=None): enough to keep PCIe busy, few enough to leave the
+ * SMs to the model running beside the transfer (benchmarks/beside.py). */
+#define KV_PINNED_CTAS 8
+
+/* A move between device memory and pinned host memory in which bytes are
+ * rearranged can run "staged": a kernel permutes into (offload) or out of
+ * (onload) device staging memory, and the copy engines carry the staging
+ * over PCIe, piece by piece, the permute of one piece overlapping the copy
+ * of another (staging.c).  The side of the call in pinned memory is
+ * described as nb blocks of [mid][inner] units of unit_bytes contiguous
+ * bytes; a piece is a box of them (pieces.h). */
+typedef struct {
+    int64_t nb, mid, inner, unit_bytes;
+    const uint64_t *block_address; /* unit (b, m, i) at block_address[b] + m*mid_stride + i*inner_stride, */
+    int64_t mid_stride, inner_stride;
+    const uint64_t *unit_address;  /* or at unit_address[b*inner + i] when not NULL (then mid == 1) */
+    int to_host;                   /* the bytes move into pinned memory */
+    int flat_side;                 /* the pinned side is the call's flat side (universals; a paged call's blocks) */
+    int64_t max_blocks;            /* whole blocks a piece may hold (the kernel's by-value table) */
+    int async_copies;              /* one cudaMemcpyAsync per contiguous run, not cudaMemcpyBatchAsync */
+} kv_staged;
+
+/* What a GPU move ran, for the KVBM_EXT_DEBUG line. */
+typedef struct {
+    int staged;            /* the staged path ran; else the kernel alone */
+    int64_t pieces, piece_bytes;
+    uint32_t ctas;         /* the kernel's CTA bound (0: none) */
+    int lane;              /* the staging lane, -1 for the capture lane */
+    char fallback[128];    /* why a staged move ran the kernel alone, or "" */
+} kv_gpu_report;
+
 /* A block stack (or operational) <-> universal move; `table` as
- * kvbm_launch_block_universal takes it. */
+ * kvbm_launch_block_universal takes it.  `staged` NULL: the kernel alone,
+ * on at most max_ctas CTAs (0: no bound); else staged, with max_ctas for
+ * the permute. */
 int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
-                           kvbm_direction direction, void *const *table, int vector_bytes);
+                           kvbm_direction direction, void *const *table, int vector_bytes, uint32_t max_ctas,
+                           const kv_staged *staged, kv_gpu_report *report);
 
 /* A paged cache <-> flat blocks move, as kvbm_launch_paged takes it (`table`
- * in host memory); at most `max_ctas` CTAs (0: no bound). */
+ * in host memory); staged or not as above. */
 int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
-                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas);
+                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
+                 const kv_staged *staged, kv_gpu_report *report);
+
+/* Staging memory per device: `bytes` (>= 0) split into `lanes`; a negative
+ * value keeps the current one.  Staging already allocated is freed (after
+ * the work that uses it) and allocated anew on next need.  Returns 0 or -1. */
+int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes);
+
+/* Allocates `device`'s staging lanes and its capture lane now.  0 or -1. */
+int kv_gpu_reserve_staging(kv_gpu *gpu, int device);
+
+/* A dict describing `device`'s staging. */
+PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device);
 
 /* Copies `bytes` of host memory into a new allocation on `device`, waiting
  * for the copy (for tables built once, not per call).  Returns 0, or -1 with
@@ -70,6 +117,7 @@ typedef struct {
     uint64_t *sizes;       /* NULL: every pair moves uniform_size bytes */
     uint64_t uniform_size;
     int src_on_device, dst_on_device, sizes_on_device;
+    uint32_t max_ctas; /* the kernel's CTA bound (0: none) */
 } kv_pairs;
 
 /* How a batch of copies is carried out. */
@@ -99,6 +147,9 @@ int kv_gpu_batch_available(void);
  * the device memory found, or -1.  `names` are the lists' argument names
  * for errors (ValueError).  Returns 0 or -1. */
 int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pageable, int *device);
+
+/* The number of visible CUDA devices (0 without a driver or a CUDA build). */
+int kv_gpu_device_count(void);
 
 /* The current device, for calls that name none; -1 with RuntimeError. */
 int kv_gpu_current_device(void);

@@ -3,7 +3,8 @@
 #include "gpu.h"
 
 struct kv_gpu {
-    int unused;
+    int64_t staging_bytes;
+    int staging_lanes;
 };
 
 static const char NO_CUDA[] =
@@ -46,17 +47,44 @@ static int no_cuda(void)
 }
 
 int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
-                           kvbm_direction direction, void *const *table, int vector_bytes)
+                           kvbm_direction direction, void *const *table, int vector_bytes, uint32_t max_ctas,
+                           const kv_staged *staged, kv_gpu_report *report)
 {
-    (void)gpu, (void)target, (void)dims, (void)direction, (void)table, (void)vector_bytes;
+    (void)gpu, (void)target, (void)dims, (void)direction, (void)table, (void)vector_bytes, (void)max_ctas;
+    (void)staged, (void)report;
     return no_cuda();
 }
 
 int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
-                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas)
+                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
+                 const kv_staged *staged, kv_gpu_report *report)
 {
     (void)gpu, (void)target, (void)paged, (void)addresses, (void)table, (void)vector_bytes, (void)max_ctas;
+    (void)staged, (void)report;
     return no_cuda();
+}
+
+/* The settings are kept, so that they read back as set. */
+int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
+{
+    if (bytes >= 0)
+        gpu->staging_bytes = bytes;
+    if (lanes > 0)
+        gpu->staging_lanes = lanes;
+    return 0;
+}
+
+int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
+{
+    (void)gpu, (void)device;
+    return no_cuda();
+}
+
+PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
+{
+    (void)gpu, (void)device;
+    no_cuda();
+    return NULL;
 }
 
 int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy)
@@ -85,6 +113,8 @@ int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pa
     *device = -1;
     return no_cuda();
 }
+
+int kv_gpu_device_count(void) { return 0; }
 
 int kv_gpu_current_device(void) { return no_cuda(); }
 

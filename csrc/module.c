@@ -2,6 +2,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "args.h"
 #include "convert.h"
 #include "paged.h"
 #include "state.h"
@@ -31,8 +32,7 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "have one element type (any 1-, 2-, 4- or 8-byte type; bytes are copied\n"                                        \
     "exactly).  If every array is in host memory the CPU implementation runs,\n"                                       \
     "without the GIL.  Otherwise every array is on one CUDA device or in pinned\n"                                     \
-    "host memory, which the kernel reads or writes directly; pageable host memory\n"                                   \
-    "is rejected.\n\n"                                                                                                 \
+    "host memory (see backend); pageable host memory is rejected.\n\n"                                                \
     "Streams: the work is enqueued on `stream`, on the arrays' device, and the call\n"                                 \
     "returns without waiting for it.  Producers' pending work is ordered first:\n"                                     \
     "DLPack producers receive the stream in __dlpack__(stream=...), and a CAI v3\n"                                    \
@@ -48,87 +48,104 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "    in the chunk's own order; a single 3-D array means nb = 1.\n"
 
 #define BACKEND_DOC                                                                                                    \
-    "backend (device or pinned arrays; all-host calls run on the CPU whatever it\n"                                    \
-    "says): \"kernel\" (one launch of the copy kernel over the chunk pairs),\n"                                        \
-    "\"async\" (one cudaMemcpyAsync per chunk), \"batch\" (cudaMemcpyBatchAsync;\n"                                    \
-    "falls back to \"async\" where it is missing or fails), or \"auto\": \"batch\"\n"                                 \
-    "when pinned host memory takes part and the batch API is available (the copy\n"                                 \
-    "engines use PCIe best), else \"kernel\".\n"                                                                      \
-    "KVBM_EXT_DEBUG=1 logs the backend that ran, and why, to stderr.\n"
+    "backend (for device or pinned arrays; all-host calls run on the CPU): \"auto\"\n"                                 \
+    "    (default): the copy engines whenever pinned host memory takes part, the SM\n"                                 \
+    "    kernel device to device.  \"copy_engines\": the copy engines carry every byte\n"                              \
+    "    that crosses PCIe; where bytes are rearranged a kernel on a few CTAs permutes\n"                              \
+    "    them into (or out of) device staging memory, pipelined with the copies\n"                                   \
+    "    (set_staging()), so the SMs stay with the model running beside the transfer.\n"                              \
+    "    \"batch\" and \"async\" are copy engines too, driven by cudaMemcpyBatchAsync or\n"                          \
+    "    by one cudaMemcpyAsync per contiguous run.  \"kernel\": SM kernels move every\n"                             \
+    "    byte, reading and writing pinned host memory directly.\n"                                                     \
+    "num_ctas: None or the most CUDA blocks the kernel (or the staged permute) may\n"                                  \
+    "    use.  None: no bound device to device; 8 when pinned host memory takes\n"                                   \
+    "    part.  The bytes moved are the same.\n"                                                                       \
+    "KVBM_EXT_DEBUG=1 logs the path that ran (staged, copy_engines, kernel) and why.\n"
 
 /* Every conversion has the same form: (source, destination, [layout], *,
- * [backend], stream), with the flat side first or second by direction. */
+ * backend, num_ctas, stream), with the flat side first or second by
+ * direction. */
 typedef struct {
     const char *format; /* PyArg format, with the function's name */
     kv_conversion conversion;
     int to_flat;        /* the destination is the flat side (see convert.h) */
-    int has_layout, has_backend;
+    int has_layout;
 } kv_conversion_form;
 
 static PyObject *convert(PyObject *module, PyObject *args, PyObject *kwargs, const kv_conversion_form *form)
 {
-    static char *with_layout[] = {"", "", "layout", "stream", NULL};
-    static char *with_backend[] = {"", "", "backend", "stream", NULL};
-    PyObject *source, *destination, *option = NULL, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, form->format, form->has_backend ? with_backend : with_layout,
-                                     &source, &destination, &option, &stream))
+    static char *with_layout[] = {"", "", "layout", "backend", "num_ctas", "stream", NULL};
+    static char *without_layout[] = {"", "", "backend", "num_ctas", "stream", NULL};
+    PyObject *source, *destination, *layout = NULL, *backend = NULL, *num_ctas = NULL, *stream = Py_None;
+    const int parsed = form->has_layout
+        ? PyArg_ParseTupleAndKeywords(args, kwargs, form->format, with_layout, &source, &destination, &layout,
+                                      &backend, &num_ctas, &stream)
+        : PyArg_ParseTupleAndKeywords(args, kwargs, form->format, without_layout, &source, &destination, &backend,
+                                      &num_ctas, &stream);
+    if (!parsed)
         return NULL;
     PyObject *flat = form->to_flat ? destination : source;
     PyObject *other = form->to_flat ? source : destination;
-    if (kv_convert(state_of(module)->gpu, form->conversion, form->to_flat, flat, other,
-                   form->has_layout ? option : NULL, form->has_backend ? option : NULL, stream) < 0)
+    if (kv_convert(state_of(module)->gpu, form->conversion, form->to_flat, flat, other, layout, backend, num_ctas,
+                   stream) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-#define DEFINE_CONVERSION(name, format, conversion, to_flat, has_layout, has_backend)                                  \
+#define DEFINE_CONVERSION(name, format, conversion, to_flat, has_layout)                                               \
     static PyObject *name(PyObject *module, PyObject *args, PyObject *kwargs)                                          \
     {                                                                                                                  \
-        static const kv_conversion_form form = {format, conversion, to_flat, has_layout, has_backend};                \
+        static const kv_conversion_form form = {format, conversion, to_flat, has_layout};                             \
         return convert(module, args, kwargs, &form);                                                                   \
     }
 
 PyDoc_STRVAR(block_to_universal_doc,
-             "block_to_universal(blocks, universals, layout=\"NHD\", *, stream=None) -> None\n\n"
+             "block_to_universal(blocks, universals, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
+             "stream=None) -> None\n\n"
              "Copy nb blocks from block-stack chunks into universal blocks:\n"
              "universals[b][h, l, o, t, :] = blocks[b][l*no + o][t, h, :] (NHD)\n"
              "                             or blocks[b][l*no + o][h, t, :] (HND).\n\n" SHAPES_DOC);
-DEFINE_CONVERSION(block_to_universal, "OO|O$O:block_to_universal", KV_BLOCK_UNIVERSAL, 1, 1, 0)
+DEFINE_CONVERSION(block_to_universal, "OO|O$OOO:block_to_universal", KV_BLOCK_UNIVERSAL, 1, 1)
 
 PyDoc_STRVAR(universal_to_block_doc,
-             "universal_to_block(universals, blocks, layout=\"NHD\", *, stream=None) -> None\n\n"
+             "universal_to_block(universals, blocks, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
+             "stream=None) -> None\n\n"
              "Copy nb universal blocks into block-stack chunks, the inverse of\n"
              "block_to_universal: blocks[b][l*no + o][t, h, :] = universals[b][h, l, o, t, :]\n"
-             "for NHD ([h, t, :] for HND).\n\n" SHAPES_DOC);
-DEFINE_CONVERSION(universal_to_block, "OO|O$O:universal_to_block", KV_BLOCK_UNIVERSAL, 0, 1, 0)
+             "for NHD ([h, t, :] for HND).\n\n" BACKEND_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(universal_to_block, "OO|O$OOO:universal_to_block", KV_BLOCK_UNIVERSAL, 0, 1)
 
 PyDoc_STRVAR(block_to_operational_doc,
-             "block_to_operational(blocks, operationals, *, backend=\"auto\", stream=None) -> None\n\n"
+             "block_to_operational(blocks, operationals, *, backend=\"auto\", num_ctas=None, stream=None) -> "
+             "None\n\n"
              "Copy nb blocks from block-stack chunks into operational blocks:\n"
              "operationals[b][l, o, :] = blocks[b][l*no + o].reshape(-1).  Chunks keep their\n"
              "own order (NHD or HND) and all have the shape of blocks[0][0].\n\n" OPERATIONAL_DOC BACKEND_DOC
              "\n" SHAPES_DOC);
-DEFINE_CONVERSION(block_to_operational, "OO|$OO:block_to_operational", KV_BLOCK_OPERATIONAL, 1, 0, 1)
+DEFINE_CONVERSION(block_to_operational, "OO|$OOO:block_to_operational", KV_BLOCK_OPERATIONAL, 1, 0)
 
 PyDoc_STRVAR(operational_to_block_doc,
-             "operational_to_block(operationals, blocks, *, backend=\"auto\", stream=None) -> None\n\n"
+             "operational_to_block(operationals, blocks, *, backend=\"auto\", num_ctas=None, stream=None) -> "
+             "None\n\n"
              "Copy nb operational blocks into block-stack chunks, the inverse of\n"
              "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC
              BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(operational_to_block, "OO|$OO:operational_to_block", KV_BLOCK_OPERATIONAL, 0, 0, 1)
+DEFINE_CONVERSION(operational_to_block, "OO|$OOO:operational_to_block", KV_BLOCK_OPERATIONAL, 0, 0)
 
 PyDoc_STRVAR(universal_to_operational_doc,
-             "universal_to_operational(universals, operationals, layout=\"NHD\", *, stream=None) -> None\n\n"
+             "universal_to_operational(universals, operationals, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
+             "stream=None) -> None\n\n"
              "Copy nb universal blocks into operational blocks in one pass:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = universals[b][h, l, o, t, :]\n"
-             "for NHD (.view(nh, nt, hd)[h, t, :] for HND).\n\n" OPERATIONAL_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(universal_to_operational, "OO|O$O:universal_to_operational", KV_UNIVERSAL_OPERATIONAL, 0, 1, 0)
+             "for NHD (.view(nh, nt, hd)[h, t, :] for HND).\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(universal_to_operational, "OO|O$OOO:universal_to_operational", KV_UNIVERSAL_OPERATIONAL, 0, 1)
 
 PyDoc_STRVAR(operational_to_universal_doc,
-             "operational_to_universal(operationals, universals, layout=\"NHD\", *, stream=None) -> None\n\n"
+             "operational_to_universal(operationals, universals, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
+             "stream=None) -> None\n\n"
              "Copy nb operational blocks into universal blocks in one pass, the inverse of\n"
-             "universal_to_operational.\n\n" OPERATIONAL_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(operational_to_universal, "OO|O$O:operational_to_universal", KV_UNIVERSAL_OPERATIONAL, 1, 1, 0)
+             "universal_to_operational.\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(operational_to_universal, "OO|O$OOO:operational_to_universal", KV_UNIVERSAL_OPERATIONAL, 1, 1)
 
 /* ------------------------------------------------------------ raw copies */
 
@@ -193,6 +210,83 @@ static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
     return PyBool_FromLong(kv_gpu_batch_available());
+}
+
+/* ------------------------------------------------------------ staging */
+
+/* The device a staging function names: None for the current one. */
+static int staging_device(PyObject *device)
+{
+    if (device == NULL || device == Py_None)
+        return kv_gpu_current_device();
+    int64_t index;
+    if (kv_parse_int(device, "device", 0, INT32_MAX, 0, 0, &index) < 0)
+        return -1;
+    const int count = kv_gpu_device_count();
+    if (index >= count) {
+        PyErr_Format(PyExc_ValueError, "device: cuda:%lld does not exist (%d CUDA devices)", (long long)index, count);
+        return -1;
+    }
+    return (int)index;
+}
+
+PyDoc_STRVAR(set_staging_doc,
+             "set_staging(size_bytes=None, *, lanes=None) -> None\n\n"
+             "Size the device staging memory of the copy-engine path (backend \"auto\" or\n"
+             "\"copy_engines\" with pinned host memory): size_bytes per CUDA device (at least\n"
+             "1 MiB; default 64 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
+             "one stream at a time: calls on up to `lanes` streams at once never share staging,\n"
+             "more queue behind each other.  None keeps the current value.  Staging already\n"
+             "allocated is freed (after the work that uses it) and allocated anew, at the new\n"
+             "size, by the next call that needs it.");
+
+static PyObject *set_staging(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"size_bytes", "lanes", NULL};
+    PyObject *size = Py_None, *lanes = Py_None;
+    int64_t bytes, count;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$O:set_staging", keywords, &size, &lanes)
+        || kv_parse_int(size, "size_bytes", (int64_t)1 << 20, (int64_t)1 << 40, -1, 1, &bytes) < 0
+        || kv_parse_int(lanes, "lanes", 1, 16, -1, 1, &count) < 0
+        || kv_gpu_set_staging(state_of(module)->gpu, bytes, (int)count) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(reserve_staging_doc,
+             "reserve_staging(device=None) -> None\n\n"
+             "Allocate the staging memory of `device` (an index; None: the current device)\n"
+             "now rather than on first need, and the lane that staged calls use while their\n"
+             "stream is captured into a CUDA graph.  Call it before capturing such calls.\n"
+             "Graphs holding staged calls share that lane: do not replay two of them at once\n"
+             "on different streams.  RuntimeError without a CUDA device.");
+
+static PyObject *reserve_staging(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"device", NULL};
+    PyObject *device = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:reserve_staging", keywords, &device))
+        return NULL;
+    const int index = staging_device(device);
+    if (index < 0 || kv_gpu_reserve_staging(state_of(module)->gpu, index) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(staging_info_doc,
+             "staging_info(device=None) -> dict\n\n"
+             "The staging memory of `device` (None: the current device): {\"device\",\n"
+             "\"size_bytes\", \"lanes\", \"lane_bytes\", \"allocated\", \"capture_reserved\"}.\n"
+             "RuntimeError without a CUDA device.");
+
+static PyObject *staging_info(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"device", NULL};
+    PyObject *device = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:staging_info", keywords, &device))
+        return NULL;
+    const int index = staging_device(device);
+    return index < 0 ? NULL : kv_gpu_staging_info(state_of(module)->gpu, index);
 }
 
 /* ------------------------------------------------------------ build facts */
@@ -265,6 +359,10 @@ static PyMethodDef module_methods[] = {
      vectorized_copy_doc},
     {"memcpy_batch", (PyCFunction)(void (*)(void))memcpy_batch, METH_VARARGS | METH_KEYWORDS, memcpy_batch_doc},
     {"is_memcpy_batch_available", is_memcpy_batch_available, METH_NOARGS, is_memcpy_batch_available_doc},
+    {"set_staging", (PyCFunction)(void (*)(void))set_staging, METH_VARARGS | METH_KEYWORDS, set_staging_doc},
+    {"reserve_staging", (PyCFunction)(void (*)(void))reserve_staging, METH_VARARGS | METH_KEYWORDS,
+     reserve_staging_doc},
+    {"staging_info", (PyCFunction)(void (*)(void))staging_info, METH_VARARGS | METH_KEYWORDS, staging_info_doc},
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},

@@ -15,6 +15,7 @@
 
 #include "address_list.h"
 #include "args.h"
+#include "copy.h"
 #include "cpu_copy.h"
 #include "state.h"
 #include "stream.h"
@@ -317,6 +318,7 @@ static void paged_dealloc(kv_paged_cache *self)
 /* What distinguishes the four methods. */
 typedef struct {
     const char *format; /* PyArg format, with the method's name */
+    const char *name;   /* for the debug log */
     int to_flat;        /* the cache is read and the flat blocks written */
     int universal;      /* universal blocks; else operational */
 } kv_paged_form;
@@ -325,33 +327,11 @@ typedef struct {
 typedef struct {
     int64_t first, step, count; /* the cache layers moved */
     int64_t layer_offset, head_offset;
-    uint32_t max_ctas;          /* 0: no bound */
+    uint32_t max_ctas;          /* 0: not given */
+    kv_backend backend;
     kvbm_layout inner;
     intptr_t stream;
 } kv_paged_options;
-
-/* An int option from `minimum` to `maximum`: absent gives `fallback`, and so
- * does None where `allow_none`. */
-static int read_int_option(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback,
-                           int allow_none, int64_t *out)
-{
-    if (obj == NULL || (obj == Py_None && allow_none)) {
-        *out = fallback;
-        return 0;
-    }
-    if (PyBool_Check(obj) || !PyLong_Check(obj))
-        return fail(PyExc_TypeError, "%s: expected an int%s, got %s", name, allow_none ? " or None" : "",
-                    Py_TYPE(obj)->tp_name);
-    const long long value = PyLong_AsLongLong(obj);
-    if (value == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    else if (value >= minimum && value <= maximum) {
-        *out = value;
-        return 0;
-    }
-    return fail(PyExc_ValueError, "%s: expected an int from %lld to %lld, got %R", name, (long long)minimum,
-                (long long)maximum, obj);
-}
 
 /* The layers argument: None, a slice (Python's clipping rules) or a range
  * whose every value is a layer index. */
@@ -394,19 +374,21 @@ static int read_layers(PyObject *obj, int64_t nl, kv_paged_options *o)
 static const char *const INNER_NAMES[] = {"NHD", "HND"};
 
 static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *head_offset,
-                        PyObject *num_ctas, PyObject *inner, PyObject *stream, kv_paged_options *o)
+                        PyObject *backend, PyObject *num_ctas, PyObject *inner, PyObject *stream, kv_paged_options *o)
 {
     int64_t max_ctas;
-    int inner_index = KVBM_NHD;
+    int inner_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (read_layers(layers, self->nl, o) < 0
-        || read_int_option(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
-        || read_int_option(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || read_int_option(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &max_ctas) < 0
+        || kv_parse_int(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
+        || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
+        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
+        || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &max_ctas) < 0
         || kv_parse_name(inner, "inner", INNER_NAMES, 2, KVBM_NHD, &inner_index) < 0
         || kv_stream_from_object(stream, &o->stream) < 0)
         return -1;
     o->max_ctas = (uint32_t)max_ctas;
+    o->backend = (kv_backend)backend_index;
     o->inner = (kvbm_layout)inner_index;
     return 0;
 }
@@ -654,9 +636,81 @@ static kvbm_paged plan(const kv_paged_call *call)
         p.flat_token = o->inner == KVBM_NHD ? p.nh * rb : rb;
         p.flat_head = o->inner == KVBM_NHD ? rb : p.nt * rb;
     }
+    /* The kernel counts moved layers: fold the first layer and the step in. */
+    p.flat_shift += o->first * p.flat_layer;
+    p.flat_layer *= o->step;
     p.to_flat = call->form->to_flat;
     kvbm_paged_plan(&p);
     return p;
+}
+
+/* Describes the flat blocks for the staged path (gpu.h) when they are all in
+ * pinned memory, their addresses in `addresses` (nb entries): universals
+ * are [heads][moved layers] of units (no, nt, hd), operationals [1][moved
+ * layers] of units (no, nt*nh*hd).  Returns NULL, or why they cannot be
+ * staged. */
+static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
+                                uint64_t *addresses, kv_staged *staged)
+{
+    for (Py_ssize_t i = 0; i < call->nflats; i++)
+        if (call->flats[i].place != KV_HOST_PINNED)
+            return "the flat blocks are partly on the device, partly in pinned host memory";
+    memset(staged, 0, sizeof *staged);
+    staged->nb = p->nb;
+    staged->inner = p->nl;
+    staged->inner_stride = p->flat_layer;
+    staged->block_address = addresses;
+    staged->to_host = p->to_flat;
+    staged->flat_side = 1;
+    if (call->form->universal) {
+        staged->mid = p->nh;
+        staged->mid_stride = p->flat_head;
+        staged->unit_bytes = p->no * p->nt * p->row_bytes;
+    }
+    else {
+        staged->mid = 1;
+        staged->unit_bytes = p->no * p->nt * p->nh * p->row_bytes;
+    }
+    for (int64_t b = 0; b < p->nb; b++)
+        addresses[b] = (a->flat_base ? a->flat_base + (uint64_t)(b * a->flat_block)
+                                     : (uint64_t)(uintptr_t)call->flats[b].data) + (uint64_t)p->flat_shift;
+    return NULL;
+}
+
+/* The GPU side of run(): the producers' streams, the route, the launch. */
+static int run_on_gpu(kv_gpu *gpu, const kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
+                      const uint64_t *table, int vector_bytes)
+{
+    const kv_paged_cache *cache = call->cache;
+    intptr_t *producers = PyMem_Malloc((size_t)(call->nflats + 1) * sizeof(intptr_t));
+    uint64_t *addresses = PyMem_Malloc((size_t)(p->nb > 0 ? p->nb : 1) * sizeof(uint64_t));
+    if (producers == NULL || addresses == NULL) {
+        PyMem_Free(producers);
+        PyMem_Free(addresses);
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv_gpu_target target = {cache->device, call->options.stream, producers, 0};
+    if (call->ids.on_device)
+        kv_array_add_producer(&call->ids.array, producers, &target.producer_count);
+    int pinned = 0;
+    for (Py_ssize_t i = 0; i < call->nflats; i++) {
+        kv_array_add_producer(&call->flats[i], producers, &target.producer_count);
+        pinned |= call->flats[i].place == KV_HOST_PINNED;
+    }
+    kv_staged staged;
+    const char *unstageable = pinned ? plan_staging(call, p, a, addresses, &staged) : NULL;
+    const kv_route route = kv_route_move(call->options.backend, pinned, unstageable, call->options.max_ctas);
+    staged.async_copies = route.async_copies;
+    kv_gpu_report report;
+    memset(&report, 0, sizeof report);
+    const int rc = kv_gpu_paged(gpu, &target, p, a, table, vector_bytes, route.ctas, route.staged ? &staged : NULL,
+                                &report);
+    if (rc == 0)
+        kv_debug_move(call->form->name, &route, &report, cache->device);
+    PyMem_Free(producers);
+    PyMem_Free(addresses);
+    return rc;
 }
 
 /* Moves the bytes: the table holds the host ids, then the flat blocks'
@@ -693,22 +747,8 @@ static int run(kv_gpu *gpu, kv_paged_call *call)
         alignment |= slot[b];
     }
     int rc = 0;
-    if (cache->device >= 0) {
-        intptr_t *producers = PyMem_Malloc((size_t)(call->nflats + 1) * sizeof(intptr_t));
-        if (producers == NULL) {
-            PyMem_Free(table);
-            PyErr_NoMemory();
-            return -1;
-        }
-        kv_gpu_target target = {cache->device, call->options.stream, producers, 0};
-        if (call->ids.on_device)
-            kv_array_add_producer(&call->ids.array, producers, &target.producer_count);
-        for (Py_ssize_t i = 0; i < call->nflats; i++)
-            kv_array_add_producer(&call->flats[i], producers, &target.producer_count);
-        rc = kv_gpu_paged(gpu, &target, &p, &addresses, table, (int)(alignment & (~alignment + 1)),
-                          call->options.max_ctas);
-        PyMem_Free(producers);
-    }
+    if (cache->device >= 0)
+        rc = run_on_gpu(gpu, call, &p, &addresses, table, (int)(alignment & (~alignment + 1)));
     else {
         Py_BEGIN_ALLOW_THREADS
         kv_cpu_paged(&p, &addresses, table);
@@ -720,15 +760,16 @@ static int run(kv_gpu *gpu, kv_paged_call *call)
 
 static PyObject *transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs, const kv_paged_form *form)
 {
-    static char *universal_keywords[] = {"", "", "layers", "layer_offset", "head_offset", "num_ctas", "stream", NULL};
-    static char *operational_keywords[] = {"", "", "inner", "layers", "num_ctas", "stream", NULL};
+    static char *universal_keywords[] = {"", "", "layers", "layer_offset", "head_offset", "backend", "num_ctas",
+                                         "stream", NULL};
+    static char *operational_keywords[] = {"", "", "inner", "layers", "backend", "num_ctas", "stream", NULL};
     PyObject *first, *second, *layers = NULL, *layer_offset = NULL, *head_offset = NULL, *num_ctas = NULL;
-    PyObject *inner = NULL, *stream = Py_None;
+    PyObject *inner = NULL, *backend = NULL, *stream = Py_None;
     const int parsed = form->universal
         ? PyArg_ParseTupleAndKeywords(args, kwargs, form->format, universal_keywords, &first, &second, &layers,
-                                      &layer_offset, &head_offset, &num_ctas, &stream)
+                                      &layer_offset, &head_offset, &backend, &num_ctas, &stream)
         : PyArg_ParseTupleAndKeywords(args, kwargs, form->format, operational_keywords, &first, &second, &inner,
-                                      &layers, &num_ctas, &stream);
+                                      &layers, &backend, &num_ctas, &stream);
     if (!parsed)
         return NULL;
     kv_paged_call call;
@@ -739,7 +780,7 @@ static PyObject *transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (read_options(self, layers, layer_offset, head_offset, num_ctas, inner, stream, &call.options) < 0)
+    if (read_options(self, layers, layer_offset, head_offset, backend, num_ctas, inner, stream, &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
@@ -768,7 +809,7 @@ done:
 #define DEFINE_TRANSFER(name, format, to_flat, universal)                                                              \
     static PyObject *name(kv_paged_cache *self, PyObject *args, PyObject *kwargs)                                      \
     {                                                                                                                  \
-        static const kv_paged_form form = {format, to_flat, universal};                                               \
+        static const kv_paged_form form = {format, "PagedKVCache." #name, to_flat, universal};                       \
         return transfer(self, args, kwargs, &form);                                                                    \
     }
 
@@ -780,8 +821,16 @@ done:
     "    kernel skips a block whose id is outside [0, num_blocks), and repeated ids\n"                                 \
     "    are not detected.\n"                                                                                          \
     "layers: None (every layer), a slice (Python's rules) or a range of cache layers.\n"                               \
-    "num_ctas: None (fill the GPU) or the most CUDA blocks the kernel may use, to bound\n"                             \
-    "    the SMs a transfer takes beside the model; the bytes moved are the same.\n"                                   \
+    "backend: \"auto\" (default): with universal or operational blocks in pinned host\n"                               \
+    "    memory, the copy engines carry the bytes over PCIe and a kernel on a few CTAs\n"                              \
+    "    rearranges them through device staging memory (set_staging(),\n"                                             \
+    "    reserve_staging()), leaving the SMs to the model; device to device, the\n"                                    \
+    "    kernel.  \"copy_engines\" (or \"batch\", or \"async\": one cudaMemcpyAsync per\n"                              \
+    "    run) asks for the copy engines, \"kernel\" for SM kernels reading and writing\n"                               \
+    "    pinned memory directly.  KVBM_EXT_DEBUG=1 logs the path taken and why.\n"                                     \
+    "num_ctas: None or the most CUDA blocks the kernel (or the staged permute) may\n"                                  \
+    "    use, to bound the SMs a transfer takes beside the model; None: no bound\n"                                    \
+    "    device to device, 8 with pinned memory.  The bytes moved are the same.\n"                                     \
     "stream: None (the legacy default stream), an int cudaStream_t, or an object with\n"                               \
     "    __cuda_stream__() or .cuda_stream.  The work is enqueued and not waited for;\n"                               \
     "    the call's arrays' producers are ordered before it (DLPack, CAI v3).  The\n"                                  \
@@ -790,7 +839,8 @@ done:
     "memory (host memory for a host cache).  Everything is checked before anything\n"                                  \
     "is written.  With device-resident block_ids and one flat array, a call stages\n"                                  \
     "nothing and synchronizes nothing, so it can be captured in a CUDA graph\n"                                        \
-    "(pass the capturing stream) and replayed with new ids written into block_ids.\n"
+    "(pass the capturing stream) and replayed with new ids written into block_ids;\n"                                  \
+    "on the staged path, call reserve_staging() before capturing.\n"
 
 #define UNIVERSAL_DOC                                                                                                  \
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
@@ -806,33 +856,33 @@ done:
     "inner: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]).\n"
 
 PyDoc_STRVAR(to_universal_doc,
-             "to_universal(block_ids, universals, *, layers=None, layer_offset=0, head_offset=0, num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "to_universal(block_ids, universals, *, layers=None, layer_offset=0, head_offset=0, backend=\"auto\", "
+             "num_ctas=None, stream=None) -> None\n\n"
              "Copy cache blocks into universal blocks:\n"
              "universals[b][head_offset + h, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, h)\n"
              "for every layer l in `layers`.\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_universal, "OO|$OOOOO:to_universal", 1, 1)
+DEFINE_TRANSFER(to_universal, "OO|$OOOOOO:to_universal", 1, 1)
 
 PyDoc_STRVAR(from_universal_doc,
-             "from_universal(universals, block_ids, *, layers=None, layer_offset=0, head_offset=0, num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "from_universal(universals, block_ids, *, layers=None, layer_offset=0, head_offset=0, backend=\"auto\", "
+             "num_ctas=None, stream=None) -> None\n\n"
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(from_universal, "OO|$OOOOO:from_universal", 0, 1)
+DEFINE_TRANSFER(from_universal, "OO|$OOOOOO:from_universal", 0, 1)
 
 PyDoc_STRVAR(to_operational_doc,
-             "to_operational(block_ids, operationals, *, inner=\"NHD\", layers=None, num_ctas=None, stream=None) "
-             "-> None\n\n"
+             "to_operational(block_ids, operationals, *, inner=\"NHD\", layers=None, backend=\"auto\", num_ctas=None, "
+             "stream=None) -> None\n\n"
              "Copy cache blocks into operational blocks:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
              "for inner \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_operational, "OO|$OOOO:to_operational", 1, 0)
+DEFINE_TRANSFER(to_operational, "OO|$OOOOO:to_operational", 1, 0)
 
 PyDoc_STRVAR(from_operational_doc,
-             "from_operational(operationals, block_ids, *, inner=\"NHD\", layers=None, num_ctas=None, stream=None) "
-             "-> None\n\n"
+             "from_operational(operationals, block_ids, *, inner=\"NHD\", layers=None, backend=\"auto\", num_ctas=None, "
+             "stream=None) -> None\n\n"
              "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
              COMMON_DOC);
-DEFINE_TRANSFER(from_operational, "OO|$OOOO:from_operational", 0, 0)
+DEFINE_TRANSFER(from_operational, "OO|$OOOOO:from_operational", 0, 0)
 
 static PyMethodDef paged_methods[] = {
     {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_VARARGS | METH_KEYWORDS, to_universal_doc},

@@ -2,7 +2,9 @@
 //
 // The work is pure data movement, so the kernel is shaped around memory
 // traffic: every thread moves kUnroll vectors of V bytes (move_vectors), and
-// a CTA moves one tile of one chunk.  Where a
+// a CTA moves one tile of one chunk per step of a grid-stride loop, so
+// `max_ctas` bounds the SMs a transfer takes without changing what it moves.
+// Where a
 // byte goes is decided by kvbm_layout.h, the same code the CPU path uses.
 #include <stdint.h>
 
@@ -20,6 +22,7 @@ struct Params {
     kvbm_divisor chunks_per_block;
     uint32_t vectors_per_chunk;
     uint32_t vectors_per_tile;
+    uint32_t tiles;
     int to_universal;
 };
 
@@ -41,31 +44,34 @@ template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
 block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    const uint32_t chunk_index = kvbm_div(p.tiles_per_chunk, blockIdx.x);   // b * nchunks + c
-    const uint32_t tile = blockIdx.x - chunk_index * p.tiles_per_chunk.divisor;
-    const uint32_t block = kvbm_div(p.chunks_per_block, chunk_index);
-    const uint32_t c = chunk_index - block * p.chunks_per_block.divisor;
+    for (uint32_t tile_index = blockIdx.x; tile_index < p.tiles; tile_index += gridDim.x) {
+        const uint32_t chunk_index = kvbm_div(p.tiles_per_chunk, tile_index);  // b * nchunks + c
+        const uint32_t tile = tile_index - chunk_index * p.tiles_per_chunk.divisor;
+        const uint32_t block = kvbm_div(p.chunks_per_block, chunk_index);
+        const uint32_t c = chunk_index - block * p.chunks_per_block.divisor;
 
-    char *universal = static_cast<char *>(table[block]);
-    char *chunk = static_cast<char *>(table[kvbm_chunk_slot(&p.dims, block, c)]) + kvbm_chunk_shift(&p.dims, c);
-    char *src_base = p.to_universal ? chunk : universal;
-    char *dst_base = p.to_universal ? universal : chunk;
+        char *universal = static_cast<char *>(table[block]);
+        char *chunk = static_cast<char *>(table[kvbm_chunk_slot(&p.dims, block, c)]) + kvbm_chunk_shift(&p.dims, c);
+        char *src_base = p.to_universal ? chunk : universal;
+        char *dst_base = p.to_universal ? universal : chunk;
 
-    const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
-    move_vectors<V>(src_base, dst_base, first, p.vectors_per_chunk,
-                    [&](uint32_t j, int64_t *from, int64_t *to) {
-                        int64_t chunk_off, universal_off;
-                        vector_offsets<V>(p, c, j, &chunk_off, &universal_off);
-                        *from = p.to_universal ? chunk_off : universal_off;
-                        *to = p.to_universal ? universal_off : chunk_off;
-                    });
+        const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
+        move_vectors<V>(src_base, dst_base, first, p.vectors_per_chunk,
+                        [&](uint32_t j, int64_t *from, int64_t *to) {
+                            int64_t chunk_off, universal_off;
+                            vector_offsets<V>(p, c, j, &chunk_off, &universal_off);
+                            *from = p.to_universal ? chunk_off : universal_off;
+                            *to = p.to_universal ? universal_off : chunk_off;
+                        });
+    }
 }
 
 template <int V>
-cudaError_t launch(const Params &p, void *const *host_table, void *const *device_table, cudaStream_t stream)
+cudaError_t launch(const Params &p, void *const *host_table, void *const *device_table, uint32_t max_ctas,
+                   cudaStream_t stream)
 {
     const unsigned threads = p.vectors_per_tile / kUnroll;
-    const unsigned grid = (unsigned)(p.dims.nb * p.dims.nchunks * p.tiles_per_chunk.divisor);
+    const unsigned grid = max_ctas != 0 && max_ctas < p.tiles ? max_ctas : p.tiles;
     if (device_table != nullptr)
         block_universal_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<void *>{device_table}, p);
     else
@@ -83,6 +89,7 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
                                                    void *const *device_table,
                                                    kvbm_direction direction,
                                                    int vector_bytes,
+                                                   uint32_t max_ctas,
                                                    cudaStream_t stream)
 {
     // The caller has validated that these counts fit: vectors per chunk and
@@ -102,16 +109,18 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(segment_bytes / vector_bytes));
     p.vectors_per_chunk = vectors_per_chunk;
     p.vectors_per_tile = threads * kUnroll;
-    p.tiles_per_chunk = kvbm_divisor_make((vectors_per_chunk + p.vectors_per_tile - 1) / p.vectors_per_tile);
+    const uint32_t tiles_per_chunk = (vectors_per_chunk + p.vectors_per_tile - 1) / p.vectors_per_tile;
+    p.tiles_per_chunk = kvbm_divisor_make(tiles_per_chunk);
     p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
+    p.tiles = (uint32_t)(dims->nb * dims->nchunks * tiles_per_chunk);
     p.to_universal = direction == KVBM_TO_UNIVERSAL;
 
     switch (vector_bytes) {
-    case 16: return launch<16>(p, host_table, device_table, stream);
-    case 8: return launch<8>(p, host_table, device_table, stream);
-    case 4: return launch<4>(p, host_table, device_table, stream);
-    case 2: return launch<2>(p, host_table, device_table, stream);
-    case 1: return launch<1>(p, host_table, device_table, stream);
+    case 16: return launch<16>(p, host_table, device_table, max_ctas, stream);
+    case 8: return launch<8>(p, host_table, device_table, max_ctas, stream);
+    case 4: return launch<4>(p, host_table, device_table, max_ctas, stream);
+    case 2: return launch<2>(p, host_table, device_table, max_ctas, stream);
+    case 1: return launch<1>(p, host_table, device_table, max_ctas, stream);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -1,7 +1,8 @@
 // Batched raw copies: one launch moves every (src, dst, size) pair.
 //
-// A pair is cut into `slices` equal shares, one CTA each, so a few large
-// pairs fill the GPU as well as many small ones.  The vector width is picked
+// A pair is cut into `slices` equal shares, one CTA step each (a grid-stride
+// loop, so that `max_ctas` bounds the SMs taken), so a few large pairs fill
+// the GPU as well as many small ones.  The vector width is picked
 // per pair, inside the kernel, from its two addresses and its size: lists on
 // the device are never read by the host.
 #include <stdint.h>
@@ -15,6 +16,7 @@ using namespace kvbm;
 
 struct Params {
     uint32_t count;
+    uint32_t shares;  // count * slices
     kvbm_divisor slices;
     uint64_t uniform_size;
     int has_sizes;
@@ -67,28 +69,30 @@ template <class Table>
 __global__ void __launch_bounds__(kThreads)
 copy_pairs_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    const uint32_t pair = kvbm_div(p.slices, blockIdx.x);
-    const uint32_t slice = blockIdx.x - pair * p.slices.divisor;
-    const uint64_t src = entry(table, 0, pair, p.count);
-    const uint64_t dst = entry(table, 1, pair, p.count);
-    const uint64_t size = p.has_sizes ? entry(table, 2, pair, p.count) : p.uniform_size;
+    for (uint32_t share = blockIdx.x; share < p.shares; share += gridDim.x) {
+        const uint32_t pair = kvbm_div(p.slices, share);
+        const uint32_t slice = share - pair * p.slices.divisor;
+        const uint64_t src = entry(table, 0, pair, p.count);
+        const uint64_t dst = entry(table, 1, pair, p.count);
+        const uint64_t size = p.has_sizes ? entry(table, 2, pair, p.count) : p.uniform_size;
 
-    // The widest vector that divides both addresses and the size.
-    const uint64_t bits = src | dst | size | 16;
-    const uint32_t v = (uint32_t)(bits & (~bits + 1));
-    const uint64_t n = size / v;
-    const uint32_t slices = p.slices.divisor;
-    const uint64_t share = n / slices, extra = n % slices;
-    const uint64_t lo = share * slice + (slice < extra ? slice : extra);
-    const uint64_t hi = lo + share + (slice < extra ? 1 : 0);
-    const char *s = reinterpret_cast<const char *>(src);
-    char *d = reinterpret_cast<char *>(dst);
-    switch (v) {
-    case 16: copy_vectors<16>(s, d, lo, hi); break;
-    case 8: copy_vectors<8>(s, d, lo, hi); break;
-    case 4: copy_vectors<4>(s, d, lo, hi); break;
-    case 2: copy_vectors<2>(s, d, lo, hi); break;
-    default: copy_vectors<1>(s, d, lo, hi); break;
+        // The widest vector that divides both addresses and the size.
+        const uint64_t bits = src | dst | size | 16;
+        const uint32_t v = (uint32_t)(bits & (~bits + 1));
+        const uint64_t n = size / v;
+        const uint32_t slices = p.slices.divisor;
+        const uint64_t part = n / slices, extra = n % slices;
+        const uint64_t lo = part * slice + (slice < extra ? slice : extra);
+        const uint64_t hi = lo + part + (slice < extra ? 1 : 0);
+        const char *s = reinterpret_cast<const char *>(src);
+        char *d = reinterpret_cast<char *>(dst);
+        switch (v) {
+        case 16: copy_vectors<16>(s, d, lo, hi); break;
+        case 8: copy_vectors<8>(s, d, lo, hi); break;
+        case 4: copy_vectors<4>(s, d, lo, hi); break;
+        case 2: copy_vectors<2>(s, d, lo, hi); break;
+        default: copy_vectors<1>(s, d, lo, hi); break;
+        }
     }
 }
 
@@ -103,7 +107,8 @@ extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uin
     p.slices = kvbm_divisor_make(pairs->slices);
     p.uniform_size = pairs->uniform_size;
     p.has_sizes = pairs->sizes != nullptr;
-    const unsigned grid = (unsigned)(pairs->count * pairs->slices);
+    p.shares = (uint32_t)(pairs->count * pairs->slices);
+    const unsigned grid = pairs->max_ctas != 0 && pairs->max_ctas < p.shares ? pairs->max_ctas : p.shares;
     if (by_value == nullptr) {
         const ListsInMemory lists = {{pairs->src, pairs->dst, pairs->sizes}};
         copy_pairs_kernel<<<grid, kThreads, 0, stream>>>(lists, p);

@@ -23,12 +23,13 @@ extern "C" {
  * then must not exceed KVBM_TABLE_BY_VALUE_MAX pointers, is read from host
  * memory at `host_table` and passed by value.  Every pointer, and row_bytes,
  * must be a multiple of `vector_bytes` (16, 8, 4, 2 or 1), the width of the
- * loads and stores. */
+ * loads and stores.  At most `max_ctas` CTAs run (0: one per tile). */
 cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
                                         void *const *host_table,
                                         void *const *device_table,
                                         kvbm_direction direction,
                                         int vector_bytes,
+                                        uint32_t max_ctas,
                                         cudaStream_t stream);
 
 /* A batch of raw copies: pair i moves size(i) bytes from src[i] to dst[i],
@@ -41,11 +42,12 @@ typedef struct {
     const uint64_t *dst;
     const uint64_t *sizes;
     uint64_t uniform_size;
-    uint32_t slices; /* CTAs per pair, each moving an equal share of it */
+    uint32_t slices;   /* shares per pair, each moved by one CTA step */
+    uint32_t max_ctas; /* at most this many CTAs (0: one per share) */
 } kvbm_pairs;
 
-/* Enqueues every pair of `pairs` in one launch of count * slices CTAs (the
- * caller keeps that below 2^31).  Each pair moves with the widest vector
+/* Enqueues every pair of `pairs` in one launch of count * slices shares (the
+ * caller keeps that below 2^31), at most max_ctas CTAs.  Each pair moves with the widest vector
  * (16, 8, 4, 2 or 1 bytes) that both its addresses and its size allow.
  * When `by_value` is not NULL it holds the lists themselves, src then dst
  * then (if pairs->sizes is not NULL) sizes, at most

@@ -72,6 +72,10 @@ typedef struct {
     kvbm_layout layout;
     kvbm_divisor nh_divisor; /* kvbm_divisor_make(nh) */
     int64_t chunk_stride;    /* bytes between the chunks of an operational block; 0 for block stacks */
+    /* The layouts' own sizes, which a call that moves part of each buffer
+     * (a staged piece: some heads, some chunks) needs for the strides: */
+    int64_t universal_chunks; /* chunks per head of the universal buffers (nchunks for a whole call) */
+    int64_t chunk_heads;      /* heads of the chunks (nh for a whole call) */
 } kvbm_block_dims;
 
 /* The pointer table of a call holds nb universal pointers, then the chunks'
@@ -93,10 +97,11 @@ KVBM_HOST_DEVICE int64_t kvbm_chunk_shift(const kvbm_block_dims *d, int64_t c)
     return c * d->chunk_stride;
 }
 
-/* Rows per segment. */
+/* Rows per segment: a head's tokens are contiguous in an HND chunk, and in
+ * an NHD chunk of one head. */
 KVBM_HOST_DEVICE int64_t kvbm_segment_rows(const kvbm_block_dims *d)
 {
-    return (d->layout == KVBM_HND || d->nh == 1) ? d->nt : 1;
+    return (d->layout == KVBM_HND || d->chunk_heads == 1) ? d->nt : 1;
 }
 
 /* Segments per chunk. */
@@ -110,7 +115,7 @@ KVBM_HOST_DEVICE int64_t kvbm_segments_per_chunk(const kvbm_block_dims *d)
 KVBM_HOST_DEVICE void kvbm_segment_start(const kvbm_block_dims *d, uint32_t s,
                                          int64_t *h, int64_t *t)
 {
-    if (d->layout == KVBM_HND || d->nh == 1) {
+    if (kvbm_segment_rows(d) == d->nt) {
         *h = s;
         *t = 0;
     }
@@ -124,7 +129,7 @@ KVBM_HOST_DEVICE void kvbm_segment_start(const kvbm_block_dims *d, uint32_t s,
 /* Byte offset of row (h, t) inside a chunk. */
 KVBM_HOST_DEVICE int64_t kvbm_chunk_offset(const kvbm_block_dims *d, int64_t h, int64_t t)
 {
-    int64_t row = d->layout == KVBM_HND ? h * d->nt + t : t * d->nh + h;
+    int64_t row = d->layout == KVBM_HND ? h * d->nt + t : t * d->chunk_heads + h;
     return row * d->row_bytes;
 }
 
@@ -132,7 +137,7 @@ KVBM_HOST_DEVICE int64_t kvbm_chunk_offset(const kvbm_block_dims *d, int64_t h, 
 KVBM_HOST_DEVICE int64_t kvbm_universal_offset(const kvbm_block_dims *d, int64_t c,
                                                int64_t h, int64_t t)
 {
-    return ((h * d->nchunks + c) * d->nt + t) * d->row_bytes;
+    return ((h * d->universal_chunks + c) * d->nt + t) * d->row_bytes;
 }
 
 #endif /* KVBM_LAYOUT_H */

@@ -7,17 +7,17 @@
  * (layer, outer o, block id, head h, token t) of row_bytes = hd * itemsize
  * contiguous bytes starts at
  *
- *     layers[layer] + o*cache_outer + id*cache_block + h*cache_head + t*cache_token
+ *     layers[layer] + cache_shift + o*cache_outer + id*cache_block + h*cache_head + t*cache_token
  *
- * with any strides the arrays have.  The "flat" side holds one buffer per
- * moved block b (a universal or an operational block), in which the same row
- * starts at
+ * with any strides the arrays have (cache_shift selects the first head a
+ * call moves).  The call moves the layers first_layer + i*layer_step for
+ * i < nl.  The "flat" side holds one buffer per moved block b (a universal
+ * or an operational block), in which the row of moved layer i starts at
  *
- *     flat(b) + flat_shift + layer*flat_layer + o*flat_outer + h*flat_head + t*flat_token
+ *     flat(b) + flat_shift + i*flat_layer + o*flat_outer + h*flat_head + t*flat_token
  *
  * flat_shift places the cache inside a larger universal block (head_offset,
- * layer_offset).  The call moves the layers first_layer + i*layer_step for
- * i < nl.
+ * layer_offset, the first layer moved); flat_layer may be negative.
  *
  * A "chunk" is one (b, i, o): nh*nt rows.  It is moved as `segments` runs of
  * segment_bytes that are contiguous on both sides; run s starts at
@@ -37,7 +37,7 @@ typedef struct {
     int64_t layer_step;  /* and the step between moved layers (may be negative) */
     int64_t no, nh, nt, row_bytes;
     int64_t num_blocks;  /* ids outside [0, num_blocks) are skipped */
-    int64_t cache_outer, cache_block, cache_head, cache_token;
+    int64_t cache_outer, cache_block, cache_head, cache_token, cache_shift;
     int64_t flat_layer, flat_outer, flat_head, flat_token, flat_shift;
     int to_flat;         /* the bytes move from the cache into the flat side */
     /* Filled by kvbm_paged_plan: */
@@ -119,16 +119,16 @@ KVBM_HOST_DEVICE void kvbm_paged_segment(const kvbm_paged *p, uint32_t s, int64_
     *flat_off = q * p->flat_q + r * p->flat_r;
 }
 
-/* Where chunk (id or b, layer, o) starts: in the cache, from that layer's
- * base address, and in flat block b, from its start. */
+/* Where chunk (id or b, moved layer i, o) starts: in the cache, from that
+ * layer's base address, and in flat block b, from its start. */
 KVBM_HOST_DEVICE int64_t kvbm_paged_cache_chunk(const kvbm_paged *p, int64_t id, int64_t o)
 {
-    return id * p->cache_block + o * p->cache_outer;
+    return p->cache_shift + id * p->cache_block + o * p->cache_outer;
 }
 
-KVBM_HOST_DEVICE int64_t kvbm_paged_flat_chunk(const kvbm_paged *p, int64_t layer, int64_t o)
+KVBM_HOST_DEVICE int64_t kvbm_paged_flat_chunk(const kvbm_paged *p, int64_t i, int64_t o)
 {
-    return p->flat_shift + layer * p->flat_layer + o * p->flat_outer;
+    return p->flat_shift + i * p->flat_layer + o * p->flat_outer;
 }
 
 #endif /* KVBM_PAGED_H */

@@ -60,7 +60,7 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
             continue;  // device-resident ids are not checked on the host
         const int64_t layer = kvbm_paged_layer(&p.p, i);
         char *cache = reinterpret_cast<char *>(p.a.layers[layer]) + kvbm_paged_cache_chunk(&p.p, id, o);
-        char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, layer, o);
+        char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, i, o);
         const char *src = p.p.to_flat ? cache : flat;
         char *dst = p.p.to_flat ? flat : cache;
 

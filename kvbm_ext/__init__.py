@@ -10,6 +10,11 @@ PagedKVCache describes a serving worker's cache once (per-layer arrays or one
 array, blocks addressed by id) and moves blocks to and from universal and
 operational blocks with one kernel launch per call.
 
+Where pinned host memory takes part, the copy engines carry the bytes over
+PCIe and a kernel on a few CTAs only rearranges them, through device staging
+memory (backend="auto"), so a transfer leaves the SMs to the model running
+beside it; set_staging, reserve_staging and staging_info manage that memory.
+
 Raw batched copies between device and pinned host memory: vectorized_copy
 (one kernel launch) and memcpy_batch (the copy engines).
 """
@@ -27,6 +32,9 @@ try:
         memcpy_batch,
         operational_to_block,
         operational_to_universal,
+        reserve_staging,
+        set_staging,
+        staging_info,
         universal_to_block,
         universal_to_operational,
         vectorized_copy,
@@ -49,6 +57,9 @@ __all__ = [
     "memcpy_batch",
     "operational_to_block",
     "operational_to_universal",
+    "reserve_staging",
+    "set_staging",
+    "staging_info",
     "universal_to_block",
     "universal_to_operational",
     "vectorized_copy",

@@ -22,11 +22,19 @@ Array = Any
 # with __cuda_stream__() or .cuda_stream.
 Stream = Any
 
+# "auto": copy engines (staged where bytes are rearranged) when pinned host
+# memory takes part, the kernel device to device; "copy_engines" ("batch",
+# "async": the same, driven by cudaMemcpyBatchAsync or cudaMemcpyAsync);
+# "kernel": SM kernels read and write pinned memory directly.  Any case.
+Backend = Literal["auto", "copy_engines", "kernel", "batch", "async"]
+
 def block_to_universal(
     blocks: Sequence[Sequence[Array]],
     universals: Sequence[Array] | Array,
     layout: str = "NHD",
     *,
+    backend: Backend | str = "auto",
+    num_ctas: int | None = None,
     stream: Stream = None,
 ) -> None: ...
 def universal_to_block(
@@ -34,16 +42,17 @@ def universal_to_block(
     blocks: Sequence[Sequence[Array]],
     layout: str = "NHD",
     *,
+    backend: Backend | str = "auto",
+    num_ctas: int | None = None,
     stream: Stream = None,
 ) -> None: ...
-
-Backend = Literal["kernel", "async", "batch", "auto"]
 
 def block_to_operational(
     blocks: Sequence[Sequence[Array]],
     operationals: Sequence[Array] | Array,
     *,
     backend: Backend | str = "auto",
+    num_ctas: int | None = None,
     stream: Stream = None,
 ) -> None: ...
 def operational_to_block(
@@ -51,6 +60,7 @@ def operational_to_block(
     blocks: Sequence[Sequence[Array]],
     *,
     backend: Backend | str = "auto",
+    num_ctas: int | None = None,
     stream: Stream = None,
 ) -> None: ...
 def universal_to_operational(
@@ -58,6 +68,8 @@ def universal_to_operational(
     operationals: Sequence[Array] | Array,
     layout: str = "NHD",
     *,
+    backend: Backend | str = "auto",
+    num_ctas: int | None = None,
     stream: Stream = None,
 ) -> None: ...
 def operational_to_universal(
@@ -65,6 +77,8 @@ def operational_to_universal(
     universals: Sequence[Array] | Array,
     layout: str = "NHD",
     *,
+    backend: Backend | str = "auto",
+    num_ctas: int | None = None,
     stream: Stream = None,
 ) -> None: ...
 
@@ -124,6 +138,7 @@ class PagedKVCache:
         layers: slice | range | None = None,
         layer_offset: int = 0,
         head_offset: int = 0,
+        backend: Backend | str = "auto",
         num_ctas: int | None = None,
         stream: Stream = None,
     ) -> None: ...
@@ -136,6 +151,7 @@ class PagedKVCache:
         layers: slice | range | None = None,
         layer_offset: int = 0,
         head_offset: int = 0,
+        backend: Backend | str = "auto",
         num_ctas: int | None = None,
         stream: Stream = None,
     ) -> None: ...
@@ -147,6 +163,7 @@ class PagedKVCache:
         *,
         inner: str = "NHD",
         layers: slice | range | None = None,
+        backend: Backend | str = "auto",
         num_ctas: int | None = None,
         stream: Stream = None,
     ) -> None: ...
@@ -158,9 +175,22 @@ class PagedKVCache:
         *,
         inner: str = "NHD",
         layers: slice | range | None = None,
+        backend: Backend | str = "auto",
         num_ctas: int | None = None,
         stream: Stream = None,
     ) -> None: ...
+
+class StagingInfo(TypedDict):
+    device: int
+    size_bytes: int
+    lanes: int
+    lane_bytes: int
+    allocated: bool
+    capture_reserved: bool
+
+def set_staging(size_bytes: int | None = None, *, lanes: int | None = None) -> None: ...
+def reserve_staging(device: int | None = None) -> None: ...
+def staging_info(device: int | None = None) -> StagingInfo: ...
 def is_using_stubs() -> bool: ...
 def build_info() -> BuildInfo: ...
 def cuda_devices() -> list[CudaDevice]: ...

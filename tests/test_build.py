@@ -25,6 +25,9 @@ PUBLIC_FUNCTIONS = [
     "vectorized_copy",
     "memcpy_batch",
     "is_memcpy_batch_available",
+    "set_staging",
+    "reserve_staging",
+    "staging_info",
     "is_using_stubs",
     "build_info",
     "cuda_devices",
@@ -57,7 +60,7 @@ def test_build_info_keys_and_types():
 
 
 def test_version():
-    assert kvbm_ext.__version__ == "0.3.0"
+    assert kvbm_ext.__version__ == "0.4.0"
     assert kvbm_ext.build_info()["version"] == kvbm_ext.__version__
 
 

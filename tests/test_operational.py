@@ -822,11 +822,11 @@ def test_backend_and_stream_are_keyword_only(direction, gen):
 
 
 @pytest.mark.parametrize("direction", UNIVERSAL_DIRECTIONS)
-def test_stream_is_keyword_only_and_no_backend(direction, gen):
+def test_stream_and_backend_are_keyword_only(direction, gen):
     blocks, universals, ops = ecase(gen)
     src, dst = src_dst(direction, blocks, universals, ops)
     check_op_rejected(direction, src, dst, TypeError, ANY_MESSAGE, args=("NHD", None))
-    check_op_rejected(direction, src, dst, TypeError, ANY_MESSAGE, args=("NHD",), backend="kernel")
+    check_op_rejected(direction, src, dst, TypeError, ANY_MESSAGE, args=("NHD", "kernel"))
 
 
 @pytest.mark.parametrize("bad", ["XYZ", "", "NDH", "NHD ", "HN"])

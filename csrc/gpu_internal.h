@@ -1,0 +1,119 @@
+/* What the files behind gpu.h share: the per-device resources, the way a
+ * failed CUDA step is carried back to Python, and the runner every GPU entry
+ * point goes through.  Only files built with the CUDA toolkit include it. */
+#ifndef KVBM_GPU_INTERNAL_H
+#define KVBM_GPU_INTERNAL_H
+
+#include "gpu.h"
+
+#include <cuda_runtime_api.h>
+#include <pythread.h>
+
+#define KV_MAX_DEVICES 64
+#define KV_RING_REGIONS 64
+#define KV_RING_INITIAL_BYTES ((size_t)4 << 20)
+#define KV_RING_ALIGN 256
+/* Device staging memory (staging.c), unless kvbm_ext.set_staging() says
+ * otherwise: two lanes, so that an offload and an onload on two streams
+ * run side by side, of 32 MiB, so that a call of 64 Llama-70B blocks needs
+ * about 20 pieces. */
+#define KV_STAGING_DEFAULT_BYTES ((size_t)64 << 20)
+#define KV_STAGING_DEFAULT_LANES 2
+
+typedef struct {
+    size_t start, end;
+    cudaEvent_t done; /* recorded after the kernel that reads [start, end) */
+} kv_region;
+
+typedef struct kv_staging kv_staging; /* staging.c */
+
+/* One device's resources. */
+typedef struct {
+    char *host;   /* pinned staging of pointer tables */
+    char *device; /* what kernels read */
+    size_t capacity;
+    size_t head;
+    kv_region busy[KV_RING_REGIONS]; /* FIFO: busy[first], ..., count of them */
+    int first, count;
+    /* Non-blocking streams, so that the legacy default stream does not
+     * serialize them: */
+    cudaStream_t copy_stream;  /* uploads tables */
+    cudaStream_t batch_stream; /* runs cudaMemcpyBatchAsync for callers on a default stream, which it rejects */
+    /* Events that order one stream after another: */
+    cudaEvent_t producer_done; /* a producer's stream before the caller's */
+    cudaEvent_t table_ready;   /* an upload before the caller's kernel */
+    cudaEvent_t batch_start;   /* the caller's stream before batch_stream */
+    cudaEvent_t batch_done;    /* batch_stream before the caller's stream */
+    kv_staging *staging;       /* device staging memory, allocated on first need */
+} kv_ring;
+
+struct kv_gpu {
+    PyThread_type_lock lock; /* the rings are used with the GIL released */
+    kv_ring *rings[KV_MAX_DEVICES];
+    size_t staging_bytes; /* per device, for staging allocated from now on */
+    int staging_lanes;
+};
+
+/* A failed CUDA step, reported once the GIL is held again. */
+typedef struct {
+    cudaError_t error;
+    const char *what;
+} kv_failure;
+
+#define CUDA_STEP(failure, call, description)                                                      \
+    do {                                                                                           \
+        cudaError_t step_error_ = (call);                                                          \
+        if (step_error_ != cudaSuccess) {                                                          \
+            (failure)->error = step_error_;                                                        \
+            (failure)->what = (description);                                                       \
+            return -1;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+/* Raises RuntimeError naming the failed step (GIL held). */
+void kv_raise_failure(const kv_failure *f);
+
+/* Makes `device` current; *previous receives the device to restore, or -1
+ * when it already was current.  Safe without the GIL. */
+cudaError_t kv_select_device(int device, int *previous);
+
+/* The ring of `device`, created on first use (without table buffers). */
+kv_ring *kv_ring_for(kv_gpu *gpu, int device, kv_failure *f);
+
+/* The work of one call, run by kv_run_on_device without the GIL, under
+ * gpu->lock, on the target's device, after the producers' streams. */
+typedef int (*kv_gpu_work)(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f);
+
+/* Runs `work` for the target: releases the GIL, takes the lock, selects the
+ * device, orders the producers' streams before the target's.  Returns 0, or
+ * -1 with RuntimeError. */
+int kv_run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args);
+
+/* A launch that reads a table of 8-byte entries: from host memory, by value,
+ * when device_table is NULL. */
+typedef cudaError_t (*kv_table_launch)(const void *args, const void *host_table, const void *device_table,
+                                       cudaStream_t stream);
+
+/* Launches with `entries` table entries by value when they fit in the
+ * kernel's parameters, else from a copy staged in the ring (not while the
+ * stream is captured).  Returns 0 or -1. */
+int kv_launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries, kv_table_launch launch,
+                         const void *args, const char *what, kv_failure *f);
+
+/* Frees a device's staging (staging.c; waits for the work using it). */
+void kv_staging_free(kv_staging *staging);
+
+/* Launches the permute of one piece of a staged move (pieces.h): between
+ * the device side of the call and `slot`, which holds the piece's units
+ * packed. */
+struct kv_box;
+typedef cudaError_t (*kv_box_launch)(const void *ctx, const struct kv_box *box, char *slot, uint32_t max_ctas,
+                                     cudaStream_t stream);
+
+/* Runs a staged move on `caller` (under kv_run_on_device), its permute on
+ * at most max_ctas CTAs.  Returns 0, -1 with *f set, or 1 when the move
+ * cannot be staged (report->fallback says why; nothing was enqueued). */
+int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
+                   const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f);
+
+#endif /* KVBM_GPU_INTERNAL_H */

@@ -1,0 +1,426 @@
+/* Staged moves: SMs permute into device staging memory, copy engines carry
+ * it over PCIe.  See gpu.h (kv_staged) and pieces.h.
+ *
+ * Why: a kernel that reads or writes pinned host memory directly holds its
+ * SMs for the whole PCIe transfer, taking them from the model running beside
+ * it; copy engines cost the model nothing but cannot rearrange bytes.  So a
+ * kernel does the rearranging at HBM speed on a few CTAs, into (offload) or
+ * out of (onload) a slot of device staging memory, and a copy engine moves
+ * the slot.  A ring of slots pipelines the two: the permute of piece k+1
+ * runs while piece k crosses PCIe.
+ *
+ * Staging is per device, allocated on first need and split into lanes.  A
+ * lane has its own staging bytes, a copy stream and a high-priority permute
+ * stream (so that its small kernels are scheduled ahead of the model's
+ * pending CTAs).  A call takes the lane its stream used last, else an idle
+ * one, else the least recently used, so calls on different streams do not
+ * share slots.  Each call forks the lane's streams from the caller's stream
+ * and joins them back with events: the call returns at once, and work queued
+ * on the caller's stream afterwards sees the finished bytes.  A later call
+ * on the same lane waits for the earlier one to finish with the slots.
+ *
+ * Calls made while the caller's stream is captured into a CUDA graph use a
+ * separate capture lane, which reserve_staging() allocates (nothing may be
+ * allocated during a capture); their ordering is the captured stream's own.
+ */
+#include "gpu_internal.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "pieces.h"
+
+#define KV_MAX_LANES 16
+#define KV_LANE_SLOTS 16
+#define KV_STAGING_ALIGN 256
+/* Pieces a call is cut into (fewer when they would be smaller than the
+ * minimum, none larger than half a lane): enough to overlap the permute with
+ * the copies, few enough that the host cost (about 6 API calls a piece)
+ * stays small. */
+#define KV_TARGET_PIECES 8
+#define KV_MIN_PIECE_BYTES ((int64_t)512 << 10)
+
+typedef struct {
+    char *base;
+    size_t bytes;
+    cudaStream_t copy, permute;
+    cudaEvent_t fork;       /* the caller's stream before the lane's streams */
+    cudaEvent_t done;       /* the end of the lane's last call */
+    cudaEvent_t other_done; /* the stream that does not end a call, before the one that does */
+    cudaEvent_t ready[KV_LANE_SLOTS]; /* a slot's first stage done */
+    cudaEvent_t freed[KV_LANE_SLOTS]; /* a slot's second stage done: it may be written again */
+    intptr_t owner;         /* the caller's stream of its last call */
+    uint64_t last_use;      /* 0: never used */
+} kv_lane;
+
+struct kv_staging {
+    char *memory; /* every lane's bytes, one allocation */
+    int nlanes;
+    kv_lane lanes[KV_MAX_LANES];
+    kv_lane capture;
+    int capture_ready;
+    uint64_t clock;
+    /* Host scratch for the runs of a piece and the batch API's arguments. */
+    kv_run *runs;
+    void **srcs, **dsts;
+    size_t *sizes;
+    int64_t scratch;
+};
+
+/* ------------------------------------------------------------ lanes */
+
+static void lane_destroy(kv_lane *lane)
+{
+    cudaEvent_t *events[] = {&lane->fork, &lane->done, &lane->other_done};
+    for (int i = 0; i < 3; i++)
+        if (*events[i] != NULL)
+            cudaEventDestroy(*events[i]);
+    for (int i = 0; i < KV_LANE_SLOTS; i++) {
+        if (lane->ready[i] != NULL)
+            cudaEventDestroy(lane->ready[i]);
+        if (lane->freed[i] != NULL)
+            cudaEventDestroy(lane->freed[i]);
+    }
+    if (lane->copy != NULL)
+        cudaStreamDestroy(lane->copy);
+    if (lane->permute != NULL)
+        cudaStreamDestroy(lane->permute);
+    memset(lane, 0, sizeof *lane);
+}
+
+static int lane_create(kv_lane *lane, char *base, size_t bytes, kv_failure *f)
+{
+    int least, greatest;
+    memset(lane, 0, sizeof *lane);
+    lane->base = base;
+    lane->bytes = bytes;
+    CUDA_STEP(f, cudaDeviceGetStreamPriorityRange(&least, &greatest), "reading the stream priorities");
+    CUDA_STEP(f, cudaStreamCreateWithFlags(&lane->copy, cudaStreamNonBlocking), "creating a staging copy stream");
+    CUDA_STEP(f, cudaStreamCreateWithPriority(&lane->permute, cudaStreamNonBlocking, greatest),
+              "creating a staging permute stream");
+    cudaEvent_t *events[] = {&lane->fork, &lane->done, &lane->other_done};
+    for (int i = 0; i < 3; i++)
+        CUDA_STEP(f, cudaEventCreateWithFlags(events[i], cudaEventDisableTiming), "creating a staging event");
+    for (int i = 0; i < KV_LANE_SLOTS; i++) {
+        CUDA_STEP(f, cudaEventCreateWithFlags(&lane->ready[i], cudaEventDisableTiming), "creating a staging event");
+        CUDA_STEP(f, cudaEventCreateWithFlags(&lane->freed[i], cudaEventDisableTiming), "creating a staging event");
+    }
+    return 0;
+}
+
+void kv_staging_free(kv_staging *st)
+{
+    if (st == NULL)
+        return;
+    for (int i = 0; i < st->nlanes; i++)
+        lane_destroy(&st->lanes[i]);
+    if (st->capture_ready) {
+        cudaFree(st->capture.base);
+        lane_destroy(&st->capture);
+    }
+    cudaFree(st->memory); /* waits for the work still using it */
+    PyMem_RawFree(st->runs);
+    PyMem_RawFree(st->srcs);
+    PyMem_RawFree(st->dsts);
+    PyMem_RawFree(st->sizes);
+    PyMem_RawFree(st);
+}
+
+static size_t lane_bytes_for(size_t bytes, int lanes)
+{
+    return bytes / (size_t)lanes / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
+}
+
+/* The device's staging, allocated now if it is not yet (the current device
+ * is the ring's). */
+static kv_staging *staging_of(kv_gpu *gpu, kv_ring *ring, kv_failure *f)
+{
+    if (ring->staging != NULL)
+        return ring->staging;
+    kv_staging *st = PyMem_RawCalloc(1, sizeof *st);
+    if (st == NULL) {
+        f->error = cudaErrorMemoryAllocation;
+        f->what = "allocating the staging description";
+        return NULL;
+    }
+    const size_t lane_bytes = lane_bytes_for(gpu->staging_bytes, gpu->staging_lanes);
+    cudaError_t error = cudaMalloc((void **)&st->memory, lane_bytes * (size_t)gpu->staging_lanes);
+    if (error != cudaSuccess) {
+        f->error = error;
+        f->what = "allocating device staging memory (kvbm_ext.set_staging() sets its size)";
+        PyMem_RawFree(st);
+        return NULL;
+    }
+    for (int i = 0; i < gpu->staging_lanes; i++) {
+        st->nlanes = i + 1;
+        if (lane_create(&st->lanes[i], st->memory + (size_t)i * lane_bytes, lane_bytes, f) < 0) {
+            kv_staging_free(st);
+            return NULL;
+        }
+    }
+    ring->staging = st;
+    return st;
+}
+
+static int reserve_capture_lane(kv_staging *st, kv_failure *f)
+{
+    if (st->capture_ready)
+        return 0;
+    char *memory;
+    CUDA_STEP(f, cudaMalloc((void **)&memory, st->lanes[0].bytes), "allocating the capture staging lane");
+    if (lane_create(&st->capture, memory, st->lanes[0].bytes, f) < 0) {
+        lane_destroy(&st->capture);
+        cudaFree(memory);
+        return -1;
+    }
+    st->capture_ready = 1;
+    return 0;
+}
+
+/* The lane for a call on `caller`: the one its stream used last, else an
+ * idle one (never used first), else the least recently used. */
+static kv_lane *pick_lane(kv_staging *st, intptr_t caller, int *index)
+{
+    int idle = -1, oldest = 0;
+    for (int i = 0; i < st->nlanes; i++) {
+        const kv_lane *lane = &st->lanes[i];
+        if (lane->last_use != 0 && lane->owner == caller) {
+            *index = i;
+            return &st->lanes[i];
+        }
+        if (lane->last_use < st->lanes[oldest].last_use)
+            oldest = i;
+        if (idle < 0 || lane->last_use < st->lanes[idle].last_use) {
+            if (lane->last_use == 0 || cudaEventQuery(lane->done) == cudaSuccess)
+                idle = i;
+            cudaGetLastError(); /* cudaErrorNotReady is an answer, not an error */
+        }
+    }
+    *index = idle >= 0 ? idle : oldest;
+    return &st->lanes[*index];
+}
+
+/* ------------------------------------------------------------ one call */
+
+static int grow_scratch(kv_staging *st, int64_t units, kv_failure *f)
+{
+    if (units <= st->scratch)
+        return 0;
+    kv_run *runs = PyMem_RawRealloc(st->runs, (size_t)units * sizeof *runs);
+    if (runs != NULL)
+        st->runs = runs;
+    void **srcs = PyMem_RawRealloc(st->srcs, (size_t)units * sizeof *srcs);
+    if (srcs != NULL)
+        st->srcs = srcs;
+    void **dsts = PyMem_RawRealloc(st->dsts, (size_t)units * sizeof *dsts);
+    if (dsts != NULL)
+        st->dsts = dsts;
+    size_t *sizes = PyMem_RawRealloc(st->sizes, (size_t)units * sizeof *sizes);
+    if (sizes != NULL)
+        st->sizes = sizes;
+    if (runs == NULL || srcs == NULL || dsts == NULL || sizes == NULL) {
+        f->error = cudaErrorMemoryAllocation;
+        f->what = "allocating the staging run lists";
+        return -1;
+    }
+    st->scratch = units;
+    return 0;
+}
+
+/* Moves one piece's runs between its slot and pinned memory on `stream`:
+ * one cudaMemcpyAsync for one run (the usual case: a piece of contiguous
+ * blocks), else the batch API, else (no batch API, `async_copies`, or a
+ * capture, where the batch API is not promised) one cudaMemcpyAsync a run. */
+static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot, const kv_staged *s, int capturing,
+                     kv_failure *f)
+{
+    for (int64_t i = 0; i < n; i++) {
+        void *pinned = (void *)(uintptr_t)st->runs[i].pinned, *staged = slot + st->runs[i].offset;
+        st->dsts[i] = s->to_host ? pinned : staged;
+        st->srcs[i] = s->to_host ? staged : pinned;
+        st->sizes[i] = (size_t)st->runs[i].bytes;
+    }
+#if CUDART_VERSION >= 12080
+    if (n > 1 && !s->async_copies && !capturing && kv_gpu_batch_available()) {
+        struct cudaMemcpyAttributes attributes;
+        memset(&attributes, 0, sizeof attributes);
+        attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t attribute_index = 0;
+#if CUDART_VERSION >= 13000
+        cudaError_t error = cudaMemcpyBatchAsync(st->dsts, (const void *const *)st->srcs, st->sizes, (size_t)n,
+                                                 &attributes, &attribute_index, 1, stream);
+#else
+        size_t failed = 0;
+        cudaError_t error = cudaMemcpyBatchAsync(st->dsts, st->srcs, st->sizes, (size_t)n, &attributes,
+                                                 &attribute_index, 1, &failed, stream);
+#endif
+        if (error == cudaSuccess)
+            return 0;
+        cudaGetLastError(); /* fall back to the loop below */
+    }
+#else
+    (void)capturing;
+#endif
+    for (int64_t i = 0; i < n; i++)
+        CUDA_STEP(f, cudaMemcpyAsync(st->dsts[i], st->srcs[i], st->sizes[i], cudaMemcpyDefault, stream),
+                  "copying a staging slot");
+    return 0;
+}
+
+/* The size pieces aim for: an eighth of the call, at least
+ * KV_MIN_PIECE_BYTES, at most half a lane (two slots at least). */
+static int64_t piece_bytes_for(const kv_staged *s, size_t lane_bytes)
+{
+    const int64_t total = s->nb * s->mid * s->inner * s->unit_bytes;
+    int64_t piece = (total + KV_TARGET_PIECES - 1) / KV_TARGET_PIECES;
+    const int64_t most = (int64_t)(lane_bytes / 2 / KV_STAGING_ALIGN * KV_STAGING_ALIGN);
+    piece = piece > KV_MIN_PIECE_BYTES ? piece : KV_MIN_PIECE_BYTES;
+    return piece < most ? piece : most;
+}
+
+/* Enqueues the pieces: permute then copy for an offload, copy then permute
+ * for an onload, each stage on its own stream, a slot reused only after its
+ * second stage (the `freed` event of its last use). */
+static int enqueue_pieces(kv_staging *st, kv_lane *lane, const kv_staged *s, const kv_pieces *p, size_t slot_bytes,
+                          int nslots, kv_box_launch launch, const void *ctx, uint32_t max_ctas, int capturing,
+                          kv_failure *f)
+{
+    cudaStream_t first = s->to_host ? lane->permute : lane->copy;
+    cudaStream_t second = s->to_host ? lane->copy : lane->permute;
+    for (int64_t k = 0; k < p->count; k++) {
+        kv_box box;
+        kv_pieces_box(s, p, k, &box);
+        const int slot = (int)(k % nslots);
+        char *memory = lane->base + (size_t)slot * slot_bytes;
+        if (k >= nslots)
+            CUDA_STEP(f, cudaStreamWaitEvent(first, lane->freed[slot], 0), "waiting for a free staging slot");
+        const int64_t runs = kv_box_runs(s, &box, st->runs);
+        if (s->to_host)
+            CUDA_STEP(f, launch(ctx, &box, memory, max_ctas, first), "launching the staging permute");
+        else if (copy_runs(st, first, runs, memory, s, capturing, f) < 0)
+            return -1;
+        CUDA_STEP(f, cudaEventRecord(lane->ready[slot], first), "recording a staged piece");
+        CUDA_STEP(f, cudaStreamWaitEvent(second, lane->ready[slot], 0), "ordering a staged piece");
+        if (!s->to_host)
+            CUDA_STEP(f, launch(ctx, &box, memory, max_ctas, second), "launching the staging permute");
+        else if (copy_runs(st, second, runs, memory, s, capturing, f) < 0)
+            return -1;
+        CUDA_STEP(f, cudaEventRecord(lane->freed[slot], second), "recording a free staging slot");
+    }
+    /* Join: the first stage's stream before the second's, the second's
+     * before the caller's. */
+    CUDA_STEP(f, cudaEventRecord(lane->other_done, first), "joining the staging streams");
+    CUDA_STEP(f, cudaStreamWaitEvent(second, lane->other_done, 0), "joining the staging streams");
+    CUDA_STEP(f, cudaEventRecord(lane->done, second), "joining the staging streams");
+    return 0;
+}
+
+int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
+                   const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f)
+{
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_STEP(f, cudaStreamIsCapturing(caller, &capture), "asking whether the stream is capturing");
+    const int capturing = capture != cudaStreamCaptureStatusNone;
+    kv_staging *st = ring->staging;
+    if (capturing && (st == NULL || !st->capture_ready)) {
+        f->error = cudaErrorStreamCaptureUnsupported;
+        f->what = "a staged transfer while the stream is captured into a CUDA graph: call "
+                  "kvbm_ext.reserve_staging() before capturing (nothing can be allocated during a capture)";
+        return -1;
+    }
+    if (st == NULL && (st = staging_of(gpu, ring, f)) == NULL)
+        return -1;
+    int index = -1;
+    kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
+
+    kv_pieces p;
+    kv_pieces_plan(s, piece_bytes_for(s, lane->bytes), &p);
+    const size_t slot_bytes = ((size_t)p.max_bytes + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
+    if (2 * slot_bytes > lane->bytes) {
+        snprintf(report->fallback, sizeof report->fallback, "a piece of %lld bytes needs two slots, more than a "
+                 "staging lane's %zu bytes", (long long)p.max_bytes, lane->bytes);
+        return 1;
+    }
+    const size_t fit = lane->bytes / slot_bytes;
+    const int nslots = fit < KV_LANE_SLOTS ? (int)fit : KV_LANE_SLOTS;
+    if (grow_scratch(st, p.max_units, f) < 0)
+        return -1;
+
+    /* Fork; outside a capture also after the lane's last call, which may
+     * have come from another stream and still be using the slots. */
+    CUDA_STEP(f, cudaEventRecord(lane->fork, caller), "forking the staging streams");
+    CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->fork, 0), "forking the staging streams");
+    CUDA_STEP(f, cudaStreamWaitEvent(lane->copy, lane->fork, 0), "forking the staging streams");
+    if (!capturing && lane->last_use != 0) {
+        CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->done, 0), "ordering after the lane's last call");
+        CUDA_STEP(f, cudaStreamWaitEvent(lane->copy, lane->done, 0), "ordering after the lane's last call");
+    }
+    if (enqueue_pieces(st, lane, s, &p, slot_bytes, nslots, launch, ctx, max_ctas, capturing, f) < 0)
+        return -1;
+    CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "joining the caller's stream");
+    if (!capturing) {
+        lane->owner = (intptr_t)caller;
+        lane->last_use = ++st->clock;
+    }
+    report->staged = 1;
+    report->pieces = p.count;
+    report->piece_bytes = p.max_bytes;
+    report->ctas = max_ctas;
+    report->lane = index;
+    return 0;
+}
+
+/* ------------------------------------------------------------ settings */
+
+int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
+{
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
+    if (bytes >= 0)
+        gpu->staging_bytes = (size_t)bytes;
+    if (lanes > 0)
+        gpu->staging_lanes = lanes;
+    for (int device = 0; device < KV_MAX_DEVICES; device++) {
+        kv_ring *ring = gpu->rings[device];
+        int previous = -1;
+        if (ring == NULL || ring->staging == NULL || kv_select_device(device, &previous) != cudaSuccess)
+            continue;
+        kv_staging_free(ring->staging);
+        ring->staging = NULL;
+        kv_gpu_restore_device(previous);
+    }
+    PyThread_release_lock(gpu->lock);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+/* Runs under the lock on `device` (kv_run_on_device), so that it shares the
+ * device selection and the ring with the calls. */
+static int reserve(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
+{
+    (void)stream, (void)args;
+    kv_staging *st = staging_of(gpu, ring, f);
+    return st == NULL ? -1 : reserve_capture_lane(st, f);
+}
+
+int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
+{
+    const kv_gpu_target target = {device, 0, NULL, 0};
+    return kv_run_on_device(gpu, &target, reserve, NULL);
+}
+
+PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
+{
+    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
+    const kv_ring *ring = device >= 0 && device < KV_MAX_DEVICES ? gpu->rings[device] : NULL;
+    const kv_staging *st = ring != NULL ? ring->staging : NULL;
+    const size_t size = gpu->staging_bytes;
+    const int lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
+    const size_t lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(size, lanes);
+    const int capture = st != NULL && st->capture_ready;
+    PyThread_release_lock(gpu->lock);
+    return Py_BuildValue("{s:i,s:K,s:i,s:K,s:O,s:O}", "device", device, "size_bytes",
+                         (unsigned long long)(lane_bytes * (size_t)lanes), "lanes", lanes, "lane_bytes",
+                         (unsigned long long)lane_bytes, "allocated", st != NULL ? Py_True : Py_False,
+                         "capture_reserved", capture ? Py_True : Py_False);
+}
