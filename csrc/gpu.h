@@ -45,8 +45,11 @@ typedef struct {
  * error. */
 
 /* CTAs a kernel gets by default when pinned host memory takes part in the
- * call (num_ctas=None): enough to keep PCIe busy, few enough to leave the
- * SMs to the model running beside the transfer (benchmarks/beside.py). */
+ * call (num_ctas=None), the direct kernel and the staged permute alike:
+ * enough to keep ahead of PCIe alone, few enough that a memory-bound model
+ * running beside the transfer slows by under 2 % (benchmarks/beside.py:
+ * +1.7 % beside a read-modify-write sweep at 8 CTAs, +2.9 % at 16, +3.6 %
+ * at 32, which moves 45 instead of 20 GB/s beside it). */
 #define KV_PINNED_CTAS 8
 
 /* A move between device memory and pinned host memory in which bytes are
@@ -60,7 +63,9 @@ typedef struct {
     int64_t nb, mid, inner, unit_bytes;
     const uint64_t *block_address; /* unit (b, m, i) at block_address[b] + m*mid_stride + i*inner_stride, */
     int64_t mid_stride, inner_stride;
-    const uint64_t *unit_address;  /* or at unit_address[b*inner + i] when not NULL (then mid == 1) */
+    const uint64_t *unit_address;  /* or at unit_address[b*inner + i] when not NULL (then mid == 1), each
+                                      unit its own allocation */
+    int one_allocation;            /* the blocks lie in one allocation (one array), not one each */
     int to_host;                   /* the bytes move into pinned memory */
     int flat_side;                 /* the pinned side is the call's flat side (universals; a paged call's blocks) */
     int64_t max_blocks;            /* whole blocks a piece may hold (the kernel's by-value table) */

@@ -662,6 +662,7 @@ static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, 
     staged->block_address = addresses;
     staged->to_host = p->to_flat;
     staged->flat_side = 1;
+    staged->one_allocation = call->single;
     if (call->form->universal) {
         staged->mid = p->nh;
         staged->mid_stride = p->flat_head;

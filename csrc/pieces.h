@@ -25,23 +25,17 @@ typedef struct {
     uint64_t pinned, offset, bytes;
 } kv_run;
 
-typedef struct {
-    int level;         /* 0: whole blocks; 1: mids of one block; 2: inners of one (block, mid) */
-    int64_t step;      /* blocks, mids or inners per piece */
-    int64_t per_block; /* pieces per block (levels 1 and 2) */
-    int64_t count;     /* pieces */
-    int64_t max_bytes; /* of the largest piece */
-    int64_t max_units; /* of the largest piece: a bound on its runs */
-} kv_pieces;
+/* Cuts the move into boxes, in unit order, and returns their count; fills
+ * `boxes` unless it is NULL.  The first box holds about `lead_bytes`, each
+ * next one up to `growth` times its predecessor's budget, none more than
+ * `piece_bytes` (but at least one unit), and none more than s->max_blocks
+ * whole blocks.  Starting small lets the copy engines start early; growing
+ * keeps the count, and so the host's cost, low.  *max_units receives the
+ * units of the largest box. */
+int64_t kv_pieces_cut(const kv_staged *s, int64_t lead_bytes, int64_t growth, int64_t piece_bytes, kv_box *boxes,
+                      int64_t *max_units);
 
-/* Cuts the move into pieces of at most `piece_bytes` (or one unit, if that
- * is larger). */
-void kv_pieces_plan(const kv_staged *s, int64_t piece_bytes, kv_pieces *out);
-
-/* The box of piece k. */
-void kv_pieces_box(const kv_staged *s, const kv_pieces *p, int64_t k, kv_box *box);
-
-/* Fills `runs` (room for p->max_units) with the pinned runs of `box`, in
+/* Fills `runs` (room for the box's units) with the pinned runs of `box`, in
  * slot order, merging neighbours; returns their count. */
 int64_t kv_box_runs(const kv_staged *s, const kv_box *box, kv_run *runs);
 

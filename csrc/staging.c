@@ -10,9 +10,10 @@
  * runs while piece k crosses PCIe.
  *
  * Staging is per device, allocated on first need and split into lanes.  A
- * lane has its own staging bytes, a copy stream and a high-priority permute
- * stream (so that its small kernels are scheduled ahead of the model's
- * pending CTAs).  A call takes the lane its stream used last, else an idle
+ * lane has its own staging bytes, two copy streams (so that one engine's
+ * start-up for a piece hides behind the other's transfer) and a
+ * high-priority permute stream (so that its short kernels are scheduled
+ * ahead of the model's pending CTAs).  A call takes the lane its stream used last, else an idle
  * one, else the least recently used, so calls on different streams do not
  * share slots.  Each call forks the lane's streams from the caller's stream
  * and joins them back with events: the call returns at once, and work queued
@@ -31,22 +32,28 @@
 #include "pieces.h"
 
 #define KV_MAX_LANES 16
+/* Copy streams a lane alternates its pieces between, so that one engine's
+ * start-up for a piece hides behind the other's transfer. */
+#define KV_COPY_STREAMS 2
 #define KV_LANE_SLOTS 16
 #define KV_STAGING_ALIGN 256
-/* Pieces a call is cut into (fewer when they would be smaller than the
- * minimum, none larger than half a lane): enough to overlap the permute with
- * the copies, few enough that the host cost (about 6 API calls a piece)
- * stays small. */
-#define KV_TARGET_PIECES 8
-#define KV_MIN_PIECE_BYTES ((int64_t)512 << 10)
+/* A call's first piece holds about KV_LEAD_PIECE_BYTES (a head of a
+ * Llama-70B block at nt=16 is 640 KiB), so that the copy engines start
+ * after a short permute; each next piece up to KV_PIECE_GROWTH times more,
+ * which the permute (about 2.4 times faster than PCIe on its default 8
+ * CTAs) still finishes while the piece before crosses PCIe; none over half
+ * a lane.  Fewer, larger pieces keep the host's cost (about 5 API calls a
+ * piece) low. */
+#define KV_LEAD_PIECE_BYTES ((int64_t)1 << 20)
+#define KV_PIECE_GROWTH 2
 
 typedef struct {
     char *base;
     size_t bytes;
-    cudaStream_t copy, permute;
+    cudaStream_t copy[KV_COPY_STREAMS], permute;
     cudaEvent_t fork;       /* the caller's stream before the lane's streams */
+    cudaEvent_t joined;     /* the second copy stream before the first at the end of an offload */
     cudaEvent_t done;       /* the end of the lane's last call */
-    cudaEvent_t other_done; /* the stream that does not end a call, before the one that does */
     cudaEvent_t ready[KV_LANE_SLOTS]; /* a slot's first stage done */
     cudaEvent_t freed[KV_LANE_SLOTS]; /* a slot's second stage done: it may be written again */
     intptr_t owner;         /* the caller's stream of its last call */
@@ -60,7 +67,10 @@ struct kv_staging {
     kv_lane capture;
     int capture_ready;
     uint64_t clock;
-    /* Host scratch for the runs of a piece and the batch API's arguments. */
+    /* Host scratch: a call's pieces, the runs of a piece and the batch
+     * API's arguments. */
+    kv_box *boxes;
+    int64_t box_capacity;
     kv_run *runs;
     void **srcs, **dsts;
     size_t *sizes;
@@ -71,7 +81,7 @@ struct kv_staging {
 
 static void lane_destroy(kv_lane *lane)
 {
-    cudaEvent_t *events[] = {&lane->fork, &lane->done, &lane->other_done};
+    cudaEvent_t *events[] = {&lane->fork, &lane->joined, &lane->done};
     for (int i = 0; i < 3; i++)
         if (*events[i] != NULL)
             cudaEventDestroy(*events[i]);
@@ -81,8 +91,9 @@ static void lane_destroy(kv_lane *lane)
         if (lane->freed[i] != NULL)
             cudaEventDestroy(lane->freed[i]);
     }
-    if (lane->copy != NULL)
-        cudaStreamDestroy(lane->copy);
+    for (int i = 0; i < KV_COPY_STREAMS; i++)
+        if (lane->copy[i] != NULL)
+            cudaStreamDestroy(lane->copy[i]);
     if (lane->permute != NULL)
         cudaStreamDestroy(lane->permute);
     memset(lane, 0, sizeof *lane);
@@ -95,10 +106,12 @@ static int lane_create(kv_lane *lane, char *base, size_t bytes, kv_failure *f)
     lane->base = base;
     lane->bytes = bytes;
     CUDA_STEP(f, cudaDeviceGetStreamPriorityRange(&least, &greatest), "reading the stream priorities");
-    CUDA_STEP(f, cudaStreamCreateWithFlags(&lane->copy, cudaStreamNonBlocking), "creating a staging copy stream");
+    for (int i = 0; i < KV_COPY_STREAMS; i++)
+        CUDA_STEP(f, cudaStreamCreateWithFlags(&lane->copy[i], cudaStreamNonBlocking),
+                  "creating a staging copy stream");
     CUDA_STEP(f, cudaStreamCreateWithPriority(&lane->permute, cudaStreamNonBlocking, greatest),
               "creating a staging permute stream");
-    cudaEvent_t *events[] = {&lane->fork, &lane->done, &lane->other_done};
+    cudaEvent_t *events[] = {&lane->fork, &lane->joined, &lane->done};
     for (int i = 0; i < 3; i++)
         CUDA_STEP(f, cudaEventCreateWithFlags(events[i], cudaEventDisableTiming), "creating a staging event");
     for (int i = 0; i < KV_LANE_SLOTS; i++) {
@@ -119,6 +132,7 @@ void kv_staging_free(kv_staging *st)
         lane_destroy(&st->capture);
     }
     cudaFree(st->memory); /* waits for the work still using it */
+    PyMem_RawFree(st->boxes);
     PyMem_RawFree(st->runs);
     PyMem_RawFree(st->srcs);
     PyMem_RawFree(st->dsts);
@@ -202,8 +216,18 @@ static kv_lane *pick_lane(kv_staging *st, intptr_t caller, int *index)
 
 /* ------------------------------------------------------------ one call */
 
-static int grow_scratch(kv_staging *st, int64_t units, kv_failure *f)
+static int grow_scratch(kv_staging *st, int64_t pieces, int64_t units, kv_failure *f)
 {
+    if (pieces > st->box_capacity) {
+        kv_box *boxes = PyMem_RawRealloc(st->boxes, (size_t)pieces * sizeof *boxes);
+        if (boxes == NULL) {
+            f->error = cudaErrorMemoryAllocation;
+            f->what = "allocating the staging piece list";
+            return -1;
+        }
+        st->boxes = boxes;
+        st->box_capacity = pieces;
+    }
     if (units <= st->scratch)
         return 0;
     kv_run *runs = PyMem_RawRealloc(st->runs, (size_t)units * sizeof *runs);
@@ -267,51 +291,75 @@ static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot,
     return 0;
 }
 
-/* The size pieces aim for: an eighth of the call, at least
- * KV_MIN_PIECE_BYTES, at most half a lane (two slots at least). */
-static int64_t piece_bytes_for(const kv_staged *s, size_t lane_bytes)
+/* The largest piece: half a lane, so that two slots at least pipeline. */
+static int64_t piece_bytes_for(size_t lane_bytes)
 {
-    const int64_t total = s->nb * s->mid * s->inner * s->unit_bytes;
-    int64_t piece = (total + KV_TARGET_PIECES - 1) / KV_TARGET_PIECES;
-    const int64_t most = (int64_t)(lane_bytes / 2 / KV_STAGING_ALIGN * KV_STAGING_ALIGN);
-    piece = piece > KV_MIN_PIECE_BYTES ? piece : KV_MIN_PIECE_BYTES;
-    return piece < most ? piece : most;
+    return (int64_t)(lane_bytes / 2 / KV_STAGING_ALIGN * KV_STAGING_ALIGN);
+}
+
+/* Forks the lane's streams from the caller's stream: they follow the work
+ * queued there before the call.  When the lane last served another stream,
+ * whose call may still be using the slots, they also wait for the end of
+ * that call (on this stream the fork already follows it). */
+static int fork_lane(kv_lane *lane, cudaStream_t caller, int64_t count, int other_caller, kv_failure *f)
+{
+    cudaStream_t forked[1 + KV_COPY_STREAMS] = {lane->permute};
+    const int n = 1 + (count < KV_COPY_STREAMS ? (int)count : KV_COPY_STREAMS);
+    for (int i = 1; i < n; i++)
+        forked[i] = lane->copy[i - 1];
+    CUDA_STEP(f, cudaEventRecord(lane->fork, caller), "forking the staging streams");
+    for (int i = 0; i < n; i++) {
+        CUDA_STEP(f, cudaStreamWaitEvent(forked[i], lane->fork, 0), "forking the staging streams");
+        if (other_caller)
+            CUDA_STEP(f, cudaStreamWaitEvent(forked[i], lane->done, 0), "ordering after the lane's last call");
+    }
+    return 0;
 }
 
 /* Enqueues the pieces: permute then copy for an offload, copy then permute
- * for an onload, each stage on its own stream, a slot reused only after its
- * second stage (the `freed` event of its last use). */
-static int enqueue_pieces(kv_staging *st, kv_lane *lane, const kv_staged *s, const kv_pieces *p, size_t slot_bytes,
-                          int nslots, kv_box_launch launch, const void *ctx, uint32_t max_ctas, int capturing,
-                          kv_failure *f)
+ * for an onload, the permutes on the lane's high-priority stream, the
+ * copies on its copy streams in turn.  An offload runs the pieces smallest
+ * first, so that the copies start soon; an onload largest first, so that
+ * the permute left after the last copy is short.  A slot is rewritten only
+ * after the second stage of its last use (the `freed` event; recorded only
+ * where a later piece of the call reuses the slot, since the next call on
+ * the lane waits for the whole of this one). */
+static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_staged *s, int64_t count,
+                          size_t slot_bytes, int nslots, kv_box_launch launch, const void *ctx, uint32_t max_ctas,
+                          int capturing, kv_failure *f)
 {
-    cudaStream_t first = s->to_host ? lane->permute : lane->copy;
-    cudaStream_t second = s->to_host ? lane->copy : lane->permute;
-    for (int64_t k = 0; k < p->count; k++) {
-        kv_box box;
-        kv_pieces_box(s, p, k, &box);
+    for (int64_t k = 0; k < count; k++) {
+        const kv_box *box = &st->boxes[s->to_host ? k : count - 1 - k];
         const int slot = (int)(k % nslots);
         char *memory = lane->base + (size_t)slot * slot_bytes;
+        cudaStream_t copy = lane->copy[k % KV_COPY_STREAMS];
+        cudaStream_t first = s->to_host ? lane->permute : copy;
+        cudaStream_t second = s->to_host ? copy : lane->permute;
         if (k >= nslots)
             CUDA_STEP(f, cudaStreamWaitEvent(first, lane->freed[slot], 0), "waiting for a free staging slot");
-        const int64_t runs = kv_box_runs(s, &box, st->runs);
+        const int64_t runs = kv_box_runs(s, box, st->runs);
         if (s->to_host)
-            CUDA_STEP(f, launch(ctx, &box, memory, max_ctas, first), "launching the staging permute");
+            CUDA_STEP(f, launch(ctx, box, memory, max_ctas, first), "launching the staging permute");
         else if (copy_runs(st, first, runs, memory, s, capturing, f) < 0)
             return -1;
         CUDA_STEP(f, cudaEventRecord(lane->ready[slot], first), "recording a staged piece");
         CUDA_STEP(f, cudaStreamWaitEvent(second, lane->ready[slot], 0), "ordering a staged piece");
         if (!s->to_host)
-            CUDA_STEP(f, launch(ctx, &box, memory, max_ctas, second), "launching the staging permute");
+            CUDA_STEP(f, launch(ctx, box, memory, max_ctas, second), "launching the staging permute");
         else if (copy_runs(st, second, runs, memory, s, capturing, f) < 0)
             return -1;
-        CUDA_STEP(f, cudaEventRecord(lane->freed[slot], second), "recording a free staging slot");
+        if (k + nslots < count)
+            CUDA_STEP(f, cudaEventRecord(lane->freed[slot], second), "recording a free staging slot");
     }
-    /* Join: the first stage's stream before the second's, the second's
-     * before the caller's. */
-    CUDA_STEP(f, cudaEventRecord(lane->other_done, first), "joining the staging streams");
-    CUDA_STEP(f, cudaStreamWaitEvent(second, lane->other_done, 0), "joining the staging streams");
-    CUDA_STEP(f, cudaEventRecord(lane->done, second), "joining the staging streams");
+    /* An onload ends with its last permute, which followed every copy (the
+     * `ready` events); an offload with both copy streams' last copies. */
+    cudaStream_t last = s->to_host ? lane->copy[0] : lane->permute;
+    if (s->to_host && count > 1) {
+        CUDA_STEP(f, cudaEventRecord(lane->joined, lane->copy[1]), "joining the staging streams");
+        CUDA_STEP(f, cudaStreamWaitEvent(last, lane->joined, 0), "joining the staging streams");
+    }
+    CUDA_STEP(f, cudaEventRecord(lane->done, last), "joining the staging streams");
+    CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "joining the caller's stream");
     return 0;
 }
 
@@ -333,38 +381,33 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     int index = -1;
     kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
 
-    kv_pieces p;
-    kv_pieces_plan(s, piece_bytes_for(s, lane->bytes), &p);
-    const size_t slot_bytes = ((size_t)p.max_bytes + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
+    const int64_t most = piece_bytes_for(lane->bytes);
+    int64_t max_units;
+    const int64_t count = kv_pieces_cut(s, KV_LEAD_PIECE_BYTES, KV_PIECE_GROWTH, most, NULL, &max_units);
+    const size_t slot_bytes = ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN
+                              * KV_STAGING_ALIGN;
     if (2 * slot_bytes > lane->bytes) {
         snprintf(report->fallback, sizeof report->fallback, "a piece of %lld bytes needs two slots, more than a "
-                 "staging lane's %zu bytes", (long long)p.max_bytes, lane->bytes);
+                 "staging lane's %zu bytes", (long long)(max_units * s->unit_bytes), lane->bytes);
         return 1;
     }
     const size_t fit = lane->bytes / slot_bytes;
     const int nslots = fit < KV_LANE_SLOTS ? (int)fit : KV_LANE_SLOTS;
-    if (grow_scratch(st, p.max_units, f) < 0)
+    if (grow_scratch(st, count, max_units, f) < 0)
         return -1;
+    kv_pieces_cut(s, KV_LEAD_PIECE_BYTES, KV_PIECE_GROWTH, most, st->boxes, &max_units);
 
-    /* Fork; outside a capture also after the lane's last call, which may
-     * have come from another stream and still be using the slots. */
-    CUDA_STEP(f, cudaEventRecord(lane->fork, caller), "forking the staging streams");
-    CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->fork, 0), "forking the staging streams");
-    CUDA_STEP(f, cudaStreamWaitEvent(lane->copy, lane->fork, 0), "forking the staging streams");
-    if (!capturing && lane->last_use != 0) {
-        CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->done, 0), "ordering after the lane's last call");
-        CUDA_STEP(f, cudaStreamWaitEvent(lane->copy, lane->done, 0), "ordering after the lane's last call");
-    }
-    if (enqueue_pieces(st, lane, s, &p, slot_bytes, nslots, launch, ctx, max_ctas, capturing, f) < 0)
+    const int other_caller = !capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller;
+    if (fork_lane(lane, caller, count, other_caller, f) < 0
+        || enqueue_pieces(st, lane, caller, s, count, slot_bytes, nslots, launch, ctx, max_ctas, capturing, f) < 0)
         return -1;
-    CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "joining the caller's stream");
     if (!capturing) {
         lane->owner = (intptr_t)caller;
         lane->last_use = ++st->clock;
     }
     report->staged = 1;
-    report->pieces = p.count;
-    report->piece_bytes = p.max_bytes;
+    report->pieces = count;
+    report->piece_bytes = max_units * s->unit_bytes;
     report->ctas = max_ctas;
     report->lane = index;
     return 0;
