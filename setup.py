@@ -21,7 +21,7 @@ VERSION = "0.4.0"
 ROOT = Path(__file__).parent
 DEFAULT_ARCHS = "80;86;89;90"
 C_SOURCES = ["address_list.c", "args.c", "array.c", "convert.c", "copy.c", "cpu_copy.c", "debug.c", "module.c", "paged.c",
-             "pieces.c", "stream.c"]
+             "overlap.c", "pieces.c", "stream.c"]
 
 
 def find_nvcc():

@@ -19,14 +19,16 @@ int kv_parse_name(PyObject *value, const char *argument, const char *const *name
         PyErr_Format(PyExc_TypeError, "%s: expected a str (%s), got %s", argument, valid, Py_TYPE(value)->tp_name);
         return -1;
     }
-    const char *s = PyUnicode_AsUTF8(value);
-    if (s == NULL)
-        return -1;
-    for (int i = 0; i < count; i++) {
-        const size_t length = strlen(names[i]);
-        if (strlen(s) == length && PyOS_strnicmp(s, names[i], length) == 0) {
-            *out = i;
-            return 0;
+    /* Whole strings are compared: an embedded NUL, a non-ASCII letter or a
+     * lone surrogate is just another name that does not match. */
+    if (PyUnicode_IS_ASCII(value)) {
+        const char *s = (const char *)PyUnicode_DATA(value);
+        const size_t n = (size_t)PyUnicode_GET_LENGTH(value);
+        for (int i = 0; i < count; i++) {
+            if (strlen(names[i]) == n && memchr(s, '\0', n) == NULL && PyOS_strnicmp(s, names[i], n) == 0) {
+                *out = i;
+                return 0;
+            }
         }
     }
     PyErr_Format(PyExc_ValueError, "%s: expected %s (any case), got %R", argument, valid, value);
@@ -39,7 +41,7 @@ PyObject *kv_as_sequence(PyObject *obj, const kv_path *path, const char *expecte
         kv_path_error(PyExc_TypeError, path, "expected %s, got %s", expected, Py_TYPE(obj)->tp_name);
         return NULL;
     }
-    return PySequence_Fast(obj, "expected a sequence");
+    return PySequence_Tuple(obj);
 }
 
 void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size)

@@ -15,7 +15,10 @@ int kv_parse_name(PyObject *value, const char *argument, const char *const *name
 int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback, int allow_none,
                  int64_t *out);
 
-/* A list or tuple view of a sequence argument (new reference); arrays and
+/* A tuple holding the items of a sequence argument, taken once (new
+ * reference).  Reading an array runs Python code (its protocols), which may
+ * change the caller's list or drop the item being read; the tuple keeps what
+ * the call sees, and every item alive, until the call ends.  Arrays and
  * strings are refused even though they are iterable.  TypeError naming
  * `path`, saying what was `expected`. */
 PyObject *kv_as_sequence(PyObject *obj, const kv_path *path, const char *expected);

@@ -167,7 +167,9 @@ static int fill_from_dltensor(const DLTensor *t, const kv_path *path, kv_array *
         set_compact_strides(out);
     else
         for (int i = 0; i < t->ndim; i++)
-            out->strides[i] = t->strides[i] * out->itemsize;
+            if (__builtin_mul_overflow(t->strides[i], out->itemsize, &out->strides[i]))
+                return kv_path_error(PyExc_ValueError, path, "DLPack stride %lld of dimension %d overflows in bytes",
+                                     (long long)t->strides[i], i);
     out->place = type == kDLCPU ? KV_HOST : type == kDLCUDAHost ? KV_HOST_PINNED : KV_DEVICE;
     out->device_id = t->device.device_id;
     return 0;
@@ -207,15 +209,26 @@ static int dlpack_device(PyObject *obj, const kv_path *path, int *type, int *id)
     PyObject *device = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
     if (device == NULL)
         return -1;
-    int ok = PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 2;
-    if (ok) {
-        *type = (int)PyLong_AsLong(PyTuple_GET_ITEM(device, 0));
-        *id = (int)PyLong_AsLong(PyTuple_GET_ITEM(device, 1));
+    int rc = -1;
+    if (!PyTuple_Check(device) || PyTuple_GET_SIZE(device) != 2)
+        kv_path_error(PyExc_TypeError, path, "__dlpack_device__() must return a (device_type, device_id) tuple");
+    else {
+        /* The tuple owns its items while their __index__ runs. */
+        const long device_type = PyLong_AsLong(PyTuple_GET_ITEM(device, 0));
+        const long device_id = device_type == -1 && PyErr_Occurred() ? -1 : PyLong_AsLong(PyTuple_GET_ITEM(device, 1));
+        if (PyErr_Occurred() || device_type < 0 || device_type > INT32_MAX || device_id < 0 || device_id > INT32_MAX) {
+            PyErr_Clear();
+            kv_path_error(PyExc_TypeError, path, "__dlpack_device__() returned %R, not two ints from 0 to 2**31 - 1",
+                          device);
+        }
+        else {
+            *type = (int)device_type;
+            *id = (int)device_id;
+            rc = 0;
+        }
     }
     Py_DECREF(device);
-    if (!ok)
-        return kv_path_error(PyExc_TypeError, path, "__dlpack_device__() must return a (device_type, device_id) tuple");
-    return PyErr_Occurred() ? -1 : 0;
+    return rc;
 }
 
 static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream, kv_array *out)
@@ -350,6 +363,27 @@ static int parse_typestr(PyObject *typestr, const kv_path *path, kv_array *out)
     return 0;
 }
 
+/* An int of an interface dict's tuple `what` (owned by the tuple, which the
+ * caller's dict copy owns, while its __index__ runs), from `minimum` to
+ * INT64_MAX. */
+static int read_entry(PyObject *item, const kv_path *path, const char *what, Py_ssize_t i, int64_t minimum,
+                      int64_t *value)
+{
+    const long long v = PyLong_AsLongLong(item);
+    if (v == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError) && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+        return kv_path_error(PyExc_ValueError, path, "array interface %s[%zd] is %R, not an int from %lld to 2**63 - 1",
+                             what, i, item, (long long)minimum);
+    }
+    if (v < minimum)
+        return kv_path_error(PyExc_ValueError, path, "array interface %s[%zd] is %lld, below %lld", what, i, v,
+                             (long long)minimum);
+    *value = v;
+    return 0;
+}
+
 /* Fills shape and strides from an interface dict's "shape" and "strides". */
 static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *out)
 {
@@ -360,11 +394,9 @@ static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *ou
     if (check_ndim(path, ndim) < 0)
         return -1;
     out->ndim = (int)ndim;
-    for (Py_ssize_t i = 0; i < ndim; i++) {
-        out->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-        if (out->shape[i] < 0)
-            return PyErr_Occurred() ? -1 : kv_path_error(PyExc_ValueError, path, "negative dimension in shape");
-    }
+    for (Py_ssize_t i = 0; i < ndim; i++)
+        if (read_entry(PyTuple_GET_ITEM(shape, i), path, "shape", i, 0, &out->shape[i]) < 0)
+            return -1;
     PyObject *strides = PyDict_GetItemString(dict, "strides");
     if (strides == NULL || strides == Py_None) {
         set_compact_strides(out);
@@ -372,11 +404,9 @@ static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *ou
     }
     if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != ndim)
         return kv_path_error(PyExc_TypeError, path, "array interface strides must be None or a tuple of %zd ints", ndim);
-    for (Py_ssize_t i = 0; i < ndim; i++) {
-        out->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
-        if (out->strides[i] == -1 && PyErr_Occurred())
+    for (Py_ssize_t i = 0; i < ndim; i++)
+        if (read_entry(PyTuple_GET_ITEM(strides, i), path, "strides", i, INT64_MIN + 1, &out->strides[i]) < 0)
             return -1;
-    }
     return 0;
 }
 
@@ -386,9 +416,14 @@ static int parse_data(PyObject *dict, const kv_path *path, kv_array *out)
     PyObject *data = PyDict_GetItemString(dict, "data");
     if (data == NULL || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2)
         return kv_path_error(PyExc_TypeError, path, "array interface data must be a (pointer, readonly) tuple");
-    out->data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
-    if (out->data == NULL && PyErr_Occurred())
-        return -1;
+    PyObject *pointer = PyTuple_GET_ITEM(data, 0);
+    const unsigned long long address = PyLong_Check(pointer) ? PyLong_AsUnsignedLongLong(pointer) : 0;
+    if (!PyLong_Check(pointer) || (address == (unsigned long long)-1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return kv_path_error(PyExc_ValueError, path, "array interface data pointer %R is not an int from 0 to 2**64 - 1",
+                             pointer);
+    }
+    out->data = (void *)(uintptr_t)address;
     out->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
     if (out->readonly < 0)
         return -1;
@@ -401,14 +436,20 @@ static int parse_data(PyObject *dict, const kv_path *path, kv_array *out)
 /* Shared by __cuda_array_interface__ and __array_interface__. */
 static int from_interface(PyObject *obj, const kv_path *path, const char *attribute, kv_array *out)
 {
-    PyObject *dict = PyObject_GetAttrString(obj, attribute);
+    PyObject *given = PyObject_GetAttrString(obj, attribute);
+    if (given == NULL)
+        return -1;
+    if (!PyDict_Check(given)) {
+        Py_DECREF(given);
+        return kv_path_error(PyExc_TypeError, path, "%s is not a dict", attribute);
+    }
+    /* Read a copy: reading runs the entries' __index__, which could change
+     * the producer's dict and free what a borrowed reference points at. */
+    PyObject *dict = PyDict_Copy(given);
+    Py_DECREF(given);
     if (dict == NULL)
         return -1;
     int rc = -1;
-    if (!PyDict_Check(dict)) {
-        kv_path_error(PyExc_TypeError, path, "%s is not a dict", attribute);
-        goto done;
-    }
     PyObject *typestr = PyDict_GetItemString(dict, "typestr");
     if (typestr == NULL) {
         kv_path_error(PyExc_TypeError, path, "%s has no typestr", attribute);
@@ -421,10 +462,11 @@ static int from_interface(PyObject *obj, const kv_path *path, const char *attrib
     if (stream != NULL && stream != Py_None) {
         /* CAI v3: the producer's work on this stream must be ordered before
          * ours.  0 is forbidden by the protocol (ambiguous). */
-        out->stream = (intptr_t)PyLong_AsVoidPtr(stream);
+        out->stream = PyLong_Check(stream) ? (intptr_t)PyLong_AsVoidPtr(stream) : 0;
         if (out->stream == 0) {
-            if (!PyErr_Occurred())
-                kv_path_error(PyExc_ValueError, path, "__cuda_array_interface__ stream 0 is not allowed");
+            PyErr_Clear();
+            kv_path_error(PyExc_ValueError, path, "__cuda_array_interface__ stream %R is not allowed (a nonzero "
+                          "cudaStream_t int, or None)", stream);
             goto done;
         }
         out->has_stream = 1;
@@ -490,7 +532,8 @@ static void clear_array(kv_array *out)
     out->device_id = -1;
 }
 
-int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+/* Borrows obj through the first protocol it offers. */
+static int read_array(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
 {
     clear_array(out);
     int rc;
@@ -520,6 +563,63 @@ int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_st
                              Py_TYPE(obj)->tp_name);
     if (rc < 0)
         kv_array_release(out);
+    return rc;
+}
+
+static int has_empty_dimension(const kv_array *a)
+{
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] == 0)
+            return 1;
+    return 0;
+}
+
+int64_t kv_array_elements(const kv_array *a)
+{
+    if (has_empty_dimension(a))
+        return 0;
+    int64_t elements = 1;
+    for (int i = 0; i < a->ndim; i++)
+        elements *= a->shape[i]; /* in range: kv_array_from_object checked it */
+    return elements;
+}
+
+/* What every later check and copy relies on: no negative extent, an
+ * element count, a byte size and every stride's reach that fit in int64,
+ * and a data pointer wherever there is an element. */
+static int check_extents(const kv_array *a, const kv_path *path)
+{
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] < 0)
+            return kv_path_error(PyExc_ValueError, path, "dimension %d has a negative extent (%lld)", i,
+                                 (long long)a->shape[i]);
+    if (has_empty_dimension(a))
+        return 0; /* any extents: nothing is addressed */
+    int64_t elements = 1, bytes;
+    for (int i = 0; i < a->ndim; i++)
+        if (__builtin_mul_overflow(elements, a->shape[i], &elements))
+            return kv_path_error(PyExc_ValueError, path, "its extents multiply to more than 2**63 - 1 elements");
+    if (__builtin_mul_overflow(elements, a->itemsize, &bytes))
+        return kv_path_error(PyExc_ValueError, path, "holds more than 2**63 - 1 bytes");
+    if (a->data == NULL)
+        return kv_path_error(PyExc_ValueError, path, "has a NULL data pointer but %lld elements", (long long)elements);
+    for (int i = 0; i < a->ndim; i++) {
+        int64_t reach;
+        if (a->strides[i] == INT64_MIN || __builtin_mul_overflow(a->strides[i] < 0 ? -a->strides[i] : a->strides[i],
+                                                                 a->shape[i] - 1, &reach))
+            return kv_path_error(PyExc_ValueError, path, "stride %lld of dimension %d reaches past 2**63 - 1 bytes",
+                                 (long long)a->strides[i], i);
+    }
+    return 0;
+}
+
+int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+{
+    const int rc = read_array(obj, path, dlpack_stream, out);
+    if (rc == 0 && check_extents(out, path) < 0) {
+        kv_array_release(out);
+        return -1;
+    }
     return rc;
 }
 

@@ -72,6 +72,10 @@ void kv_array_release(kv_array *a);
  * an array without elements always is). */
 int kv_array_is_contiguous(const kv_array *a);
 
+/* The number of elements: 0 when any extent is 0, else their product, which
+ * kv_array_from_object has checked fits in int64. */
+int64_t kv_array_elements(const kv_array *a);
+
 /* The same for dimensions first .. ndim - 1 only (a stack of contiguous
  * arrays along the leading dimensions). */
 int kv_array_is_contiguous_from(const kv_array *a, int first);

@@ -8,6 +8,7 @@
 #include "args.h"
 #include "cpu_copy.h"
 #include "debug.h"
+#include "overlap.h"
 #include "stream.h"
 
 /* One call's arguments as they are walked and checked.  Two sides: `flat`,
@@ -31,6 +32,7 @@ typedef struct {
     PyObject *other; /* a list or tuple */
     int single_other;
     int other_is_blocks;
+    int empty;       /* flat[0] has no element: the call moves nothing */
     Py_ssize_t nb;
     int64_t nchunks;
     int64_t flat_shape[5];
@@ -165,6 +167,12 @@ static int read_dimensions(kv_call *call)
         return kv_path_error(PyExc_TypeError, &path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
                              kv_dtype_name(f->dtype, name, sizeof name), (long long)f->itemsize);
     }
+    if (kv_array_elements(f) == 0) {
+        /* Nothing to move, and the extents may be anything: allocate and
+         * multiply nothing by them. */
+        call->empty = 1;
+        return 0;
+    }
     memcpy(call->flat_shape, f->shape, (size_t)call->flat_ndim * sizeof(int64_t));
     int64_t chunk_elements;
     if (is_universal) {
@@ -189,8 +197,11 @@ static int read_dimensions(kv_call *call)
 
     /* Segment, vector and CTA counts are 32-bit in the kernels. */
     const int64_t chunk_bytes = chunk_elements * f->itemsize;
+    int64_t weight = 0;
     if (chunk_bytes > (int64_t)UINT32_MAX
-        || (chunk_bytes > 0 && call->nb * call->nchunks * (chunk_bytes / 1024 + 1) > (int64_t)INT32_MAX))
+        || (chunk_bytes > 0
+            && (__builtin_mul_overflow((int64_t)call->nb, call->nchunks, &weight)
+                || __builtin_mul_overflow(weight, chunk_bytes / 1024 + 1, &weight) || weight > (int64_t)INT32_MAX)))
         return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld bytes); "
                              "split it into several calls", call->nb, (long long)call->nchunks, (long long)chunk_bytes);
     return check_array(call, 0);
@@ -241,6 +252,31 @@ static int vector_bytes(const void *const *table, Py_ssize_t count, int64_t row_
     for (Py_ssize_t i = 0; i < count; i++)
         bits |= (uintptr_t)table[i];
     return (int)(bits & (~bits + 1));
+}
+
+/* A destination sharing memory with a source or another destination is
+ * refused: the result would depend on the order of the copies. */
+static int check_aliasing(const kv_call *call)
+{
+    const Py_ssize_t count = array_count(call);
+    kv_span *spans = PyMem_Malloc((size_t)count * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        spans[i] = kv_span_of(&call->arrays[i], i, (i < call->nb) == call->to_flat);
+    Py_ssize_t first, second;
+    int rc = kv_find_overlap(spans, count, &first, &second);
+    PyMem_Free(spans);
+    if (rc > 0) {
+        const kv_path path = path_of(call, first), other = path_of(call, second);
+        char where[96];
+        kv_path_format(&other, where, sizeof where);
+        return kv_path_error(PyExc_ValueError, &path, "destination shares memory with %s; a destination may not "
+                             "overlap a source or another destination", where);
+    }
+    return rc;
 }
 
 /* Checks that every array can take part in a GPU call, and finds its device. */
@@ -429,20 +465,16 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *
 static int run(kv_gpu *gpu, kv_call *call)
 {
     const Py_ssize_t count = array_count(call);
-    int64_t elements = 1;
-    for (int d = 0; d < call->flat_ndim; d++)
-        elements *= call->flat_shape[d];
-    if (elements == 0)
-        return 0; /* nothing to move */
-
     int on_gpu = 0;
     for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
         on_gpu = call->arrays[i].place == KV_DEVICE;
     kv_gpu_target target = {-1, call->stream, NULL, 0};
     intptr_t *producers = NULL;
+    if (on_gpu && place_on_gpu(call, count, &target.device) < 0)
+        return -1;
+    if (check_aliasing(call) < 0)
+        return -1;
     if (on_gpu) {
-        if (place_on_gpu(call, count, &target.device) < 0)
-            return -1;
         producers = PyMem_Malloc((size_t)count * sizeof *producers);
         if (producers == NULL) {
             PyErr_NoMemory();
@@ -535,6 +567,10 @@ int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *fla
     /* The chunk count is known only once flat[0] has been read. */
     if (read_dimensions(&call) < 0)
         goto done;
+    if (call.empty) {
+        rc = 0;
+        goto done;
+    }
     {
         kv_array *grown = PyMem_Realloc(call.arrays, (size_t)array_count(&call) * sizeof(kv_array));
         if (grown == NULL) {

@@ -7,6 +7,7 @@
 #include "address_list.h"
 #include "args.h"
 #include "debug.h"
+#include "overlap.h"
 #include "stream.h"
 
 const char *const KV_BACKEND_NAMES[KV_BACKEND_COUNT] = {"kernel", "async", "batch", "auto", "copy_engines"};
@@ -204,6 +205,43 @@ static int resolve_target(const kv_copy_call *call, int found, kv_gpu_target *ta
     return target->device < 0 ? -1 : 0;
 }
 
+/* A destination range sharing memory with a source range or another
+ * destination range is refused.  Lists on the device are not read on the
+ * host, so a call with one is not checked. */
+static int check_pair_aliasing(const kv_pairs *pairs)
+{
+    if (pairs->src_on_device || pairs->dst_on_device || pairs->sizes_on_device)
+        return 0;
+    const Py_ssize_t count = (Py_ssize_t)pairs->count;
+    kv_span *spans = PyMem_Malloc((size_t)count * 2 * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint64_t size = pairs->sizes != NULL ? pairs->sizes[i] : pairs->uniform_size;
+        const uint64_t *ends[2] = {pairs->src, pairs->dst};
+        for (int side = 0; side < 2; side++) {
+            const uint64_t start = ends[side][i];
+            if (size > UINT64_MAX - start) {
+                PyMem_Free(spans);
+                PyErr_Format(PyExc_ValueError, "%s[%zd]: %llu bytes from 0x%llx run past the end of the address space",
+                             LIST_NAMES[side], i, (unsigned long long)size, (unsigned long long)start);
+                return -1;
+            }
+            spans[side * count + i] = (kv_span){start, start + size, side * count + i, side};
+        }
+    }
+    Py_ssize_t first, second;
+    const int rc = kv_find_overlap(spans, 2 * count, &first, &second);
+    PyMem_Free(spans);
+    if (rc > 0)
+        PyErr_Format(PyExc_ValueError, "%s[%zd]: the destination range shares memory with %s[%zd]; a destination may "
+                     "not overlap a source or another destination", LIST_NAMES[1], first - count,
+                     LIST_NAMES[second >= count], second % count);
+    return rc > 0 ? -1 : rc;
+}
+
 /* Both Python functions: read and check the lists, then copy with `engine`.
  * The kernel takes device-resident lists but no pageable memory; the copy
  * engines take pageable memory but only lists they can read on the host. */
@@ -220,6 +258,13 @@ static int copy_pairs(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes
         rc = 0;
         goto done;
     }
+    if (kernel && pairs.count > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "src_ptrs: %lld copies in one call, more than the copy kernel's 2**31 - 1; "
+                     "split them into several calls", (long long)pairs.count);
+        goto done;
+    }
+    if (check_pair_aliasing(&pairs) < 0)
+        goto done;
     kv_gpu_target target;
     intptr_t producers[3];
     if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0

@@ -17,6 +17,7 @@
 #include "args.h"
 #include "copy.h"
 #include "cpu_copy.h"
+#include "overlap.h"
 #include "state.h"
 #include "stream.h"
 
@@ -59,21 +60,25 @@ static int parse_dims(PyObject *dims, int position[DIM_COUNT])
 {
     if (!PyUnicode_Check(dims))
         return fail(PyExc_TypeError, "dims: expected a str such as \"kbthd\", got %s", Py_TYPE(dims)->tp_name);
-    const char *text = PyUnicode_AsUTF8(dims);
-    if (text == NULL)
-        return -1;
     for (int i = 0; i < DIM_COUNT; i++)
         position[i] = -1;
-    for (int i = 0; text[i] != '\0'; i++) {
-        const char *found = strchr(DIM_LETTERS, text[i]);
-        if (found == NULL)
-            return fail(PyExc_ValueError, "dims: letter '%c' in %R is not one of l (layer), k (K/V), b (block), "
-                        "t (token), h (head), d (head dim)", text[i], dims);
+    const Py_ssize_t n = PyUnicode_GET_LENGTH(dims);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_UCS4 c = PyUnicode_READ_CHAR(dims, i);
+        const char *found = c != 0 && c < 128 ? strchr(DIM_LETTERS, (int)c) : NULL;
+        if (found == NULL) {
+            PyObject *letter = PyUnicode_FromOrdinal((int)c);
+            if (letter != NULL)
+                fail(PyExc_ValueError, "dims: %R at position %zd of %R is not one of l (layer), k (K/V), b (block), "
+                     "t (token), h (head), d (head dim)", letter, i, dims);
+            Py_XDECREF(letter);
+            return -1;
+        }
         const int letter = (int)(found - DIM_LETTERS);
         if (position[letter] >= 0)
-            return fail(PyExc_ValueError, "dims: letter '%c' (%s) appears twice in %R", text[i], DIM_NAMES[letter],
-                        dims);
-        position[letter] = i;
+            return fail(PyExc_ValueError, "dims: letter '%c' (%s) appears twice in %R", DIM_LETTERS[letter],
+                        DIM_NAMES[letter], dims);
+        position[letter] = (int)i;
     }
     const int required[] = {DIM_B, DIM_T, DIM_D};
     for (int i = 0; i < 3; i++)
@@ -134,6 +139,11 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
     const kv_array *a = &self->arrays[0];
     const kv_path path = layer_path(self, 0);
     char name[48];
+    if (kv_array_elements(a) == 0) {
+        char shape[192];
+        kv_format_shape(a->shape, a->ndim, shape, sizeof shape);
+        return kv_path_error(PyExc_ValueError, &path, "has shape %s: a cache needs at least one element", shape);
+    }
     if (a->itemsize != 1 && a->itemsize != 2 && a->itemsize != 4 && a->itemsize != 8)
         return kv_path_error(PyExc_TypeError, &path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
                              kv_dtype_name(a->dtype, name, sizeof name), (long long)a->itemsize);
@@ -223,10 +233,10 @@ static int describe(kv_paged_cache *self)
                            : kv_as_sequence(self->layers, &whole, "a sequence of per-layer arrays, or one array");
     if (seq == NULL)
         return -1;
-    /* Keep the arrays, not the caller's (mutable) list. */
+    /* Keep the arrays as read, not the caller's (mutable) list. */
     if (!single)
-        Py_SETREF(self->layers, PySequence_Tuple(seq));
-    if (self->layers == NULL || check_layer_letter(self->dims, single, position) < 0) {
+        Py_SETREF(self->layers, Py_NewRef(seq));
+    if (check_layer_letter(self->dims, single, position) < 0) {
         Py_DECREF(seq);
         return -1;
     }
@@ -360,7 +370,10 @@ static int read_layers(PyObject *obj, int64_t nl, kv_paged_options *o)
     o->count = PyObject_Size(obj);
     Py_XDECREF(start);
     Py_XDECREF(step);
-    const int64_t last = o->first + (o->count - 1) * o->step;
+    int64_t last = 0;
+    if (!PyErr_Occurred() && o->count > 0
+        && (__builtin_mul_overflow(o->count - 1, o->step, &last) || __builtin_add_overflow(last, o->first, &last)))
+        PyErr_SetString(PyExc_OverflowError, "");
     if (PyErr_Occurred()) {
         PyErr_Clear();
         return fail(PyExc_ValueError, "layers: %R selects layers outside the cache's 0 to %lld", obj, (long long)nl - 1);
@@ -602,6 +615,37 @@ static int read_flats(kv_paged_call *call, PyObject *obj)
     return rc;
 }
 
+/* A destination sharing memory with a source or another destination is
+ * refused: the cache's arrays (written by from_*) against the flat blocks
+ * (written by to_*). */
+static int check_aliasing(const kv_paged_call *call)
+{
+    const kv_paged_cache *cache = call->cache;
+    const Py_ssize_t count = cache->narrays + call->nflats;
+    kv_span *spans = PyMem_Malloc((size_t)count * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < cache->narrays; i++)
+        spans[i] = kv_span_of(&cache->arrays[i], i, !call->form->to_flat);
+    for (Py_ssize_t i = 0; i < call->nflats; i++)
+        spans[cache->narrays + i] = kv_span_of(&call->flats[i], cache->narrays + i, call->form->to_flat);
+    Py_ssize_t first, second;
+    const int rc = kv_find_overlap(spans, count, &first, &second);
+    PyMem_Free(spans);
+    if (rc <= 0)
+        return rc;
+    kv_path paths[2];
+    const Py_ssize_t which[2] = {first, second};
+    for (int k = 0; k < 2; k++)
+        paths[k] = which[k] < cache->narrays ? layer_path(cache, which[k]) : flat_path(call, which[k] - cache->narrays);
+    char where[96];
+    kv_path_format(&paths[1], where, sizeof where);
+    return kv_path_error(PyExc_ValueError, &paths[0], "destination shares memory with %s; a destination may not "
+                         "overlap a source or another destination", where);
+}
+
 /* The kernel's description of the call. */
 static kvbm_paged plan(const kv_paged_call *call)
 {
@@ -788,10 +832,14 @@ static PyObject *transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs
         goto done;
     }
     call.dlpack_stream = kv_stream_for_dlpack(call.options.stream);
-    if (call.dlpack_stream == NULL || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0)
+    if (call.dlpack_stream == NULL || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0
+        || check_aliasing(&call) < 0)
         goto done;
     const int64_t chunk_bytes = self->nh * self->nt * self->hd * self->itemsize;
-    if (call.ids.count * call.options.count * self->no * (chunk_bytes / 1024 + 1) > (int64_t)INT32_MAX) {
+    int64_t weight;
+    if (__builtin_mul_overflow((int64_t)call.ids.count * call.options.count, self->no * (chunk_bytes / 1024 + 1),
+                               &weight)
+        || weight > (int64_t)INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "block_ids: too much data for one call (%zd blocks of %lld layers of %lld "
                      "bytes); split it into several calls", call.ids.count, (long long)call.options.count,
                      (long long)(self->no * chunk_bytes));

@@ -1,0 +1,31 @@
+/* Aliasing: whether a call's destinations share memory with its sources or
+ * with each other.  A copy between overlapping ranges is undefined on the
+ * CPU and a race on the GPU, so every entry point rejects it before any
+ * write.  Plain interval arithmetic over the byte ranges a call touches, by
+ * address (one address space: host, pinned and device memory alike). */
+#ifndef KVBM_OVERLAP_H
+#define KVBM_OVERLAP_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "array.h"
+
+/* The bytes [start, end) argument `index` touches (end == start: none). */
+typedef struct {
+    uint64_t start, end;
+    Py_ssize_t index;
+    int destination;
+} kv_span;
+
+/* The bytes an array touches, whatever its strides. */
+kv_span kv_span_of(const kv_array *a, Py_ssize_t index, int destination);
+
+/* Looks for two spans that overlap where one is a destination; sorts
+ * `spans` (by start) on the way.  Returns 1 with their indexes in *first
+ * (always a destination) and *second, 0 when there is none, or -1 with
+ * MemoryError. */
+int kv_find_overlap(kv_span *spans, Py_ssize_t count, Py_ssize_t *first, Py_ssize_t *second);
+
+#endif /* KVBM_OVERLAP_H */
