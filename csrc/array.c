@@ -532,7 +532,8 @@ static void clear_array(kv_array *out)
     out->device_id = -1;
 }
 
-/* Borrows obj through the first protocol it offers. */
+/* Borrows obj through the first protocol it offers, the C exchange API
+ * first. */
 static int read_array(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
 {
     clear_array(out);
@@ -620,6 +621,22 @@ int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_st
         kv_array_release(out);
         return -1;
     }
+    return rc;
+}
+
+int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+{
+    /* torch exports through DLPack a handle to the tensor itself, which
+     * set_ and resize_ re-point, freeing the old storage under the capsule;
+     * a detached alias shares the storage but is not re-pointed with it. */
+    PyObject *alias = NULL;
+    if (PyObject_HasAttrString(obj, "detach") && PyObject_HasAttrString(obj, "set_")) {
+        alias = PyObject_CallMethod(obj, "detach", NULL);
+        if (alias == NULL)
+            return -1;
+    }
+    const int rc = kv_array_from_object(alias != NULL ? alias : obj, path, dlpack_stream, out);
+    Py_XDECREF(alias); /* the array's owner holds it */
     return rc;
 }
 

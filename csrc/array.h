@@ -66,6 +66,14 @@ int kv_is_array(PyObject *obj);
 int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream,
                          kv_array *out);
 
+/* The same for an array kept past the call (PagedKVCache), whose memory
+ * must stay alive for as long as it is kept, even if the caller's object is
+ * later re-pointed at other memory: a torch tensor (an object with detach
+ * and set_) is borrowed through a detached alias, which shares the storage
+ * and keeps it when set_ or resize_ re-point the original.  Other producers
+ * cannot re-point an array. */
+int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out);
+
 void kv_array_release(kv_array *a);
 
 /* True when the array is C-contiguous (strides of size-1 dimensions ignored;

@@ -563,46 +563,6 @@ int kv_launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, 
     return ring_commit(ring, offset, bytes, stream, f);
 }
 
-int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy)
-{
-    kv_failure failure = {cudaSuccess, NULL};
-    int previous = -1, rc = -1;
-    *device_copy = NULL;
-    cudaError_t error = kv_select_device(device, &previous);
-    if (error != cudaSuccess) {
-        failure.error = error;
-        failure.what = "selecting the device";
-    }
-    else {
-        error = cudaMalloc(device_copy, bytes);
-        if (error == cudaSuccess)
-            error = cudaMemcpy(*device_copy, host, bytes, cudaMemcpyHostToDevice);
-        if (error != cudaSuccess) {
-            failure.error = error;
-            failure.what = "copying a table to the device";
-            cudaFree(*device_copy);
-            *device_copy = NULL;
-        }
-        else
-            rc = 0;
-        kv_gpu_restore_device(previous);
-    }
-    if (rc < 0) {
-        cudaGetLastError();
-        kv_raise_failure(&failure);
-    }
-    return rc;
-}
-
-void kv_gpu_release(int device, void *device_copy)
-{
-    int previous = -1;
-    if (device_copy != NULL && kv_select_device(device, &previous) == cudaSuccess) {
-        cudaFree(device_copy);
-        kv_gpu_restore_device(previous);
-    }
-}
-
 /* ------------------------------------------------------------ raw copies */
 
 const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};

@@ -106,14 +106,6 @@ int kv_gpu_reserve_staging(kv_gpu *gpu, int device);
 /* A dict describing `device`'s staging. */
 PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device);
 
-/* Copies `bytes` of host memory into a new allocation on `device`, waiting
- * for the copy (for tables built once, not per call).  Returns 0, or -1 with
- * RuntimeError. */
-int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy);
-
-/* Frees what kv_gpu_upload allocated (NULL: nothing). */
-void kv_gpu_release(int device, void *device_copy);
-
 /* A batch of raw copies.  Each list lives in host memory or, flagged
  * `*_on_device`, in device memory of the target's device (kernel only). */
 typedef struct {

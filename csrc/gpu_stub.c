@@ -87,15 +87,6 @@ PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
     return NULL;
 }
 
-int kv_gpu_upload(int device, const void *host, size_t bytes, void **device_copy)
-{
-    (void)device, (void)host, (void)bytes;
-    *device_copy = NULL;
-    return no_cuda();
-}
-
-void kv_gpu_release(int device, void *device_copy) { (void)device, (void)device_copy; }
-
 const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
 
 int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,

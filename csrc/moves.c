@@ -7,6 +7,7 @@
 #include "gpu_internal.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "kvbm_kernels.h"
 #include "pieces.h"
@@ -143,7 +144,8 @@ static cudaError_t launch_paged(const void *args, const void *host_table, const 
 /* One piece: blocks [b0, b0 + bn), moved layers [i0, i0 + in) and, for
  * universals, the cache's heads [m0, m0 + mn), into (or out of) the slot as
  * packed flat blocks: [mn, in, no, nt, hd] universals, [in, no, nt*nh*hd]
- * operationals (each chunk in its inner order). */
+ * operationals (each chunk in its inner order).  Its table, by value: the
+ * piece's layers, then its host ids. */
 static cudaError_t launch_paged_box(const void *ctx, const kv_box *box, char *slot, uint32_t max_ctas,
                                     cudaStream_t stream)
 {
@@ -152,7 +154,6 @@ static cudaError_t launch_paged_box(const void *ctx, const kv_box *box, char *sl
     kvbm_paged p = *whole;
     p.nb = box->bn;
     p.nl = box->in;
-    p.first_layer = whole->first_layer + box->i0 * whole->layer_step;
     if (a->universal) {
         p.nh = box->mn;
         p.cache_shift = whole->cache_shift + box->m0 * whole->cache_head;
@@ -170,18 +171,20 @@ static cudaError_t launch_paged_box(const void *ctx, const kv_box *box, char *sl
     kvbm_paged_addresses addresses = *a->addresses;
     addresses.flat_base = (uint64_t)(uintptr_t)slot;
     addresses.flat_block = box->mn * box->in * a->staged->unit_bytes;
+    uint64_t table[KVBM_TABLE_BY_VALUE_MAX];
+    memcpy(table, a->table + box->i0, (size_t)box->in * sizeof *table);
     if (addresses.ids != NULL)
         addresses.ids = (const char *)addresses.ids + box->b0 * (addresses.ids_int32 ? 4 : 8);
-    /* Host ids lead the call's table. */
-    const uint64_t *ids = addresses.ids != NULL ? NULL : a->table + box->b0;
-    return kvbm_launch_paged(&p, &addresses, ids, NULL, a->vector_bytes, max_ctas, stream);
+    else
+        memcpy(table + box->in, a->table + whole->nl + box->b0, (size_t)box->bn * sizeof *table);
+    return kvbm_launch_paged(&p, &addresses, table, NULL, a->vector_bytes, max_ctas, stream);
 }
 
 static int enqueue_paged(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
 {
     const kv_paged_args *a = args;
     return run_move(gpu, ring, stream, a->staged, launch_paged_box, launch_paged, args, a->table,
-                    kvbm_paged_table_entries(a->addresses, a->paged->nb), a->max_ctas, a->report,
+                    kvbm_paged_table_entries(a->addresses, a->paged->nl, a->paged->nb), a->max_ctas, a->report,
                     "launching the paged cache kernel", f);
 }
 
@@ -192,12 +195,18 @@ int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *pag
     /* Universals are staged as [heads][layers] of units, operationals as
      * [1][layers]; with one head the two packings agree. */
     const int universal = staged != NULL && staged->mid > 1;
-    /* Host ids travel by value with each piece. */
+    /* A piece's layers, and its host ids, travel by value. */
     kv_staged bounded;
     if (staged != NULL) {
         bounded = *staged;
-        bounded.max_blocks = addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX;
-        staged = &bounded;
+        bounded.max_blocks = addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - paged->nl;
+        if (paged->nl >= KVBM_TABLE_BY_VALUE_MAX) {
+            snprintf(report->fallback, sizeof report->fallback, "a table of %lld layers does not fit in a launch's "
+                     "parameters", (long long)paged->nl);
+            staged = NULL;
+        }
+        else
+            staged = &bounded;
     }
     const kv_paged_args args = {paged, addresses, table, vector_bytes, max_ctas, staged, universal, report};
     return kv_run_on_device(gpu, target, enqueue_paged, &args);

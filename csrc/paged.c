@@ -37,8 +37,7 @@ typedef struct {
     int device;        /* the CUDA device, or -1 for host memory */
     int readonly;
     int64_t stride[DIM_COUNT];  /* bytes; 0 for a letter dims lacks */
-    uint64_t *layer_addresses;  /* base address of every layer */
-    void *device_layers;        /* the same in device memory (GPU caches) */
+    uint64_t *layer_addresses;  /* base address of every layer (each call's table takes those it moves) */
     uint64_t alignment;         /* OR of the layer addresses and strides */
     uint8_t *seen;              /* num_blocks bits for the repeated-id check, clear between calls */
 } kv_paged_cache;
@@ -179,8 +178,10 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
     return 0;
 }
 
-/* Base address of every layer, their alignment, the device copy, and the
- * scratch of the repeated-id check. */
+/* Base address of every layer, their alignment, and the scratch of the
+ * repeated-id check.  Nothing is allocated on a device, and so nothing is
+ * freed there when the cache is collected (which may happen during another
+ * thread's graph capture). */
 static int build_tables(kv_paged_cache *self)
 {
     const size_t count = self->nl > 0 ? (size_t)self->nl : 1;
@@ -203,9 +204,6 @@ static int build_tables(kv_paged_cache *self)
         self->layer_addresses[l] = base;
         self->alignment |= base;
     }
-    if (self->device >= 0 && self->nl > 0)
-        return kv_gpu_upload(self->device, self->layer_addresses, (size_t)self->nl * sizeof(uint64_t),
-                             &self->device_layers);
     return 0;
 }
 
@@ -251,7 +249,7 @@ static int describe(kv_paged_cache *self)
         rc = 0;
         for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
             const kv_path path = layer_path(self, i);
-            rc = kv_array_from_object(PySequence_Fast_GET_ITEM(seq, i), &path, no_sync, &self->arrays[i]);
+            rc = kv_array_keep_from_object(PySequence_Fast_GET_ITEM(seq, i), &path, no_sync, &self->arrays[i]);
             if (rc == 0) {
                 self->narrays = i + 1;
                 rc = check_layer_array(self, i, ndim);
@@ -315,7 +313,6 @@ static void paged_dealloc(kv_paged_cache *self)
     PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     paged_clear(self);
-    kv_gpu_release(self->device, self->device_layers);
     PyMem_Free(self->arrays);
     PyMem_Free(self->layer_addresses);
     PyMem_Free(self->seen);
@@ -655,8 +652,6 @@ static kvbm_paged plan(const kv_paged_call *call)
     memset(&p, 0, sizeof p);
     p.nb = call->ids.count;
     p.nl = o->count;
-    p.first_layer = o->first;
-    p.layer_step = o->step;
     p.no = c->no, p.nh = c->nh, p.nt = c->nt;
     p.row_bytes = c->hd * c->itemsize;
     p.num_blocks = c->num_blocks;
@@ -758,8 +753,9 @@ static int run_on_gpu(kv_gpu *gpu, const kv_paged_call *call, const kvbm_paged *
     return rc;
 }
 
-/* Moves the bytes: the table holds the host ids, then the flat blocks'
- * addresses unless they are one array. */
+/* Moves the bytes: the table holds the base address of every moved layer,
+ * the host ids, then the flat blocks' addresses unless they are one array
+ * (kvbm_paged.h). */
 static int run(kv_gpu *gpu, kv_paged_call *call)
 {
     kv_paged_cache *cache = call->cache;
@@ -767,7 +763,6 @@ static int run(kv_gpu *gpu, kv_paged_call *call)
     kvbm_paged p = plan(call);
     kvbm_paged_addresses addresses;
     memset(&addresses, 0, sizeof addresses);
-    addresses.layers = cache->device >= 0 ? cache->device_layers : cache->layer_addresses;
     addresses.ids = call->ids.on_device ? call->ids.values : NULL;
     addresses.ids_int32 = call->ids.int32;
     uint64_t alignment = cache->alignment | (uint64_t)p.row_bytes | 16;
@@ -776,13 +771,15 @@ static int run(kv_gpu *gpu, kv_paged_call *call)
         addresses.flat_block = call->flats[0].strides[0];
         alignment |= addresses.flat_base | (uint64_t)addresses.flat_block;
     }
-    const int64_t entries = kvbm_paged_table_entries(&addresses, nb);
-    uint64_t *table = PyMem_Malloc((size_t)(entries > 0 ? entries : 1) * sizeof(uint64_t));
+    const int64_t entries = kvbm_paged_table_entries(&addresses, p.nl, nb);
+    uint64_t *table = PyMem_Malloc((size_t)entries * sizeof(uint64_t));
     if (table == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     uint64_t *slot = table;
+    for (int64_t i = 0; i < p.nl; i++)
+        *slot++ = cache->layer_addresses[call->options.first + i * call->options.step];
     if (!call->ids.on_device) {
         memcpy(slot, call->ids.values, (size_t)nb * sizeof(uint64_t));
         slot += nb;
@@ -1024,8 +1021,12 @@ PyDoc_STRVAR(paged_doc,
              "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
              "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
              "and all are on one CUDA device, or all in host memory (then calls run on the\n"
-             "CPU, without the GIL).  The cache keeps references to its arrays and, for a\n"
-             "GPU cache, a table of the layers' addresses on the device.");
+             "CPU, without the GIL).  The cache keeps the memory of its arrays alive (for\n"
+             "DLPack producers, through the capsules' managed tensors) and always moves\n"
+             "that memory: re-pointing a layer tensor afterwards (torch's set_ or resize_)\n"
+             "does not change what the cache reads or writes.  It holds no device memory\n"
+             "of its own: constructing or collecting it never allocates, frees or\n"
+             "synchronizes on a device.");
 
 static PyType_Slot paged_slots[] = {
     {Py_tp_doc, (void *)paged_doc},

@@ -3,16 +3,16 @@
  * (cuda/paged.cu).
  *
  * A paged cache is what a serving worker allocates: one array per layer, or
- * one for all layers, with a block dimension indexed by block id.  Its row
- * (layer, outer o, block id, head h, token t) of row_bytes = hd * itemsize
- * contiguous bytes starts at
+ * one for all layers, with a block dimension indexed by block id.  A call
+ * moves nl of its layers; the row (moved layer i, outer o, block id, head h,
+ * token t) of row_bytes = hd * itemsize contiguous bytes starts at
  *
- *     layers[layer] + cache_shift + o*cache_outer + id*cache_block + h*cache_head + t*cache_token
+ *     base(i) + cache_shift + o*cache_outer + id*cache_block + h*cache_head + t*cache_token
  *
- * with any strides the arrays have (cache_shift selects the first head a
- * call moves).  The call moves the layers first_layer + i*layer_step for
- * i < nl.  The "flat" side holds one buffer per moved block b (a universal
- * or an operational block), in which the row of moved layer i starts at
+ * with any strides the arrays have, base(i) the address of moved layer i
+ * (in the call's table) and cache_shift selecting the first head a call
+ * moves.  The "flat" side holds one buffer per moved block b (a universal or
+ * an operational block), in which the same row starts at
  *
  *     flat(b) + flat_shift + i*flat_layer + o*flat_outer + h*flat_head + t*flat_token
  *
@@ -33,8 +33,6 @@
 typedef struct {
     int64_t nb;          /* blocks in the call */
     int64_t nl;          /* layers moved */
-    int64_t first_layer; /* cache layer of moved layer 0 */
-    int64_t layer_step;  /* and the step between moved layers (may be negative) */
     int64_t no, nh, nt, row_bytes;
     int64_t num_blocks;  /* ids outside [0, num_blocks) are skipped */
     int64_t cache_outer, cache_block, cache_head, cache_token, cache_shift;
@@ -48,19 +46,21 @@ typedef struct {
 } kvbm_paged;
 
 /* Where a call's addresses are.  The call's table (by value or in device
- * memory) holds the nb block ids unless `ids` points at them on the device,
- * then the nb flat blocks' addresses unless they are one array (flat_base). */
+ * memory) holds, in this order: the base address of every moved layer (nl
+ * entries, moved layer i first at entry i), the nb block ids unless `ids`
+ * points at them on the device, then the nb flat blocks' addresses unless
+ * they are one array (flat_base).  The cache's layer addresses travel with
+ * every call, so a cache needs no device memory of its own. */
 typedef struct {
-    const uint64_t *layers; /* base address of every cache layer (device memory for the kernel) */
     const void *ids;        /* device-resident ids, int32 or int64, or NULL */
     int ids_int32;
     uint64_t flat_base;     /* one flat array: block b at flat_base + b*flat_block; 0: in the table */
     int64_t flat_block;
 } kvbm_paged_addresses;
 
-KVBM_HOST_DEVICE int64_t kvbm_paged_table_entries(const kvbm_paged_addresses *a, int64_t nb)
+KVBM_HOST_DEVICE int64_t kvbm_paged_table_entries(const kvbm_paged_addresses *a, int64_t nl, int64_t nb)
 {
-    return (a->ids ? 0 : nb) + (a->flat_base ? 0 : nb);
+    return nl + (a->ids ? 0 : nb) + (a->flat_base ? 0 : nb);
 }
 
 /* Picks the segments: every token of one head when tokens are contiguous on
@@ -103,12 +103,6 @@ KVBM_HOST_DEVICE void kvbm_paged_plan(kvbm_paged *p)
     p->inner = kvbm_divisor_make(inner);
 }
 
-/* Cache layer of moved layer i. */
-KVBM_HOST_DEVICE int64_t kvbm_paged_layer(const kvbm_paged *p, int64_t i)
-{
-    return p->first_layer + i * p->layer_step;
-}
-
 /* Byte offsets of segment s from the chunk's start, in the cache and in the
  * flat block. */
 KVBM_HOST_DEVICE void kvbm_paged_segment(const kvbm_paged *p, uint32_t s, int64_t *cache_off, int64_t *flat_off)
@@ -119,7 +113,7 @@ KVBM_HOST_DEVICE void kvbm_paged_segment(const kvbm_paged *p, uint32_t s, int64_
     *flat_off = q * p->flat_q + r * p->flat_r;
 }
 
-/* Where chunk (id or b, moved layer i, o) starts: in the cache, from that
+/* Where chunk (id or b, moved layer i, o) starts: in the cache, from the
  * layer's base address, and in flat block b, from its start. */
 KVBM_HOST_DEVICE int64_t kvbm_paged_cache_chunk(const kvbm_paged *p, int64_t id, int64_t o)
 {

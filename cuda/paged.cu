@@ -31,7 +31,7 @@ template <class Table>
 __device__ __forceinline__ int64_t block_id(const Table &table, const Params &p, uint32_t b)
 {
     if (p.a.ids == nullptr)
-        return (int64_t)table[b];
+        return (int64_t)table[p.p.nl + b];
     return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b] : static_cast<const int64_t *>(p.a.ids)[b];
 }
 
@@ -40,7 +40,7 @@ __device__ __forceinline__ char *flat_block(const Table &table, const Params &p,
 {
     if (p.a.flat_base != 0)
         return reinterpret_cast<char *>(p.a.flat_base + (int64_t)b * p.a.flat_block);
-    return reinterpret_cast<char *>(table[(p.a.ids == nullptr ? p.p.nb : 0) + b]);
+    return reinterpret_cast<char *>(table[p.p.nl + (p.a.ids == nullptr ? p.p.nb : 0) + b]);
 }
 
 template <int V, class Table>
@@ -58,8 +58,7 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
         const int64_t id = block_id(table, p, b);
         if (id < 0 || id >= p.p.num_blocks)
             continue;  // device-resident ids are not checked on the host
-        const int64_t layer = kvbm_paged_layer(&p.p, i);
-        char *cache = reinterpret_cast<char *>(p.a.layers[layer]) + kvbm_paged_cache_chunk(&p.p, id, o);
+        char *cache = reinterpret_cast<char *>(table[i]) + kvbm_paged_cache_chunk(&p.p, id, o);
         char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, i, o);
         const char *src = p.p.to_flat ? cache : flat;
         char *dst = p.p.to_flat ? flat : cache;
@@ -86,7 +85,7 @@ cudaError_t launch(const Params &p, const uint64_t *host_table, const uint64_t *
         launch_by_value(paged_kernel<V, TableByValue<uint64_t, kTinyTable>>,
                         paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
                         paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
-                        kvbm_paged_table_entries(&p.a, p.p.nb), p, grid, threads, stream);
+                        kvbm_paged_table_entries(&p.a, p.p.nl, p.p.nb), p, grid, threads, stream);
     return cudaGetLastError();
 }
 

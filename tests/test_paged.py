@@ -398,6 +398,35 @@ def test_cache_holds_references_to_its_arrays(layout, gen):
     assert [sys.getrefcount(a) for a in arrays] == before
 
 
+@pytest.mark.parametrize("repoint", ["set_", "set_-other-storage"])
+def test_cache_keeps_the_memory_of_a_repointed_layer(repoint, gen):
+    """Re-pointing a layer tensor after construction (set_) drops its old storage as far
+    as the caller's tensor is concerned; the cache keeps that storage through its own
+    alias, so it keeps moving the memory it was given (its old bytes), never freed
+    memory.  (resize_ is another matter: it reallocates the storage shared by every
+    alias, in place; README, "PagedKVCache".)"""
+    nl, NB, nb = 3, 8, 4
+    case = CacheCase("kbthd", nl, NB, 2, 2, 3, 16, torch.bfloat16, gen)
+    cache = case.build()
+    content, make, dims = snapshot(case.buf.bases), case.buf.make, case.dims
+    shape = case.universal_shape()
+    for layer in case.layers:
+        if repoint == "set_":
+            layer.set_(torch.empty(0, dtype=layer.dtype))
+        else:
+            layer.set_(torch.zeros(layer.numel() * 2, dtype=layer.dtype).view(-1)[: layer.numel()].view(layer.shape))
+    gc.collect()
+    churn = [torch.full((NB * 2 * 3 * 2 * 16 * 2,), 7, dtype=torch.uint8) for _ in range(4 * nl)]  # reuse freed memory
+    ids = [6, 1, 7, 0]
+    U = block_buffers("array", nb, shape, torch.bfloat16, gen)
+    poison_(U.bases)
+    want = snapshot(U.bases)
+    cache.to_universal(ids, U.arg)
+    reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
+    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
+    del churn
+
+
 @pytest.mark.parametrize("layout", ["kbthd", "kbthd_hnd", "blkthd"])
 def test_cache_keeps_arrays_alive_when_the_caller_drops_them(layout, gen):
     nl, NB, nb = 3, 8, 4
