@@ -22,10 +22,18 @@ typedef struct {
 /* The bytes an array touches, whatever its strides. */
 kv_span kv_span_of(const kv_array *a, Py_ssize_t index, int destination);
 
-/* Looks for two spans that overlap where one is a destination; sorts
- * `spans` (by start) on the way.  Returns 1 with their indexes in *first
- * (always a destination) and *second, 0 when there is none, or -1 with
- * MemoryError. */
+/* Looks for two spans that overlap where one is a destination; reorders
+ * `spans` on the way.  Returns 1 with their indexes in *first (always a
+ * destination) and *second, 0 when there is none, or -1 with MemoryError. */
 int kv_find_overlap(kv_span *spans, Py_ssize_t count, Py_ssize_t *first, Py_ssize_t *second);
+
+/* For spans checked against many calls (a PagedKVCache's arrays): sorts
+ * them by start and fills reach[i] with the furthest end among spans[0..i].
+ * Returns 0, or -1 with MemoryError. */
+int kv_sort_spans(kv_span *spans, Py_ssize_t count, uint64_t *reach);
+
+/* The index of a span of sorted `spans` (with their `reach`) that overlaps
+ * `s`, or -1: a binary search. */
+Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssize_t count, const kv_span *s);
 
 #endif /* KVBM_OVERLAP_H */

@@ -38,6 +38,8 @@ typedef struct {
     int readonly;
     int64_t stride[DIM_COUNT];  /* bytes; 0 for a letter dims lacks */
     uint64_t *layer_addresses;  /* base address of every layer (each call's table takes those it moves) */
+    kv_span *spans;             /* the bytes of every array, sorted, for the aliasing check */
+    uint64_t *reach;
     uint64_t alignment;         /* OR of the layer addresses and strides */
     uint8_t *seen;              /* num_blocks bits for the repeated-id check, clear between calls */
 } kv_paged_cache;
@@ -178,8 +180,8 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
     return 0;
 }
 
-/* Base address of every layer, their alignment, and the scratch of the
- * repeated-id check.  Nothing is allocated on a device, and so nothing is
+/* Base address of every layer, their alignment, the arrays' sorted spans
+ * and the scratch of the repeated-id check.  Nothing is allocated on a device, and so nothing is
  * freed there when the cache is collected (which may happen during another
  * thread's graph capture). */
 static int build_tables(kv_paged_cache *self)
@@ -187,10 +189,16 @@ static int build_tables(kv_paged_cache *self)
     const size_t count = self->nl > 0 ? (size_t)self->nl : 1;
     self->layer_addresses = PyMem_Malloc(count * sizeof(uint64_t));
     self->seen = PyMem_Calloc((size_t)(self->num_blocks + 7) / 8 + 1, 1);
-    if (self->layer_addresses == NULL || self->seen == NULL) {
+    self->spans = PyMem_Malloc((size_t)self->narrays * sizeof(kv_span));
+    self->reach = PyMem_Malloc((size_t)self->narrays * sizeof(uint64_t));
+    if (self->layer_addresses == NULL || self->seen == NULL || self->spans == NULL || self->reach == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    for (Py_ssize_t i = 0; i < self->narrays; i++)
+        self->spans[i] = kv_span_of(&self->arrays[i], i, 0);
+    if (kv_sort_spans(self->spans, self->narrays, self->reach) < 0)
+        return -1;
     /* Rows move whole (d has stride 1 element): the other strides and the
      * layers' addresses bound the vector width. */
     self->alignment = 0;
@@ -315,6 +323,8 @@ static void paged_dealloc(kv_paged_cache *self)
     paged_clear(self);
     PyMem_Free(self->arrays);
     PyMem_Free(self->layer_addresses);
+    PyMem_Free(self->spans);
+    PyMem_Free(self->reach);
     PyMem_Free(self->seen);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -612,35 +622,47 @@ static int read_flats(kv_paged_call *call, PyObject *obj)
     return rc;
 }
 
+/* Raises "destination shares memory with ..." naming two arguments. */
+static int overlap_error(const kv_path *destination, const kv_path *other)
+{
+    char where[96];
+    kv_path_format(other, where, sizeof where);
+    return kv_path_error(PyExc_ValueError, destination, "destination shares memory with %s; a destination may not "
+                         "overlap a source or another destination", where);
+}
+
 /* A destination sharing memory with a source or another destination is
- * refused: the cache's arrays (written by from_*) against the flat blocks
- * (written by to_*). */
+ * refused: each flat block against the cache's arrays (sorted once, at
+ * construction: a binary search a block), and the flat blocks against each
+ * other when they are written. */
 static int check_aliasing(const kv_paged_call *call)
 {
     const kv_paged_cache *cache = call->cache;
-    const Py_ssize_t count = cache->narrays + call->nflats;
-    kv_span *spans = PyMem_Malloc((size_t)count * sizeof *spans);
+    const int to_flat = call->form->to_flat;
+    for (Py_ssize_t i = 0; i < call->nflats; i++) {
+        const kv_span s = kv_span_of(&call->flats[i], i, to_flat);
+        const Py_ssize_t hit = kv_span_overlaps(cache->spans, cache->reach, cache->narrays, &s);
+        if (hit >= 0) {
+            const kv_path flat = flat_path(call, i), layer = layer_path(cache, hit);
+            return to_flat ? overlap_error(&flat, &layer) : overlap_error(&layer, &flat);
+        }
+    }
+    if (!to_flat || call->nflats < 2)
+        return 0;
+    kv_span *spans = PyMem_Malloc((size_t)call->nflats * sizeof *spans);
     if (spans == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < cache->narrays; i++)
-        spans[i] = kv_span_of(&cache->arrays[i], i, !call->form->to_flat);
     for (Py_ssize_t i = 0; i < call->nflats; i++)
-        spans[cache->narrays + i] = kv_span_of(&call->flats[i], cache->narrays + i, call->form->to_flat);
+        spans[i] = kv_span_of(&call->flats[i], i, 1);
     Py_ssize_t first, second;
-    const int rc = kv_find_overlap(spans, count, &first, &second);
+    const int rc = kv_find_overlap(spans, call->nflats, &first, &second);
     PyMem_Free(spans);
     if (rc <= 0)
         return rc;
-    kv_path paths[2];
-    const Py_ssize_t which[2] = {first, second};
-    for (int k = 0; k < 2; k++)
-        paths[k] = which[k] < cache->narrays ? layer_path(cache, which[k]) : flat_path(call, which[k] - cache->narrays);
-    char where[96];
-    kv_path_format(&paths[1], where, sizeof where);
-    return kv_path_error(PyExc_ValueError, &paths[0], "destination shares memory with %s; a destination may not "
-                         "overlap a source or another destination", where);
+    const kv_path a = flat_path(call, first), b = flat_path(call, second);
+    return overlap_error(&a, &b);
 }
 
 /* The kernel's description of the call. */

@@ -82,6 +82,9 @@ cudaError_t launch(const Params &p, void *const *host_table, void *const *device
     return cudaGetLastError();
 }
 
+static_assert(sizeof(Params) + sizeof(TableByValue<void *, kSmallTable>) <= 4096,
+              "a small by-value launch stays under 4 KB of parameters");
+
 }  // namespace
 
 extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,

@@ -96,6 +96,9 @@ copy_pairs_kernel(const __grid_constant__ Table table, const __grid_constant__ P
     }
 }
 
+static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 4096,
+              "a small by-value launch stays under 4 KB of parameters");
+
 }  // namespace
 
 extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_value, cudaStream_t stream)

@@ -60,10 +60,12 @@ template <class T, int N> struct TableByValue {
     __device__ T operator[](uint32_t i) const { return items[i]; }
 };
 // Three by-value sizes, because a launch copies its whole parameter block: a
-// small call should not pay for 32 KB, and the smallest keeps the parameters
-// of a one-block call under the 4 KB that launches carry cheapest.
+// small call should not pay for 32 KB.  The two smaller ones keep the whole
+// parameter block (table and the kernel's other parameters, under 512 bytes)
+// under the 4 KB that launches carry cheapest: the tiny one a one-block call,
+// the small one a paged call's 80 layers and 64 host ids.
 constexpr int kTinyTable = 64;
-constexpr int kSmallTable = 512;
+constexpr int kSmallTable = 448;
 
 template <class T, int N, class Params, class Kernel>
 void launch_with(Kernel kernel, const T *host, int64_t count, const Params &p, unsigned grid, unsigned threads,

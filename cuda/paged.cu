@@ -89,6 +89,9 @@ cudaError_t launch(const Params &p, const uint64_t *host_table, const uint64_t *
     return cudaGetLastError();
 }
 
+static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 4096,
+              "a small by-value launch stays under 4 KB of parameters");
+
 }  // namespace
 
 extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
