@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The CPU test suite under AddressSanitizer and UndefinedBehaviorSanitizer.
+#
+# Builds a CPU-only copy of the extension (no nvcc: the sanitizers do not see
+# into CUDA kernels; compute-sanitizer does that on a GPU machine) with
+# -fsanitize=address,undefined into a temporary directory, then runs the
+# tests against it with libasan preloaded (CPython itself is not built with
+# it) and PYTHONMALLOC=malloc, so that every Python allocation goes through
+# ASan too.  Exits non-zero on any test failure or sanitizer report.
+#
+#   tools/sanitize.sh                        # the whole CPU suite
+#   tools/sanitize.sh tests/test_hostile.py  # some files
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$work/"
+rm -f "$work"/kvbm_ext/*.so
+flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+(cd "$work" && PATH=/usr/bin:/bin CUDA_HOME=/nonexistent CUDA_PATH=/nonexistent CFLAGS="$flags" LDFLAGS="$flags" \
+    python3 setup.py build_ext --inplace > build.log 2>&1) || { tail -30 "$work/build.log"; exit 1; }
+cd "$work"
+cp -r "$root/tests" "$work/tests"
+export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export PYTHONMALLOC=malloc
+python3 -m pytest -q -p no:cacheprovider "${@:-tests}"
