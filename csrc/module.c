@@ -214,10 +214,16 @@ static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
 
 /* ------------------------------------------------------------ staging */
 
-/* The device a staging function names: None for the current one. */
-static int staging_device(PyObject *device)
+/* The device a staging function names, from its one optional argument
+ * `device` (`format` holds the function's name): None for the current one.
+ * -1 with an exception. */
+static int staging_device(PyObject *args, PyObject *kwargs, const char *format)
 {
-    if (device == NULL || device == Py_None)
+    static char *keywords[] = {"device", NULL};
+    PyObject *device = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, keywords, &device))
+        return -1;
+    if (device == Py_None)
         return kv_gpu_current_device();
     int64_t index;
     if (kv_parse_int(device, "device", 0, INT32_MAX, 0, 0, &index) < 0)
@@ -263,11 +269,7 @@ PyDoc_STRVAR(reserve_staging_doc,
 
 static PyObject *reserve_staging(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"device", NULL};
-    PyObject *device = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:reserve_staging", keywords, &device))
-        return NULL;
-    const int index = staging_device(device);
+    const int index = staging_device(args, kwargs, "|O:reserve_staging");
     if (index < 0 || kv_gpu_reserve_staging(state_of(module)->gpu, index) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -281,11 +283,7 @@ PyDoc_STRVAR(staging_info_doc,
 
 static PyObject *staging_info(PyObject *module, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"device", NULL};
-    PyObject *device = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:staging_info", keywords, &device))
-        return NULL;
-    const int index = staging_device(device);
+    const int index = staging_device(args, kwargs, "|O:staging_info");
     return index < 0 ? NULL : kv_gpu_staging_info(state_of(module)->gpu, index);
 }
 

@@ -398,6 +398,22 @@ def test_cache_holds_references_to_its_arrays(layout, gen):
     assert [sys.getrefcount(a) for a in arrays] == before
 
 
+def moves_the_bytes_it_was_given(cache, content, make, dims, shape, nb, gen):
+    """After the caller let go of the cache's memory (and fresh allocations may have
+    reused anything freed), to_universal still moves the bytes the cache was built on
+    (`content`, a snapshot of its 8-block layers)."""
+    churn = [torch.full((8 * 2 * 3 * 2 * 16 * 2,), 7, dtype=torch.uint8) for _ in range(12)]
+    ids = [6, 1, 7, 0][:nb]
+    U = block_buffers("array", nb, shape, torch.bfloat16, gen)
+    poison_(U.bases)
+    want = snapshot(U.bases)
+    cache.to_universal(ids, U.arg)
+    nl = shape[1]
+    reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
+    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
+    del churn
+
+
 @pytest.mark.parametrize("repoint", ["set_", "set_-other-storage"])
 def test_cache_keeps_the_memory_of_a_repointed_layer(repoint, gen):
     """Re-pointing a layer tensor after construction (set_) drops its old storage as far
@@ -416,15 +432,7 @@ def test_cache_keeps_the_memory_of_a_repointed_layer(repoint, gen):
         else:
             layer.set_(torch.zeros(layer.numel() * 2, dtype=layer.dtype).view(-1)[: layer.numel()].view(layer.shape))
     gc.collect()
-    churn = [torch.full((NB * 2 * 3 * 2 * 16 * 2,), 7, dtype=torch.uint8) for _ in range(4 * nl)]  # reuse freed memory
-    ids = [6, 1, 7, 0]
-    U = block_buffers("array", nb, shape, torch.bfloat16, gen)
-    poison_(U.bases)
-    want = snapshot(U.bases)
-    cache.to_universal(ids, U.arg)
-    reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
-    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
-    del churn
+    moves_the_bytes_it_was_given(cache, content, make, dims, shape, nb, gen)
 
 
 @pytest.mark.parametrize("layout", ["kbthd", "kbthd_hnd", "blkthd"])
@@ -439,15 +447,8 @@ def test_cache_keeps_arrays_alive_when_the_caller_drops_them(layout, gen):
     del case, arrays
     gc.collect()
     assert all(r() is not None for r in refs), "the cache let its arrays die"
-    churn = [torch.full((NB * 2 * 3 * 2 * 16 * 2,), 7, dtype=torch.uint8) for _ in range(2 * nl)]  # reuse freed memory
-    ids = [6, 1, 7, 0]
-    U = block_buffers("array", nb, shape, torch.bfloat16, gen)
-    poison_(U.bases)
-    want = snapshot(U.bases)
-    cache.to_universal(ids, U.arg)
-    reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
-    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
-    del cache, churn
+    moves_the_bytes_it_was_given(cache, content, make, dims, shape, nb, gen)
+    del cache
     gc.collect()
     assert all(r() is None for r in refs), "the arrays outlived the cache"
 
