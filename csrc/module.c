@@ -100,24 +100,23 @@ static PyObject *convert(PyObject *module, PyObject *args, PyObject *kwargs, con
     }
 
 PyDoc_STRVAR(block_to_universal_doc,
-             "block_to_universal(blocks, universals, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "block_to_universal(blocks, universals, /, layout='NHD', *, backend='auto', num_ctas=None, "
+             "stream=None)\n--\n\n"
              "Copy nb blocks from block-stack chunks into universal blocks:\n"
              "universals[b][h, l, o, t, :] = blocks[b][l*no + o][t, h, :] (NHD)\n"
              "                             or blocks[b][l*no + o][h, t, :] (HND).\n\n" SHAPES_DOC);
 DEFINE_CONVERSION(block_to_universal, "OO|O$OOO:block_to_universal", KV_BLOCK_UNIVERSAL, 1, 1)
 
 PyDoc_STRVAR(universal_to_block_doc,
-             "universal_to_block(universals, blocks, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "universal_to_block(universals, blocks, /, layout='NHD', *, backend='auto', num_ctas=None, "
+             "stream=None)\n--\n\n"
              "Copy nb universal blocks into block-stack chunks, the inverse of\n"
              "block_to_universal: blocks[b][l*no + o][t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD ([h, t, :] for HND).\n\n" BACKEND_DOC "\n" SHAPES_DOC);
 DEFINE_CONVERSION(universal_to_block, "OO|O$OOO:universal_to_block", KV_BLOCK_UNIVERSAL, 0, 1)
 
 PyDoc_STRVAR(block_to_operational_doc,
-             "block_to_operational(blocks, operationals, *, backend=\"auto\", num_ctas=None, stream=None) -> "
-             "None\n\n"
+             "block_to_operational(blocks, operationals, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy nb blocks from block-stack chunks into operational blocks:\n"
              "operationals[b][l, o, :] = blocks[b][l*no + o].reshape(-1).  Chunks keep their\n"
              "own order (NHD or HND) and all have the shape of blocks[0][0].\n\n" OPERATIONAL_DOC BACKEND_DOC
@@ -125,24 +124,23 @@ PyDoc_STRVAR(block_to_operational_doc,
 DEFINE_CONVERSION(block_to_operational, "OO|$OOO:block_to_operational", KV_BLOCK_OPERATIONAL, 1, 0)
 
 PyDoc_STRVAR(operational_to_block_doc,
-             "operational_to_block(operationals, blocks, *, backend=\"auto\", num_ctas=None, stream=None) -> "
-             "None\n\n"
+             "operational_to_block(operationals, blocks, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy nb operational blocks into block-stack chunks, the inverse of\n"
              "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC
              BACKEND_DOC "\n" SHAPES_DOC);
 DEFINE_CONVERSION(operational_to_block, "OO|$OOO:operational_to_block", KV_BLOCK_OPERATIONAL, 0, 0)
 
 PyDoc_STRVAR(universal_to_operational_doc,
-             "universal_to_operational(universals, operationals, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "universal_to_operational(universals, operationals, /, layout='NHD', *, backend='auto', num_ctas=None, "
+             "stream=None)\n--\n\n"
              "Copy nb universal blocks into operational blocks in one pass:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD (.view(nh, nt, hd)[h, t, :] for HND).\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
 DEFINE_CONVERSION(universal_to_operational, "OO|O$OOO:universal_to_operational", KV_UNIVERSAL_OPERATIONAL, 0, 1)
 
 PyDoc_STRVAR(operational_to_universal_doc,
-             "operational_to_universal(operationals, universals, layout=\"NHD\", *, backend=\"auto\", num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "operational_to_universal(operationals, universals, /, layout='NHD', *, backend='auto', num_ctas=None, "
+             "stream=None)\n--\n\n"
              "Copy nb operational blocks into universal blocks in one pass, the inverse of\n"
              "universal_to_operational.\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
 DEFINE_CONVERSION(operational_to_universal, "OO|O$OOO:operational_to_universal", KV_UNIVERSAL_OPERATIONAL, 1, 1)
@@ -156,7 +154,7 @@ DEFINE_CONVERSION(operational_to_universal, "OO|O$OOO:operational_to_universal",
     "The lists are read before the call returns.  Zero-size pairs are skipped.\n"
 
 PyDoc_STRVAR(vectorized_copy_doc,
-             "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None) -> None\n\n"
+             "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None)\n--\n\n"
              "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
              "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
              "two addresses and its size allow.  Addresses are in device memory of one GPU or\n"
@@ -178,7 +176,7 @@ static PyObject *vectorized_copy(PyObject *module, PyObject *args, PyObject *kwa
 }
 
 PyDoc_STRVAR(memcpy_batch_doc,
-             "memcpy_batch(src_ptrs, dst_ptrs, sizes, *, mode=\"batched_with_fallback\", stream=None) -> None\n\n"
+             "memcpy_batch(src_ptrs, dst_ptrs, sizes, *, mode='batched_with_fallback', stream=None)\n--\n\n"
              "Copy every pair with the copy engines: cudaMemcpyBatchAsync where the build and\n"
              "the driver have it (CUDA 12.8+), else one cudaMemcpyAsync per pair.  Any memory\n"
              "cudaMemcpyAsync accepts (device, pinned or pageable host).  On the legacy default\n"
@@ -202,7 +200,7 @@ static PyObject *memcpy_batch(PyObject *module, PyObject *args, PyObject *kwargs
 }
 
 PyDoc_STRVAR(is_memcpy_batch_available_doc,
-             "is_memcpy_batch_available() -> bool\n\n"
+             "is_memcpy_batch_available($module, /)\n--\n\n"
              "True when this build (CUDA 12.8 or newer) and the running driver both support\n"
              "cudaMemcpyBatchAsync.");
 
@@ -237,7 +235,7 @@ static int staging_device(PyObject *args, PyObject *kwargs, const char *format)
 }
 
 PyDoc_STRVAR(set_staging_doc,
-             "set_staging(size_bytes=None, *, lanes=None) -> None\n\n"
+             "set_staging(size_bytes=None, *, lanes=None)\n--\n\n"
              "Size the device staging memory of the copy-engine path (backend \"auto\" or\n"
              "\"copy_engines\" with pinned host memory): size_bytes per CUDA device (at least\n"
              "1 MiB; default 64 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
@@ -260,7 +258,7 @@ static PyObject *set_staging(PyObject *module, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(reserve_staging_doc,
-             "reserve_staging(device=None) -> None\n\n"
+             "reserve_staging(device=None)\n--\n\n"
              "Allocate the staging memory of `device` (an index; None: the current device)\n"
              "now rather than on first need, and the lane that staged calls use while their\n"
              "stream is captured into a CUDA graph.  Call it before capturing such calls.\n"
@@ -276,7 +274,7 @@ static PyObject *reserve_staging(PyObject *module, PyObject *args, PyObject *kwa
 }
 
 PyDoc_STRVAR(staging_info_doc,
-             "staging_info(device=None) -> dict\n\n"
+             "staging_info(device=None)\n--\n\n"
              "The staging memory of `device` (None: the current device): {\"device\",\n"
              "\"size_bytes\", \"lanes\", \"lane_bytes\", \"allocated\", \"capture_reserved\"}.\n"
              "RuntimeError without a CUDA device.");
@@ -290,7 +288,7 @@ static PyObject *staging_info(PyObject *module, PyObject *args, PyObject *kwargs
 /* ------------------------------------------------------------ build facts */
 
 PyDoc_STRVAR(is_using_stubs_doc,
-             "is_using_stubs() -> bool\n\n"
+             "is_using_stubs($module, /)\n--\n\n"
              "True when the package was built without nvcc: host arrays still work, and\n"
              "every call with a device array raises RuntimeError.");
 
@@ -301,7 +299,7 @@ static PyObject *is_using_stubs(PyObject *module, PyObject *unused)
 }
 
 PyDoc_STRVAR(build_info_doc,
-             "build_info() -> dict\n\n"
+             "build_info($module, /)\n--\n\n"
              "How this extension was built: 'version', 'cuda_version' (the toolkit's, or\n"
              "None), 'cuda_archs' (the GPU code embedded: sm_XX machine code, compute_XX\n"
              "PTX) and 'with_cuda'.");
@@ -327,7 +325,7 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
 }
 
 PyDoc_STRVAR(cuda_devices_doc,
-             "cuda_devices() -> list[dict]\n\n"
+             "cuda_devices($module, /)\n--\n\n"
              "The visible CUDA devices: 'index', 'name', 'capability' (major, minor),\n"
              "'total_memory' (bytes) and 'multiprocessors'.  Empty when there is no GPU,\n"
              "no driver, or no CUDA in this build.");

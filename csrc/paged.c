@@ -924,30 +924,30 @@ done:
     "inner: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]).\n"
 
 PyDoc_STRVAR(to_universal_doc,
-             "to_universal(block_ids, universals, *, layers=None, layer_offset=0, head_offset=0, backend=\"auto\", "
-             "num_ctas=None, stream=None) -> None\n\n"
+             "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, head_offset=0, "
+             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy cache blocks into universal blocks:\n"
              "universals[b][head_offset + h, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, h)\n"
              "for every layer l in `layers`.\n\n" UNIVERSAL_DOC COMMON_DOC);
 DEFINE_TRANSFER(to_universal, "OO|$OOOOOO:to_universal", 1, 1)
 
 PyDoc_STRVAR(from_universal_doc,
-             "from_universal(universals, block_ids, *, layers=None, layer_offset=0, head_offset=0, backend=\"auto\", "
-             "num_ctas=None, stream=None) -> None\n\n"
+             "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, head_offset=0, "
+             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
 DEFINE_TRANSFER(from_universal, "OO|$OOOOOO:from_universal", 0, 1)
 
 PyDoc_STRVAR(to_operational_doc,
-             "to_operational(block_ids, operationals, *, inner=\"NHD\", layers=None, backend=\"auto\", num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "to_operational($self, block_ids, operationals, /, *, inner='NHD', layers=None, backend='auto', "
+             "num_ctas=None, stream=None)\n--\n\n"
              "Copy cache blocks into operational blocks:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
              "for inner \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
 DEFINE_TRANSFER(to_operational, "OO|$OOOOO:to_operational", 1, 0)
 
 PyDoc_STRVAR(from_operational_doc,
-             "from_operational(operationals, block_ids, *, inner=\"NHD\", layers=None, backend=\"auto\", num_ctas=None, "
-             "stream=None) -> None\n\n"
+             "from_operational($self, operationals, block_ids, /, *, inner='NHD', layers=None, backend='auto', "
+             "num_ctas=None, stream=None)\n--\n\n"
              "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
              COMMON_DOC);
 DEFINE_TRANSFER(from_operational, "OO|$OOOOO:from_operational", 0, 0)
@@ -1028,7 +1028,7 @@ static PyObject *paged_repr(kv_paged_cache *self)
 }
 
 PyDoc_STRVAR(paged_doc,
-             "PagedKVCache(layers, dims)\n\n"
+             "PagedKVCache(layers, dims)\n--\n\n"
              "A serving worker's KV cache, described once: the blocks of every layer are\n"
              "addressed by block id, and each call moves nb blocks to or from universal or\n"
              "operational blocks in one kernel launch, with a host cost that does not grow\n"

@@ -1,14 +1,34 @@
-from typing import Any, Literal, Sequence, TypedDict
+from typing import Any, Literal, Sequence, TypedDict, final
+
+__all__ = [
+    "PagedKVCache",
+    "__version__",
+    "block_to_operational",
+    "block_to_universal",
+    "build_info",
+    "cuda_devices",
+    "is_memcpy_batch_available",
+    "is_using_stubs",
+    "memcpy_batch",
+    "operational_to_block",
+    "operational_to_universal",
+    "reserve_staging",
+    "set_staging",
+    "staging_info",
+    "universal_to_block",
+    "universal_to_operational",
+    "vectorized_copy",
+]
 
 __version__: str
 
-class BuildInfo(TypedDict):
+class _BuildInfo(TypedDict):
     version: str
     cuda_version: str | None
     cuda_archs: list[str]
     with_cuda: bool
 
-class CudaDevice(TypedDict):
+class _CudaDevice(TypedDict):
     index: int
     name: str
     capability: tuple[int, int]
@@ -17,96 +37,103 @@ class CudaDevice(TypedDict):
 
 # Arrays: anything exposing DLPack, __cuda_array_interface__,
 # __array_interface__ or the buffer protocol (torch, CuPy, JAX, NumPy).
-Array = Any
+_Array = Any
 # None (legacy default stream), an int cudaStream_t handle, or an object
 # with __cuda_stream__() or .cuda_stream.
-Stream = Any
+_Stream = Any
 
 # "auto": copy engines (staged where bytes are rearranged) when pinned host
 # memory takes part, the kernel device to device; "copy_engines" ("batch",
 # "async": the same, driven by cudaMemcpyBatchAsync or cudaMemcpyAsync);
 # "kernel": SM kernels read and write pinned memory directly.  Any case.
-Backend = Literal["auto", "copy_engines", "kernel", "batch", "async"]
+_Backend = Literal["auto", "copy_engines", "kernel", "batch", "async"]
 
 def block_to_universal(
-    blocks: Sequence[Sequence[Array]],
-    universals: Sequence[Array] | Array,
+    blocks: Sequence[Sequence[_Array]],
+    universals: Sequence[_Array] | _Array,
+    /,
     layout: str = "NHD",
     *,
-    backend: Backend | str = "auto",
+    backend: _Backend | str = "auto",
     num_ctas: int | None = None,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 def universal_to_block(
-    universals: Sequence[Array] | Array,
-    blocks: Sequence[Sequence[Array]],
+    universals: Sequence[_Array] | _Array,
+    blocks: Sequence[Sequence[_Array]],
+    /,
     layout: str = "NHD",
     *,
-    backend: Backend | str = "auto",
+    backend: _Backend | str = "auto",
     num_ctas: int | None = None,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 
 def block_to_operational(
-    blocks: Sequence[Sequence[Array]],
-    operationals: Sequence[Array] | Array,
+    blocks: Sequence[Sequence[_Array]],
+    operationals: Sequence[_Array] | _Array,
+    /,
     *,
-    backend: Backend | str = "auto",
+    backend: _Backend | str = "auto",
     num_ctas: int | None = None,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 def operational_to_block(
-    operationals: Sequence[Array] | Array,
-    blocks: Sequence[Sequence[Array]],
+    operationals: Sequence[_Array] | _Array,
+    blocks: Sequence[Sequence[_Array]],
+    /,
     *,
-    backend: Backend | str = "auto",
+    backend: _Backend | str = "auto",
     num_ctas: int | None = None,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 def universal_to_operational(
-    universals: Sequence[Array] | Array,
-    operationals: Sequence[Array] | Array,
+    universals: Sequence[_Array] | _Array,
+    operationals: Sequence[_Array] | _Array,
+    /,
     layout: str = "NHD",
     *,
-    backend: Backend | str = "auto",
+    backend: _Backend | str = "auto",
     num_ctas: int | None = None,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 def operational_to_universal(
-    operationals: Sequence[Array] | Array,
-    universals: Sequence[Array] | Array,
+    operationals: Sequence[_Array] | _Array,
+    universals: Sequence[_Array] | _Array,
+    /,
     layout: str = "NHD",
     *,
-    backend: Backend | str = "auto",
+    backend: _Backend | str = "auto",
     num_ctas: int | None = None,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 
 # A sequence of int addresses (or sizes), or a 1-D int64/uint64 array.
-Addresses = Sequence[int] | Array
+_Addresses = Sequence[int] | _Array
 
 def vectorized_copy(
-    src_ptrs: Addresses,
-    dst_ptrs: Addresses,
-    sizes: int | Addresses,
+    src_ptrs: _Addresses,
+    dst_ptrs: _Addresses,
+    sizes: int | _Addresses,
     *,
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 def memcpy_batch(
-    src_ptrs: Addresses,
-    dst_ptrs: Addresses,
-    sizes: int | Addresses,
+    src_ptrs: _Addresses,
+    dst_ptrs: _Addresses,
+    sizes: int | _Addresses,
     *,
     mode: Literal["batched_with_fallback", "fallback_only", "batch_without_fallback"] | str = "batched_with_fallback",
-    stream: Stream = None,
+    stream: _Stream = None,
 ) -> None: ...
 def is_memcpy_batch_available() -> bool: ...
 
 # Block ids: a sequence of ints, or a 1-D int32/int64 array on the host or the cache's device.
-BlockIds = Sequence[int] | Array
+_BlockIds = Sequence[int] | _Array
 
+@final
 class PagedKVCache:
-    def __init__(self, layers: Sequence[Array] | Array, dims: str) -> None: ...
+    def __new__(cls, layers: Sequence[_Array] | _Array, dims: str) -> PagedKVCache: ...
     @property
     def num_layers(self) -> int: ...
     @property
@@ -128,59 +155,59 @@ class PagedKVCache:
     @property
     def dims(self) -> str: ...
     @property
-    def layers(self) -> Sequence[Array] | Array: ...
+    def layers(self) -> Sequence[_Array] | _Array: ...
     def to_universal(
         self,
-        block_ids: BlockIds,
-        universals: Sequence[Array] | Array,
+        block_ids: _BlockIds,
+        universals: Sequence[_Array] | _Array,
         /,
         *,
         layers: slice | range | None = None,
         layer_offset: int = 0,
         head_offset: int = 0,
-        backend: Backend | str = "auto",
+        backend: _Backend | str = "auto",
         num_ctas: int | None = None,
-        stream: Stream = None,
+        stream: _Stream = None,
     ) -> None: ...
     def from_universal(
         self,
-        universals: Sequence[Array] | Array,
-        block_ids: BlockIds,
+        universals: Sequence[_Array] | _Array,
+        block_ids: _BlockIds,
         /,
         *,
         layers: slice | range | None = None,
         layer_offset: int = 0,
         head_offset: int = 0,
-        backend: Backend | str = "auto",
+        backend: _Backend | str = "auto",
         num_ctas: int | None = None,
-        stream: Stream = None,
+        stream: _Stream = None,
     ) -> None: ...
     def to_operational(
         self,
-        block_ids: BlockIds,
-        operationals: Sequence[Array] | Array,
+        block_ids: _BlockIds,
+        operationals: Sequence[_Array] | _Array,
         /,
         *,
         inner: str = "NHD",
         layers: slice | range | None = None,
-        backend: Backend | str = "auto",
+        backend: _Backend | str = "auto",
         num_ctas: int | None = None,
-        stream: Stream = None,
+        stream: _Stream = None,
     ) -> None: ...
     def from_operational(
         self,
-        operationals: Sequence[Array] | Array,
-        block_ids: BlockIds,
+        operationals: Sequence[_Array] | _Array,
+        block_ids: _BlockIds,
         /,
         *,
         inner: str = "NHD",
         layers: slice | range | None = None,
-        backend: Backend | str = "auto",
+        backend: _Backend | str = "auto",
         num_ctas: int | None = None,
-        stream: Stream = None,
+        stream: _Stream = None,
     ) -> None: ...
 
-class StagingInfo(TypedDict):
+class _StagingInfo(TypedDict):
     device: int
     size_bytes: int
     lanes: int
@@ -190,7 +217,7 @@ class StagingInfo(TypedDict):
 
 def set_staging(size_bytes: int | None = None, *, lanes: int | None = None) -> None: ...
 def reserve_staging(device: int | None = None) -> None: ...
-def staging_info(device: int | None = None) -> StagingInfo: ...
+def staging_info(device: int | None = None) -> _StagingInfo: ...
 def is_using_stubs() -> bool: ...
-def build_info() -> BuildInfo: ...
-def cuda_devices() -> list[CudaDevice]: ...
+def build_info() -> _BuildInfo: ...
+def cuda_devices() -> list[_CudaDevice]: ...

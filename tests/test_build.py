@@ -237,3 +237,43 @@ def test_build_requiring_cuda_fails_without_nvcc(tmp_path):
     output = build.stdout + build.stderr
     assert build.returncode != 0, f"KVBM_REQUIRE_CUDA=1 without nvcc should fail:\n{output[-4000:]}"
     assert re.search(r"nvcc|CUDA", output), f"the failure should say why (nvcc / CUDA):\n{output[-4000:]}"
+
+
+# --------------------------------------------------------------------------
+# Signatures: inspect.signature on every function, and the stubs agree.
+# --------------------------------------------------------------------------
+
+PAGED_METHODS = ["to_universal", "from_universal", "to_operational", "from_operational"]
+
+
+@pytest.mark.parametrize("name", PUBLIC_FUNCTIONS + PUBLIC_TYPES)
+def test_every_function_has_a_signature(name):
+    import inspect
+
+    signature = inspect.signature(getattr(kvbm_ext, name))
+    kinds = [p.kind for p in signature.parameters.values()]
+    if name in ("block_to_universal", "universal_to_block", "universal_to_operational", "operational_to_universal",
+                "block_to_operational", "operational_to_block"):
+        # source and destination are positional-only, the options keyword-only
+        assert kinds[:2] == [inspect.Parameter.POSITIONAL_ONLY] * 2, signature
+        assert {"backend", "num_ctas", "stream"} <= set(signature.parameters), signature
+        assert all(signature.parameters[k].kind == inspect.Parameter.KEYWORD_ONLY for k in ("backend", "num_ctas",
+                                                                                           "stream")), signature
+
+
+@pytest.mark.parametrize("method", PAGED_METHODS)
+def test_paged_methods_have_signatures(method):
+    import inspect
+
+    signature = inspect.signature(getattr(kvbm_ext.PagedKVCache, method))
+    names = list(signature.parameters)
+    assert names[0] == "self" and signature.parameters[names[1]].kind == inspect.Parameter.POSITIONAL_ONLY, signature
+    assert signature.parameters["stream"].kind == inspect.Parameter.KEYWORD_ONLY, signature
+
+
+def test_stubs_match_the_extension():
+    """python -m mypy.stubtest kvbm_ext: the .pyi says exactly what the C side accepts."""
+    pytest.importorskip("mypy")
+    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "kvbm_ext"], capture_output=True, text=True,
+                            timeout=600, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
