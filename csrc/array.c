@@ -92,6 +92,27 @@ void kv_array_add_producer(const kv_array *a, intptr_t *streams, Py_ssize_t *cou
     streams[(*count)++] = a->stream;
 }
 
+int kv_arrays_default_stream(const kv_array *arrays, Py_ssize_t count, int device, intptr_t *stream)
+{
+    *stream = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (arrays[i].current_work_stream != NULL) {
+            void *current = NULL;
+            if (arrays[i].current_work_stream(kDLCUDA, device, &current) != 0)
+                return -1;
+            *stream = (intptr_t)current;
+            return 0;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (arrays[i].place == KV_DEVICE && arrays[i].has_stream) {
+            *stream = arrays[i].stream;
+            return 0;
+        }
+    }
+    return 0;
+}
+
 static void set_compact_strides(kv_array *a)
 {
     int64_t stride = a->itemsize;
@@ -326,6 +347,7 @@ static int from_exchange(PyObject *obj, const DLPackExchangeAPI *api, const kv_p
         out->has_stream = 1;
         out->stream = (intptr_t)stream;
     }
+    out->current_work_stream = api->current_work_stream;
     /* The DLTensor carries no read-only flag: the array is taken as writable. */
     out->owner = Py_NewRef(obj);
     return 0;

@@ -35,8 +35,11 @@ typedef struct {
     kv_place place;
     int device_id;
     int readonly;
-    int has_stream;   /* CAI v3 named a producer stream */
+    int has_stream;   /* the producer named its stream (CAI v3, the C exchange API) */
     intptr_t stream;  /* that stream */
+    /* The producer's current_work_stream(device_type, device_id, &stream)
+     * where it was read through the C exchange API, else NULL. */
+    int (*current_work_stream)(int32_t, int32_t, void **);
     PyObject *owner;  /* strong reference that keeps the borrow valid */
     Py_buffer view;   /* buffer-protocol borrows only */
     int has_view;
@@ -91,6 +94,14 @@ int kv_array_is_contiguous_from(const kv_array *a, int first);
 /* Lists a's producer stream (CAI v3, or the DLPack C exchange API's current
  * stream) in streams[0 .. *count) unless it is there already. */
 void kv_array_add_producer(const kv_array *a, intptr_t *streams, Py_ssize_t *count);
+
+/* The stream a GPU call given stream=None runs on, as an operation of the
+ * arrays' own framework would: the current stream on `device` of the first
+ * array read through a C exchange API (torch: torch.cuda.current_stream(),
+ * which `with torch.cuda.stream(s)` sets), else the stream the first device
+ * array's producer named (CAI v3), else the legacy default stream (0).
+ * Returns 0, or -1 with an exception. */
+int kv_arrays_default_stream(const kv_array *arrays, Py_ssize_t count, int device, intptr_t *stream);
 
 /* A readable name for an element type, e.g. "bfloat16", "raw2". */
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size);

@@ -25,6 +25,7 @@ typedef struct {
     uint32_t num_ctas; /* 0: not given */
     const char *function;
     intptr_t stream;
+    int stream_none; /* stream=None: the arrays' framework's current stream (kv_arrays_default_stream) */
     PyObject *dlpack_stream;
     const char *flat_name, *other_name;
     PyObject *flat;  /* a list or tuple (a single array is wrapped) */
@@ -470,7 +471,9 @@ static int run(kv_gpu *gpu, kv_call *call)
         on_gpu = call->arrays[i].place == KV_DEVICE;
     kv_gpu_target target = {-1, call->stream, NULL, 0};
     intptr_t *producers = NULL;
-    if (on_gpu && place_on_gpu(call, count, &target.device) < 0)
+    if (on_gpu && (place_on_gpu(call, count, &target.device) < 0
+                   || (call->stream_none
+                       && kv_arrays_default_stream(call->arrays, count, target.device, &target.stream) < 0)))
         return -1;
     if (check_aliasing(call) < 0)
         return -1;
@@ -524,6 +527,7 @@ int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *fla
     call.other_name = conversion == KV_UNIVERSAL_OPERATIONAL ? "operationals" : "blocks";
     call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
     call.function = function_name(conversion, to_flat);
+    call.stream_none = stream == NULL || stream == Py_None;
     int layout_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
     int64_t ctas;
     if (kv_parse_name(layout, "layout", LAYOUT_NAMES, 2, KVBM_NHD, &layout_index) < 0

@@ -25,8 +25,11 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "    arrays in [layer][outer] order (chunk l*no + o), each [nt, nh, hd] for\n"                                     \
     "    layout \"NHD\" (vLLM) or [nh, nt, hd] for \"HND\".\n"                                                         \
     "layout: \"NHD\" or \"HND\", any case.\n"                                                                          \
-    "stream: None (the legacy default stream), an int cudaStream_t handle, or an\n"                                    \
-    "    object with __cuda_stream__() or .cuda_stream (torch.cuda.Stream, CuPy).\n\n"                                 \
+    "stream: None, an int cudaStream_t handle, or an object with __cuda_stream__() or\n"                               \
+    "    .cuda_stream (torch.cuda.Stream, CuPy).  None runs where an operation of the\n"                                 \
+    "    arrays' framework would: torch's current stream (so inside\n"                                                  \
+    "    `with torch.cuda.stream(s)`, on s), a CAI v3 producer's stream, else the\n"                                    \
+    "    legacy default stream.\n\n"                                                                                    \
     "Arrays: anything exposing DLPack, __cuda_array_interface__ (v2, v3),\n"                                           \
     "__array_interface__ or the buffer protocol: torch, CuPy, JAX, NumPy.  All\n"                                      \
     "have one element type (any 1-, 2-, 4- or 8-byte type; bytes are copied\n"                                        \

@@ -348,6 +348,7 @@ typedef struct {
     kv_backend backend;
     kvbm_layout inner;
     intptr_t stream;
+    int stream_none;            /* stream=None: the arrays' framework's current stream */
 } kv_paged_options;
 
 /* The layers argument: None, a slice (Python's clipping rules) or a range
@@ -409,6 +410,7 @@ static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *
         return -1;
     o->max_ctas = (uint32_t)max_ctas;
     o->backend = (kv_backend)backend_index;
+    o->stream_none = stream == NULL || stream == Py_None;
     o->inner = (kvbm_layout)inner_index;
     return 0;
 }
@@ -753,6 +755,17 @@ static int run_on_gpu(kv_gpu *gpu, const kv_paged_call *call, const kvbm_paged *
         return -1;
     }
     kv_gpu_target target = {cache->device, call->options.stream, producers, 0};
+    /* stream=None: the current stream of the call's arrays' framework, else
+     * of the cache's (read at construction, asked now). */
+    if (call->options.stream_none
+        && (kv_arrays_default_stream(call->flats, call->nflats, cache->device, &target.stream) < 0
+            || (target.stream == 0 && call->ids.on_device
+                && kv_arrays_default_stream(&call->ids.array, 1, cache->device, &target.stream) < 0)
+            || (target.stream == 0 && kv_arrays_default_stream(cache->arrays, 1, cache->device, &target.stream) < 0))) {
+        PyMem_Free(producers);
+        PyMem_Free(addresses);
+        return -1;
+    }
     if (call->ids.on_device)
         kv_array_add_producer(&call->ids.array, producers, &target.producer_count);
     int pinned = 0;
@@ -899,8 +912,10 @@ done:
     "num_ctas: None or the most CUDA blocks the kernel (or the staged permute) may\n"                                  \
     "    use, to bound the SMs a transfer takes beside the model; None: no bound\n"                                    \
     "    device to device, 8 with pinned memory.  The bytes moved are the same.\n"                                     \
-    "stream: None (the legacy default stream), an int cudaStream_t, or an object with\n"                               \
-    "    __cuda_stream__() or .cuda_stream.  The work is enqueued and not waited for;\n"                               \
+    "stream: None, an int cudaStream_t, or an object with __cuda_stream__() or\n"                                    \
+    "    .cuda_stream.  None runs where an operation of the arrays' framework would:\n"                                  \
+    "    torch's current stream (inside `with torch.cuda.stream(s)`, on s), else the\n"                                 \
+    "    legacy default stream.  The work is enqueued and not waited for;\n"                                            \
     "    the call's arrays' producers are ordered before it (DLPack, CAI v3).  The\n"                                  \
     "    cache itself is read at construction: order its writers yourself.\n"                                          \
     "Universal or operational blocks live on the cache's device or in pinned host\n"                               \

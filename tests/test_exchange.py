@@ -26,6 +26,7 @@ from paged_reference import (
     snapshot,
 )
 from reference import (
+    SLEEP_CYCLES,
     DLPackOnly,
     arrays_in,
     assert_all_bitwise_equal,
@@ -352,3 +353,64 @@ def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, 
               list(range(case.nl)))
     for i, (got, w) in enumerate(zip(case.buf.bases, want)):
         assert_bitwise_equal(got.view(torch.int16), w, f"cache memory #{i}")
+
+
+# --------------------------------------------------------------------------
+# stream=None runs where the arrays' own framework would: torch's current stream.
+# --------------------------------------------------------------------------
+
+
+def run_in_stream_context_behind_a_legacy_sleep(invoke, destinations):
+    """Inside `with torch.cuda.stream(s)`, with a long sleep queued on the legacy default
+    stream: call `invoke()` (stream=None) and clone the destinations on s right after. A
+    call run on the legacy stream would wait behind the sleep while the clones, on s, read
+    the poison: the clones equal the final bytes only if the call ran on s."""
+    legacy = torch.cuda.default_stream()
+    s = torch.cuda.Stream()  # non-blocking: nothing orders it after the legacy stream
+    sync()
+    with torch.cuda.stream(legacy):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    with torch.cuda.stream(s):
+        invoke()
+        clones = [d.clone() for d in destinations]
+    sync()
+    return clones
+
+
+@requires_cuda
+@requires_exchange_api
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_gpu_stream_none_runs_on_the_current_torch_stream_list(direction, gen):
+    blocks, universals = make_case(4, 2, 2, 4, 8, 64, torch.bfloat16, "NHD", device="cuda", generator=gen)
+    call(direction, blocks, universals, "NHD")  # warm-up: the first launch loads the kernels and may synchronize
+    dests = universals if direction == "b2u" else [c for b in blocks for c in b]
+    poison_(dests)
+    clones = run_in_stream_context_behind_a_legacy_sleep(lambda: call(direction, blocks, universals, "NHD"), dests)
+    assert_all_bitwise_equal(clones, dests, "destinations cloned on the current stream right after the call")
+    if direction == "b2u":
+        assert_all_bitwise_equal(universals, expected_universals(blocks, 2, "NHD"), "universals")
+    else:
+        assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
+
+
+@requires_cuda
+@requires_exchange_api
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_gpu_stream_none_runs_on_the_current_torch_stream_paged(where, gen):
+    """Block ids as a host list: the only torch arrays of the call are the universals (and,
+    pinned, not on the device) and the cache's own layers, whose framework is asked."""
+    case = CacheCase("kbthd", 2, 8, 2, 2, 8, 64, torch.bfloat16, gen, device="cuda")
+    cache = case.build()
+    ids = [7, 1, 4, 0]
+    U = block_buffers("array", 4, case.universal_shape(), case.dtype, gen, "cuda" if where == "device" else "cpu",
+                      where == "pinned")
+    cache.to_universal(ids, U.arg)  # warm-up
+    poison_(U.bases)
+    sync()
+    want = snapshot(U.bases)
+    clones = run_in_stream_context_behind_a_legacy_sleep(lambda: cache.to_universal(ids, U.arg), U.bases)
+    assert_all_bitwise_equal(clones, U.bases, "universals cloned on the current stream right after the call")
+    reference("to_universal", cache_rows(case.buf.make(snapshot(case.buf.bases)), case.dims), per_block(U.make(want)),
+              ids, list(range(case.nl)))
+    for i, (got, w) in enumerate(zip(U.bases, want)):
+        assert_bitwise_equal(got.view(torch.int16), w, f"universals #{i}")
