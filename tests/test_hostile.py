@@ -1020,15 +1020,21 @@ def test_null_data_pointer_zero_size_is_a_no_op(direction, role, tmp_path):
     assert kind == "ok", f"a zero-byte call with a NULL zero-size array must succeed, got {kind}: {msg}"
 
 
-@pytest.mark.parametrize("method", ["construct", "to_universal", "from_universal", "to_operational"])
-def test_paged_null_data_pointer(method, tmp_path):
-    child = run_child(tmp_path, "paged", method=method, kind=None, hostility="null")
+def check_paged_array_rejected(method, hostility, tmp_path):
+    """The second layer (construct) or flat block (a call) is a lying array: a ValueError
+    naming it, nothing written."""
+    child = run_child(tmp_path, "paged", method=method, kind=None, hostility=hostility)
     if method == "construct":
         assert_clean_error(*child.outcome("Pc"), ("ValueError",), r"layers\[1\]", "PagedKVCache")
     else:
         name = "universals" if "universal" in method else "operationals"
         check_paged(child, method, allowed=("ValueError",), path=rf"{name}\[1\]")
         assert child.outcome("P")[0] != "ok"
+
+
+@pytest.mark.parametrize("method", ["construct", "to_universal", "from_universal", "to_operational"])
+def test_paged_null_data_pointer(method, tmp_path):
+    check_paged_array_rejected(method, "null", tmp_path)
 
 
 # ==========================================================================
@@ -1051,13 +1057,7 @@ def test_negative_extent_consistent_across_the_call(direction, tmp_path):
 
 @pytest.mark.parametrize("method", ["construct", "to_universal", "from_operational"])
 def test_paged_negative_extent(method, tmp_path):
-    child = run_child(tmp_path, "paged", method=method, kind=None, hostility="negative")
-    if method == "construct":
-        assert_clean_error(*child.outcome("Pc"), ("ValueError",), r"layers\[1\]", "PagedKVCache")
-    else:
-        name = "universals" if "universal" in method else "operationals"
-        check_paged(child, method, allowed=("ValueError",), path=rf"{name}\[1\]")
-        assert child.outcome("P")[0] != "ok"
+    check_paged_array_rejected(method, "negative", tmp_path)
 
 
 # ==========================================================================
