@@ -65,10 +65,12 @@ static int parse_dims(PyObject *dims, int position[DIM_COUNT])
         position[i] = -1;
     const Py_ssize_t n = PyUnicode_GET_LENGTH(dims);
     for (Py_ssize_t i = 0; i < n; i++) {
-        const Py_UCS4 c = PyUnicode_READ_CHAR(dims, i);
+        const Py_UCS4 read = PyUnicode_READ_CHAR(dims, i);
+        /* Letters in either case, as `layout` and `inner` take any case. */
+        const Py_UCS4 c = read >= 'A' && read <= 'Z' ? read - 'A' + 'a' : read;
         const char *found = c != 0 && c < 128 ? strchr(DIM_LETTERS, (int)c) : NULL;
         if (found == NULL) {
-            PyObject *letter = PyUnicode_FromOrdinal((int)c);
+            PyObject *letter = PyUnicode_FromOrdinal((int)read);
             if (letter != NULL)
                 fail(PyExc_ValueError, "dims: %R at position %zd of %R is not one of l (layer), k (K/V), b (block), "
                      "t (token), h (head), d (head dim)", letter, i, dims);
@@ -232,7 +234,16 @@ static int describe(kv_paged_cache *self)
     int position[DIM_COUNT];
     if (parse_dims(self->dims, position) < 0)
         return -1;
+    /* Keep dims in lower case: letters are distinct, so at most DIM_COUNT. */
     const Py_ssize_t ndim = PyUnicode_GetLength(self->dims);
+    char lower[DIM_COUNT];
+    for (int letter = 0; letter < DIM_COUNT; letter++)
+        if (position[letter] >= 0)
+            lower[position[letter]] = DIM_LETTERS[letter];
+    PyObject *normalized = PyUnicode_FromStringAndSize(lower, ndim);
+    if (normalized == NULL)
+        return -1;
+    Py_SETREF(self->dims, normalized);
     const int single = !PyList_Check(self->layers) && !PyTuple_Check(self->layers) && kv_is_array(self->layers);
     const kv_path whole = {"layers", {0, 0}, 0};
     PyObject *seq = single ? PyTuple_Pack(1, self->layers)
@@ -340,9 +351,16 @@ typedef struct {
     int universal;      /* universal blocks; else operational */
 } kv_paged_form;
 
+/* Which of the cache's layers or heads a call moves: count of them, from
+ * first, step apart (negative steps run backwards). */
+typedef struct {
+    int64_t first, step, count;
+} kv_selection;
+
 /* A call's keyword options, checked. */
 typedef struct {
-    int64_t first, step, count; /* the cache layers moved */
+    kv_selection layers;        /* the cache layers moved */
+    kv_selection heads;         /* the cache heads moved */
     int64_t layer_offset, head_offset;
     uint32_t max_ctas;          /* 0: not given */
     kv_backend backend;
@@ -351,56 +369,77 @@ typedef struct {
     int stream_none;            /* stream=None: the arrays' framework's current stream */
 } kv_paged_options;
 
-/* The layers argument: None, a slice (Python's clipping rules) or a range
- * whose every value is a layer index. */
-static int read_layers(PyObject *obj, int64_t nl, kv_paged_options *o)
+/* The layers or heads argument: None (all n), an index (Python's rules for
+ * a negative one), a slice (Python's clipping rules) or a range whose every
+ * value is an index.  `what` names one entry in errors ("layer", "head"). */
+static int read_selection(PyObject *obj, int64_t n, const char *name, const char *what, kv_selection *sel)
 {
-    if (obj == NULL || obj == Py_None) {
-        o->first = 0, o->step = 1, o->count = nl;
+    sel->first = 0, sel->step = 1, sel->count = n;
+    if (obj == NULL || obj == Py_None)
         return 0;
-    }
     if (PySlice_Check(obj)) {
         Py_ssize_t start, stop, step;
         if (PySlice_Unpack(obj, &start, &stop, &step) < 0) {
             PyErr_Clear();
-            return fail(PyExc_ValueError, "layers: %R has step 0", obj);
+            return fail(PyExc_ValueError, "%s: %R has step 0", name, obj);
         }
-        o->count = PySlice_AdjustIndices((Py_ssize_t)nl, &start, &stop, step);
-        o->first = start, o->step = step;
+        sel->count = PySlice_AdjustIndices((Py_ssize_t)n, &start, &stop, step);
+        sel->first = start, sel->step = step;
+        return 0;
+    }
+    if (!PyBool_Check(obj) && PyIndex_Check(obj)) {
+        int64_t index;
+        if (kv_parse_int(obj, name, INT64_MIN, INT64_MAX, 0, 0, &index) < 0)
+            return -1;
+        if (index < -n || index >= n)
+            return fail(PyExc_ValueError, "%s: %s %lld is outside the cache's %lld %ss", name, what, (long long)index,
+                        (long long)n, what);
+        sel->first = index < 0 ? index + n : index, sel->count = 1;
         return 0;
     }
     if (!PyObject_TypeCheck(obj, &PyRange_Type))
-        return fail(PyExc_TypeError, "layers: expected None, a slice or a range of layer indices, got %s",
-                    Py_TYPE(obj)->tp_name);
+        return fail(PyExc_TypeError, "%s: expected None, an int, a slice or a range of %s indices, got %s", name,
+                    what, Py_TYPE(obj)->tp_name);
     PyObject *start = PyObject_GetAttrString(obj, "start"), *step = PyObject_GetAttrString(obj, "step");
-    o->first = start == NULL ? -1 : PyLong_AsLongLong(start);
-    o->step = step == NULL ? -1 : PyLong_AsLongLong(step);
-    o->count = PyObject_Size(obj);
+    sel->first = start == NULL ? -1 : PyLong_AsLongLong(start);
+    sel->step = step == NULL ? -1 : PyLong_AsLongLong(step);
+    sel->count = PyErr_Occurred() ? -1 : PyObject_Size(obj);
     Py_XDECREF(start);
     Py_XDECREF(step);
     int64_t last = 0;
-    if (!PyErr_Occurred() && o->count > 0
-        && (__builtin_mul_overflow(o->count - 1, o->step, &last) || __builtin_add_overflow(last, o->first, &last)))
+    if (!PyErr_Occurred() && sel->count > 0
+        && (__builtin_mul_overflow(sel->count - 1, sel->step, &last) || __builtin_add_overflow(last, sel->first, &last)))
         PyErr_SetString(PyExc_OverflowError, "");
     if (PyErr_Occurred()) {
         PyErr_Clear();
-        return fail(PyExc_ValueError, "layers: %R selects layers outside the cache's 0 to %lld", obj, (long long)nl - 1);
+        return fail(PyExc_ValueError, "%s: %R selects %ss outside the cache's 0 to %lld", name, obj, what,
+                    (long long)n - 1);
     }
-    if (o->count > 0 && (o->first < 0 || o->first >= nl || last < 0 || last >= nl))
-        return fail(PyExc_ValueError, "layers: %R selects layer %lld, but the cache has layers 0 to %lld", obj,
-                    (long long)(o->first < 0 || o->first >= nl ? o->first : last), (long long)nl - 1);
+    if (sel->count > 0 && (sel->first < 0 || sel->first >= n || last < 0 || last >= n))
+        return fail(PyExc_ValueError, "%s: %R selects %s %lld, but the cache has %ss 0 to %lld", name, obj, what,
+                    (long long)(sel->first < 0 || sel->first >= n ? sel->first : last), what, (long long)n - 1);
     return 0;
+}
+
+/* The highest index a selection takes, or -1 for none. */
+static int64_t selection_top(const kv_selection *sel)
+{
+    if (sel->count <= 0)
+        return -1;
+    return sel->step > 0 ? sel->first + (sel->count - 1) * sel->step : sel->first;
 }
 
 static const char *const INNER_NAMES[] = {"NHD", "HND"};
 
-static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *head_offset,
-                        PyObject *backend, PyObject *num_ctas, PyObject *inner, PyObject *stream, kv_paged_options *o)
+static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
+                        PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
+                        PyObject *stream, kv_paged_options *o)
 {
     int64_t max_ctas;
     int inner_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
     /* Offsets are bounded so that no sum with a dimension overflows. */
-    if (read_layers(layers, self->nl, o) < 0
+    if (read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
+        || read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
         || kv_parse_int(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
         || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
         || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
@@ -500,12 +539,12 @@ static void expected_flat(const kv_paged_call *call, char *buf, size_t size)
     const kv_paged_cache *c = call->cache;
     const kv_paged_options *o = &call->options;
     if (call->form->universal) {
-        const int64_t top = o->count > 0 ? (o->step > 0 ? o->first + (o->count - 1) * o->step : o->first) : -1;
+        const int64_t top = selection_top(&o->layers);
         snprintf(buf, size, "[NH >= %lld, NL >= %lld, %lld, %lld, %lld] ([heads, layers, no, nt, hd], head_offset %lld "
-                 "+ %lld heads, layer_offset %lld + layers up to %lld)",
-                 (long long)(o->head_offset + c->nh), (long long)(o->layer_offset + top + 1), (long long)c->no,
-                 (long long)c->nt, (long long)c->hd, (long long)o->head_offset, (long long)c->nh,
-                 (long long)o->layer_offset, (long long)top);
+                 "+ %lld heads moved, layer_offset %lld + layers up to %lld)",
+                 (long long)(o->head_offset + o->heads.count), (long long)(o->layer_offset + top + 1),
+                 (long long)c->no, (long long)c->nt, (long long)c->hd, (long long)o->head_offset,
+                 (long long)o->heads.count, (long long)o->layer_offset, (long long)top);
     }
     else {
         snprintf(buf, size, "[%lld, %lld, %lld] ([nl, no, nt*nh*hd])", (long long)c->nl, (long long)c->no,
@@ -520,9 +559,8 @@ static int flat_shape_fits(const kv_paged_call *call, const int64_t *shape)
     const kv_paged_options *o = &call->options;
     if (!call->form->universal)
         return shape[0] == c->nl && shape[1] == c->no && shape[2] == c->nt * c->nh * c->hd;
-    const int64_t top = o->count > 0 ? (o->step > 0 ? o->first + (o->count - 1) * o->step : o->first) : -1;
-    return shape[0] >= o->head_offset + c->nh && shape[1] >= o->layer_offset + top + 1 && shape[2] == c->no
-        && shape[3] == c->nt && shape[4] == c->hd;
+    return shape[0] >= o->head_offset + o->heads.count && shape[1] >= o->layer_offset + selection_top(&o->layers) + 1
+        && shape[2] == c->no && shape[3] == c->nt && shape[4] == c->hd;
 }
 
 /* A flat block's shape does not fit: the expected one, or that of the first
@@ -675,13 +713,15 @@ static kvbm_paged plan(const kv_paged_call *call)
     kvbm_paged p;
     memset(&p, 0, sizeof p);
     p.nb = call->ids.count;
-    p.nl = o->count;
-    p.no = c->no, p.nh = c->nh, p.nt = c->nt;
+    p.nl = o->layers.count;
+    p.no = c->no, p.nh = o->heads.count, p.nt = c->nt;
     p.row_bytes = c->hd * c->itemsize;
     p.num_blocks = c->num_blocks;
     p.cache_outer = c->stride[DIM_K];
     p.cache_block = c->stride[DIM_B];
-    p.cache_head = c->stride[DIM_H];
+    /* The kernel counts moved heads: fold the first head and the step in. */
+    p.cache_shift = o->heads.first * c->stride[DIM_H];
+    p.cache_head = c->stride[DIM_H] * o->heads.step;
     p.cache_token = c->stride[DIM_T];
     const int64_t rb = p.row_bytes;
     if (call->form->universal) {
@@ -700,8 +740,8 @@ static kvbm_paged plan(const kv_paged_call *call)
         p.flat_head = o->inner == KVBM_NHD ? rb : p.nt * rb;
     }
     /* The kernel counts moved layers: fold the first layer and the step in. */
-    p.flat_shift += o->first * p.flat_layer;
-    p.flat_layer *= o->step;
+    p.flat_shift += o->layers.first * p.flat_layer;
+    p.flat_layer *= o->layers.step;
     p.to_flat = call->form->to_flat;
     kvbm_paged_plan(&p);
     return p;
@@ -814,7 +854,7 @@ static int run(kv_gpu *gpu, kv_paged_call *call)
     }
     uint64_t *slot = table;
     for (int64_t i = 0; i < p.nl; i++)
-        *slot++ = cache->layer_addresses[call->options.first + i * call->options.step];
+        *slot++ = cache->layer_addresses[call->options.layers.first + i * call->options.layers.step];
     if (!call->ids.on_device) {
         memcpy(slot, call->ids.values, (size_t)nb * sizeof(uint64_t));
         slot += nb;
@@ -837,14 +877,15 @@ static int run(kv_gpu *gpu, kv_paged_call *call)
 
 static PyObject *transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs, const kv_paged_form *form)
 {
-    static char *universal_keywords[] = {"", "", "layers", "layer_offset", "head_offset", "backend", "num_ctas",
-                                         "stream", NULL};
+    static char *universal_keywords[] = {"", "", "layers", "layer_offset", "heads", "head_offset", "backend",
+                                         "num_ctas", "stream", NULL};
     static char *operational_keywords[] = {"", "", "inner", "layers", "backend", "num_ctas", "stream", NULL};
-    PyObject *first, *second, *layers = NULL, *layer_offset = NULL, *head_offset = NULL, *num_ctas = NULL;
+    PyObject *first, *second, *layers = NULL, *layer_offset = NULL, *heads = NULL, *head_offset = NULL;
+    PyObject *num_ctas = NULL;
     PyObject *inner = NULL, *backend = NULL, *stream = Py_None;
     const int parsed = form->universal
         ? PyArg_ParseTupleAndKeywords(args, kwargs, form->format, universal_keywords, &first, &second, &layers,
-                                      &layer_offset, &head_offset, &backend, &num_ctas, &stream)
+                                      &layer_offset, &heads, &head_offset, &backend, &num_ctas, &stream)
         : PyArg_ParseTupleAndKeywords(args, kwargs, form->format, operational_keywords, &first, &second, &inner,
                                       &layers, &backend, &num_ctas, &stream);
     if (!parsed)
@@ -857,7 +898,7 @@ static PyObject *transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (read_options(self, layers, layer_offset, head_offset, backend, num_ctas, inner, stream, &call.options) < 0)
+    if (read_options(self, layers, layer_offset, heads, head_offset, backend, num_ctas, inner, stream, &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
@@ -867,18 +908,18 @@ static PyObject *transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs
     if (call.dlpack_stream == NULL || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0
         || check_aliasing(&call) < 0)
         goto done;
-    const int64_t chunk_bytes = self->nh * self->nt * self->hd * self->itemsize;
+    const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;
+    const int64_t layers_moved = call.options.layers.count;
     int64_t weight;
-    if (__builtin_mul_overflow((int64_t)call.ids.count * call.options.count, self->no * (chunk_bytes / 1024 + 1),
-                               &weight)
+    if (__builtin_mul_overflow((int64_t)call.ids.count * layers_moved, self->no * (chunk_bytes / 1024 + 1), &weight)
         || weight > (int64_t)INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "block_ids: too much data for one call (%zd blocks of %lld layers of %lld "
-                     "bytes); split it into several calls", call.ids.count, (long long)call.options.count,
+                     "bytes); split it into several calls", call.ids.count, (long long)layers_moved,
                      (long long)(self->no * chunk_bytes));
         goto done;
     }
     rc = 0;
-    if (call.ids.count > 0 && call.options.count > 0 && self->no * chunk_bytes > 0)
+    if (call.ids.count > 0 && layers_moved > 0 && self->no * chunk_bytes > 0)
         rc = run(((kv_state *)PyType_GetModuleState(Py_TYPE(self)))->gpu, &call);
 done:
     release_call(&call);
@@ -901,7 +942,8 @@ done:
     "    Device ids are not read on the host (that would need a synchronization): the\n"                               \
     "    kernel skips a block whose id is outside [0, num_blocks), and repeated ids\n"                                 \
     "    are not detected.\n"                                                                                          \
-    "layers: None (every layer), a slice (Python's rules) or a range of cache layers.\n"                               \
+    "layers: None (every layer), an int, a slice (Python's rules) or a range of cache\n"                                \
+    "    layers.\n"                               \
     "backend: \"auto\" (default): with universal or operational blocks in pinned host\n"                               \
     "    memory, the copy engines carry the bytes over PCIe and a kernel on a few CTAs\n"                              \
     "    rearranges them through device staging memory (set_staging(),\n"                                             \
@@ -928,10 +970,13 @@ done:
 #define UNIVERSAL_DOC                                                                                                  \
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
     "    array [nb, NH, NL, no, nt, hd] whose blocks are C-contiguous, with\n"                                         \
-    "    NH >= head_offset + nh and NL >= layer_offset + the highest layer moved.\n"                                   \
+    "    NH >= head_offset + len(heads), NL >= layer_offset + the highest layer moved.\n"                              \
     "layer_offset: cache layer l is universal layer l + layer_offset.\n"                                               \
-    "head_offset: the cache's nh heads are universal heads [head_offset, head_offset + nh)\n"                          \
-    "    (a tensor-parallel rank's slice).  Other heads and layers are not touched.\n"
+    "heads: None (every head), an int, a slice or a range of the cache's heads: the\n"                                  \
+    "    heads moved, in that order (a receiver's share when resharding).\n"                                          \
+    "head_offset: the heads moved are universal heads [head_offset, head_offset +\n"                                  \
+    "    len(heads)) (a tensor-parallel rank's slice).  Other heads and layers are not\n"                             \
+    "    touched.\n"
 
 #define OPERATIONAL_BLOCKS_DOC                                                                                         \
     "operationals: a sequence of nb C-contiguous arrays [nl, no, nt*nh*hd] (every cache\n"                             \
@@ -939,18 +984,18 @@ done:
     "inner: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]).\n"
 
 PyDoc_STRVAR(to_universal_doc,
-             "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, head_offset=0, "
-             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, heads=None, "
+             "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy cache blocks into universal blocks:\n"
-             "universals[b][head_offset + h, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, h)\n"
-             "for every layer l in `layers`.\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_universal, "OO|$OOOOOO:to_universal", 1, 1)
+             "universals[b][head_offset + j, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, heads[j])\n"
+             "for every layer l in `layers` and every j < len(heads).\n\n" UNIVERSAL_DOC COMMON_DOC);
+DEFINE_TRANSFER(to_universal, "OO|$OOOOOOO:to_universal", 1, 1)
 
 PyDoc_STRVAR(from_universal_doc,
-             "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, head_offset=0, "
-             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, heads=None, "
+             "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(from_universal, "OO|$OOOOOO:from_universal", 0, 1)
+DEFINE_TRANSFER(from_universal, "OO|$OOOOOOO:from_universal", 0, 1)
 
 PyDoc_STRVAR(to_operational_doc,
              "to_operational($self, block_ids, operationals, /, *, inner='NHD', layers=None, backend='auto', "
@@ -1023,7 +1068,7 @@ static PyGetSetDef paged_getset[] = {
     {"itemsize", (getter)get_int, NULL, "bytes per element", INT_MEMBER(itemsize)},
     {"dtype", (getter)get_dtype, NULL, "element type, e.g. 'bfloat16'", NULL},
     {"device", (getter)get_device, NULL, "'cuda:N', or 'cpu' for a cache in host memory", NULL},
-    {"dims", (getter)get_dims, NULL, "the dims string given at construction", NULL},
+    {"dims", (getter)get_dims, NULL, "the dims string given at construction, in lower case", NULL},
     {"layers", (getter)get_layers, NULL, "the arrays given at construction (the cache keeps them alive)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

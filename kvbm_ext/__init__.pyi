@@ -1,4 +1,4 @@
-from typing import Any, Literal, Sequence, TypedDict, final
+from typing import Any, Literal, Sequence, SupportsIndex, TypedDict, final
 
 __all__ = [
     "PagedKVCache",
@@ -162,8 +162,9 @@ class PagedKVCache:
         universals: Sequence[_Array] | _Array,
         /,
         *,
-        layers: slice | range | None = None,
+        layers: SupportsIndex | slice | range | None = None,
         layer_offset: int = 0,
+        heads: SupportsIndex | slice | range | None = None,
         head_offset: int = 0,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
@@ -175,8 +176,9 @@ class PagedKVCache:
         block_ids: _BlockIds,
         /,
         *,
-        layers: slice | range | None = None,
+        layers: SupportsIndex | slice | range | None = None,
         layer_offset: int = 0,
+        heads: SupportsIndex | slice | range | None = None,
         head_offset: int = 0,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
@@ -189,7 +191,7 @@ class PagedKVCache:
         /,
         *,
         inner: str = "NHD",
-        layers: slice | range | None = None,
+        layers: SupportsIndex | slice | range | None = None,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,
@@ -201,7 +203,7 @@ class PagedKVCache:
         /,
         *,
         inner: str = "NHD",
-        layers: slice | range | None = None,
+        layers: SupportsIndex | slice | range | None = None,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,

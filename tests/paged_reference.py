@@ -64,15 +64,15 @@ def per_block(struct):
     return list(_as_int(as_torch(struct)).unbind(0))
 
 
-def selected_layers(nl, layers):
-    """The cache layers a `layers` argument selects (Python semantics)."""
-    if layers is None:
-        return list(range(nl))
-    if isinstance(layers, slice):
-        return list(range(nl)[layers])
-    if isinstance(layers, range):
-        return list(layers)
-    raise TypeError(layers)
+def selected(n, sel):
+    """The indices a `layers` or `heads` argument selects among n (Python semantics)."""
+    if sel is None:
+        return list(range(n))
+    if isinstance(sel, slice):
+        return list(range(n)[sel])
+    if isinstance(sel, range):
+        return list(sel)
+    return [range(n)[sel.__index__()]]
 
 
 def ids_list(ids):
@@ -84,24 +84,28 @@ def ids_list(ids):
     return [int(v) for v in ids]
 
 
-def reference(method, rows, blocks, ids, sel, layer_offset=0, head_offset=0, inner="NHD"):
+def reference(method, rows, blocks, ids, sel, layer_offset=0, head_offset=0, inner="NHD", heads=None):
     """Applies `method` with plain torch indexing: for to_* `rows` (the cache) is read and
     `blocks` (per-block universal/operational views) written; for from_* the reverse.
+    `heads`: the cache heads moved, in order (None: all), universal heads from head_offset.
     Ids outside [0, NB) are skipped (device ids)."""
     inner = inner.upper()
     assert inner in ("NHD", "HND"), inner
     if not ids:
         return
     NB, no, nt, nh, hd = rows[0].shape
+    hs = list(range(nh)) if heads is None else heads
     for b, i in enumerate(ids):
         if not 0 <= i < NB:
             continue
         for l in sel:
             r = rows[l][i]  # [no, nt, nh, hd]
             if method == "to_universal":
-                blocks[b][head_offset : head_offset + nh, layer_offset + l].copy_(r.permute(2, 0, 1, 3))
+                for j, h in enumerate(hs):
+                    blocks[b][head_offset + j, layer_offset + l].copy_(r[:, :, h])
             elif method == "from_universal":
-                r.copy_(blocks[b][head_offset : head_offset + nh, layer_offset + l].permute(1, 2, 0, 3))
+                for j, h in enumerate(hs):
+                    r[:, :, h].copy_(blocks[b][head_offset + j, layer_offset + l])
             elif method == "to_operational":
                 src = r if inner == "NHD" else r.permute(0, 2, 1, 3)  # [no, nt, nh, hd] / [no, nh, nt, hd]
                 blocks[b][l].copy_(src.reshape(no, nt * nh * hd))
@@ -274,9 +278,9 @@ def invoke(cache, method, ids, other, **kwargs):
 def expected_after(case, method, ids, other_buf, cache_bases, other_bases, kwargs):
     """(expected destination bases, destination Buffers) of a call, computed on CPU copies:
     `cache_bases`/`other_bases` are the snapshots taken before the call."""
-    sel = selected_layers(case.nl, kwargs.get("layers"))
+    sel = selected(case.nl, kwargs.get("layers"))
     common = dict(layer_offset=kwargs.get("layer_offset", 0), head_offset=kwargs.get("head_offset", 0),
-                  inner=kwargs.get("inner", "NHD"))
+                  inner=kwargs.get("inner", "NHD"), heads=selected(case.nh, kwargs.get("heads")))
     if method in ("to_operational", "from_operational"):
         assert common["layer_offset"] == 0 and common["head_offset"] == 0
     rows = cache_rows(case.buf.make(cache_bases), case.dims)

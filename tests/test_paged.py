@@ -41,7 +41,7 @@ from paged_reference import (
     per_block,
     reference,
     run_and_check,
-    selected_layers,
+    selected,
     snapshot,
 )
 from reference import (
@@ -222,12 +222,15 @@ def test_ref_reference_matches_spec_formula(method, inner, gen):
     assert any(not torch.equal(a, b) for a, b in zip(moved, original))
 
 
-def test_ref_selected_layers():
-    assert selected_layers(4, None) == [0, 1, 2, 3]
-    assert selected_layers(4, slice(-2, None)) == [2, 3]
-    assert selected_layers(4, slice(None, None, -1)) == [3, 2, 1, 0]
-    assert selected_layers(4, slice(10, 20)) == []
-    assert selected_layers(4, range(1, 4, 2)) == [1, 3]
+def test_ref_selected():
+    assert selected(4, None) == [0, 1, 2, 3]
+    assert selected(4, 2) == [2]
+    assert selected(4, -1) == [3]
+    assert selected(4, np.int64(1)) == [1]
+    assert selected(4, slice(-2, None)) == [2, 3]
+    assert selected(4, slice(None, None, -1)) == [3, 2, 1, 0]
+    assert selected(4, slice(10, 20)) == []
+    assert selected(4, range(1, 4, 2)) == [1, 3]
 
 
 def test_ref_canonical_missing_letters():
@@ -243,20 +246,21 @@ class FakeCache:
     def __init__(self, case, bug):
         self.case, self.bug = case, bug
 
-    def _run(self, method, ids, other, layers=None, layer_offset=0, head_offset=0, inner="NHD", **_):
+    def _run(self, method, ids, other, layers=None, layer_offset=0, head_offset=0, inner="NHD", heads=None, **_):
         case = self.case
         if self.bug == "nothing":
             return None
-        sel = selected_layers(case.nl, None if self.bug == "all-layers" else layers)
+        sel = selected(case.nl, None if self.bug == "all-layers" else layers)
         if self.bug == "no-head-offset":
             head_offset = 0
+        hs = selected(case.nh, None if self.bug == "all-heads" else heads)
         if self.bug == "wrong-inner":
             inner = "HND" if inner.upper() == "NHD" else "NHD"
         ids = list(ids)
         if self.bug == "one-block-less":
             ids[-1] = case.NB + 100  # skipped
         rows = cache_rows(case.buf.make(case.buf.bases), case.dims)
-        reference(method, rows, per_block(other), ids, sel, layer_offset, head_offset, inner)
+        reference(method, rows, per_block(other), ids, sel, layer_offset, head_offset, inner, hs)
         if self.bug == "touch-source":
             src = case.buf.bases[0] if method.startswith("to_") else per_block(other)[0]
             src.view(torch.uint8).view(-1)[0] ^= 1
@@ -280,6 +284,8 @@ class FakeCache:
         ("no-head-offset", "to_universal", {"head_offset": 1}),
         ("no-head-offset", "from_universal", {"head_offset": 1}),
         ("all-layers", "to_universal", {"layers": slice(0, 1)}),
+        ("all-heads", "to_universal", {"heads": slice(1, 2)}),
+        ("all-heads", "from_universal", {"heads": 0}),
         ("all-layers", "from_operational", {"layers": slice(1, None)}),
         ("wrong-inner", "to_operational", {"inner": "NHD"}),
         ("wrong-inner", "from_operational", {"inner": "HND"}),
@@ -479,14 +485,14 @@ def per_layer(shape, nl=3, dtype=torch.float32):
     "dims,shape,bad",
     [
         ("kbxhd", (2, 4, 3, 2, 5), "x"),  # unknown letter
-        ("kbtHd", (2, 4, 3, 2, 5), "H"),  # letters are lower case
+        ("kbtHh", (2, 4, 3, 2, 5), "h"),  # repeated, in either case
         ("kbtbd", (2, 4, 3, 2, 5), "b"),  # repeated
         ("kbthh", (2, 4, 3, 2, 5), "h"),  # repeated
         ("kthd", (2, 3, 2, 5), "b"),  # b missing
         ("kbhd", (2, 4, 2, 5), "t"),  # t missing
         ("kbth", (2, 4, 3, 2), "d"),  # d missing
     ],
-    ids=["unknown", "upper", "repeated-b", "repeated-h", "no-b", "no-t", "no-d"],
+    ids=["unknown", "repeated-across-case", "repeated-b", "repeated-h", "no-b", "no-t", "no-d"],
 )
 def test_bad_dims_letters(dims, shape, bad):
     construct_rejected(per_layer(shape), dims, ValueError, "dims", letter(bad))
@@ -649,7 +655,7 @@ def test_host_numpy_cache(layout, np_dtype, gen):
 
 LAYER_SELECTIONS = [
     None, slice(1, 3), slice(None, None, 2), slice(-2, None), slice(-3, -1), slice(None, None, -1),
-    slice(1, 100), range(1, 4, 2), range(0, 4), range(2, 3),
+    slice(1, 100), range(1, 4, 2), range(0, 4), range(2, 3), 2, -1, np.int64(3),
     slice(2, 2), range(0), slice(10, 20),  # empty selections do nothing
 ]
 
@@ -718,6 +724,50 @@ def test_host_head_and_layer_offset_together(method, layout, gen):
     case = CacheCase(layout, 3, 5, 2, 2, 4, 3, torch.uint8, gen)
     check(case, case.build(), method, [0, 4, 2], gen, NH=5, NL=6, head_offset=2, layer_offset=2,
           layers=slice(1, None))
+
+
+HEAD_SELECTIONS = [slice(1, 3), slice(None, None, -1), slice(0, 4, 2), range(3, 0, -2), 2, -1, np.int64(1),
+                   slice(2, 2), range(0)]
+
+
+# Each selection with one (layout, head_offset), rotating; "btd" (nh = 1) takes head 0 only.
+HEAD_CASES = [(sel, *[("kbthd", 0), ("kbthd_hnd", 1), ("blkthd", 2), ("bkthd", 0)][i % 4])
+              for i, sel in enumerate(HEAD_SELECTIONS)]
+
+
+@pytest.mark.parametrize("heads,layout,head_offset", HEAD_CASES, ids=case_id)
+@pytest.mark.parametrize("method", ["to_universal", "from_universal"])
+def test_host_heads(method, heads, layout, head_offset, gen):
+    """A selection of the cache's heads lands at head_offset in universals with one head to
+    spare: other universal heads, and the cache's other heads, untouched."""
+    case = CacheCase(layout, 3, 6, 2, 4, 3, 5, torch.bfloat16, gen)
+    count = len(selected(case.nh, heads))
+    check(case, case.build(), method, [3, 0, 5], gen, NH=head_offset + count + 1, heads=heads,
+          head_offset=head_offset)
+
+
+@pytest.mark.parametrize("heads", [0, slice(None), range(0, 1), slice(1, None)], ids=case_id)
+@pytest.mark.parametrize("method", ["to_universal", "from_universal"])
+def test_host_heads_of_a_single_head_cache(method, heads, gen):
+    """MLA ("btd": nh = 1): heads 0 or none of them."""
+    case = CacheCase("btd", 3, 6, 1, 1, 3, 8, torch.float16, gen)
+    count = len(selected(case.nh, heads))
+    check(case, case.build(), method, [4, 1], gen, NH=max(count, 1), heads=heads)
+
+
+@pytest.mark.parametrize("method", ["to_universal", "from_universal"])
+def test_host_heads_layers_and_offsets_together(method, gen):
+    """A receiver's share: heads 1..2 of 4 and layers 1..2 of 3 into [NH=3, NL=4] at offsets."""
+    case = CacheCase("lkbthd", 3, 7, 2, 4, 2, 6, torch.int16, gen)
+    check(case, case.build(), method, [6, 2, 0], gen, form="array", NH=3, NL=4, heads=slice(1, 3), head_offset=1,
+          layers=range(1, 3), layer_offset=1)
+
+
+def test_dims_is_case_insensitive(gen):
+    case = CacheCase("kbthd", 2, 5, 2, 2, 3, 4, torch.float32, gen)
+    cache = kvbm_ext.PagedKVCache(case.layers, "KbThD")
+    assert cache.dims == "kbthd" and cache.num_heads == 2 and cache.num_outer == 2
+    check(case, cache, "to_universal", [4, 1], gen)
 
 
 def rows_of(case, ids):
@@ -1164,11 +1214,45 @@ def test_host_bad_num_ctas(value, exc, gen):
         reject(case, cache, method, IDS, good_other(case, method, gen), exc, "num_ctas", num_ctas=value)
 
 
-@pytest.mark.parametrize("value", ["abc", [0, 1], 1, 1.5, (0, 2)], ids=["str", "list", "int", "float", "tuple"])
+@pytest.mark.parametrize("value", ["abc", [0, 1], True, 1.5, (0, 2)], ids=["str", "list", "bool", "float", "tuple"])
 def test_host_bad_layers(value, gen):
     case, cache = ecase(gen)
     for method in METHODS:
         reject(case, cache, method, IDS, good_other(case, method, gen), TypeError, "layers", layers=value)
+
+
+@pytest.mark.parametrize("value", [NL, -NL - 1, 2**70, slice(0, 2, 0), range(0, NL + 1)],
+                         ids=["int-past-end", "int-before-start", "huge-int", "step-0", "range-past-end"])
+def test_host_layers_out_of_range(value, gen):
+    case, cache = ecase(gen)
+    for method in METHODS:
+        reject(case, cache, method, IDS, good_other(case, method, gen), ValueError, "layers", layers=value)
+
+
+@pytest.mark.parametrize("value,exc", [(NH, ValueError), (-NH - 1, ValueError), (slice(0, 1, 0), ValueError),
+                                       (range(-1, 1), ValueError), ("0", TypeError), (False, TypeError),
+                                       ([0], TypeError)],
+                         ids=["int-past-end", "int-before-start", "step-0", "range-negative", "str", "bool", "list"])
+def test_host_bad_heads(value, exc, gen):
+    case, cache = ecase(gen)
+    for method in ("to_universal", "from_universal"):
+        reject(case, cache, method, IDS, good_other(case, method, gen), exc, "heads", heads=value)
+
+
+@pytest.mark.parametrize("method", ["to_operational", "from_operational"])
+def test_host_heads_only_on_universal_methods(method, gen):
+    """Operational blocks always hold every head: heads= is not one of their keywords."""
+    case, cache = ecase(gen)
+    reject(case, cache, method, IDS, good_other(case, method, gen), TypeError, "'heads'", method, heads=0)
+
+
+@pytest.mark.parametrize("method", ["to_universal", "from_universal"])
+def test_host_universal_too_few_heads_for_the_selection(method, gen):
+    """NH >= head_offset + len(heads): one head short is refused before any write."""
+    case, cache = ecase(gen)
+    other = good_other(case, method, gen, NH=2)
+    reject(case, cache, method, IDS, other, ValueError, r"universals\[0\]", "NH >= 3", heads=slice(0, 2),
+           head_offset=1)
 
 
 @pytest.mark.parametrize("value,exc", [("XYZ", ValueError), ("", ValueError), ("NDH", ValueError), (5, TypeError)],
@@ -1374,12 +1458,24 @@ def test_gpu_universal_and_operational_forms(direction, form, gen):
 
 
 @requires_cuda
-@pytest.mark.parametrize("layers", [None, slice(1, 3), slice(None, None, -2), range(0), range(3, 4)], ids=case_id)
+@pytest.mark.parametrize("layers", [None, slice(1, 3), slice(None, None, -2), range(0), range(3, 4), 2], ids=case_id)
 def test_gpu_layers_and_offsets(layers, gen):
     case = CacheCase("kbthd_hnd", 4, 6, 2, 2, 3, 16, torch.bfloat16, gen, device="cuda")
     cache = case.build()
     for method in ("to_universal", "from_universal"):
         check(case, cache, method, [3, 0, 5], gen, NH=5, NL=7, layers=layers, layer_offset=2, head_offset=1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("heads,layout,head_offset", HEAD_CASES, ids=case_id)
+def test_gpu_heads(heads, layout, head_offset, gen):
+    case = CacheCase(layout, 3, 6, 2, 4, 3, 16, torch.bfloat16, gen, device="cuda")
+    cache = case.build()
+    count = len(selected(case.nh, heads))
+    for method in ("to_universal", "from_universal"):
+        for form in ("array", "list"):
+            check(case, cache, method, [3, 0, 5], gen, form=form, NH=head_offset + count + 1, heads=heads,
+                  head_offset=head_offset, layers=slice(1, None))
 
 
 @requires_cuda

@@ -49,6 +49,7 @@ from paged_reference import (
     per_block,
     reference,
     run_and_check,
+    selected,
     snapshot,
 )
 from reference import (
@@ -520,6 +521,21 @@ def test_gpu_paged_layers_and_offsets(method, layers, backend, gen):
     for form in ("array", "list"):
         paged_check(case, cache, method, [6, 1, 4], gen, form=form, NH=case.nh + 3, NL=case.nl + 3,
                     layers=layers, layer_offset=2, head_offset=1, backend=backend)
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [slice(1, 3), slice(None, None, -1), 2, range(3, -1, -2)], ids=case_id)
+@pytest.mark.parametrize("method", ["to_universal", "from_universal"])
+def test_gpu_paged_heads(method, heads, backend, gen):
+    """Pinned universals holding a selection of the cache's heads at head_offset 1, with
+    layers selected too: staged pieces cut across the selected heads alone."""
+    case = CacheCase("kbthd", 4, 8, 2, 4, 8, 32, torch.bfloat16, gen, device="cuda")
+    cache = case.build()
+    count = len(selected(case.nh, heads))
+    for form in ("array", "list"):
+        paged_check(case, cache, method, [6, 1, 4], gen, form=form, NH=count + 2, NL=case.nl,
+                    layers=slice(1, None), heads=heads, head_offset=1, backend=backend)
 
 
 @requires_cuda
