@@ -2,10 +2,10 @@
 //
 // The work is pure data movement, so the kernel is shaped around memory
 // traffic: every thread moves kUnroll vectors of V bytes (move_vectors), and
-// a CTA moves one tile of one chunk per step of a grid-stride loop, so
-// `max_ctas` bounds the SMs a transfer takes without changing what it moves.
-// Where a
-// byte goes is decided by kvbm_layout.h, the same code the CPU path uses.
+// CTAs move tiles of chunks (Tiling, kvbm_device.cuh) in a grid-stride loop,
+// so `max_ctas` bounds the SMs a transfer takes without changing what it
+// moves.  Where a byte goes is decided by kvbm_layout.h, the same code the
+// CPU path uses.
 #include <stdint.h>
 
 #include "kvbm_kernels.h"
@@ -17,12 +17,9 @@ using namespace kvbm;
 
 struct Params {
     kvbm_block_dims dims;
+    Tiling tiling;
     kvbm_divisor vectors_per_segment;  // segment bytes / V
-    kvbm_divisor tiles_per_chunk;
     kvbm_divisor chunks_per_block;
-    uint32_t vectors_per_chunk;
-    uint32_t vectors_per_tile;
-    uint32_t tiles;
     int to_universal;
 };
 
@@ -41,12 +38,10 @@ __device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint
 }
 
 template <int V, class Table>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBoundedThreads)
 block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    for (uint32_t tile_index = blockIdx.x; tile_index < p.tiles; tile_index += gridDim.x) {
-        const uint32_t chunk_index = kvbm_div(p.tiles_per_chunk, tile_index);  // b * nchunks + c
-        const uint32_t tile = tile_index - chunk_index * p.tiles_per_chunk.divisor;
+    for_each_tile(p.tiling, [&](uint32_t chunk_index, uint32_t first) {  // chunk_index = b * nchunks + c
         const uint32_t block = kvbm_div(p.chunks_per_block, chunk_index);
         const uint32_t c = chunk_index - block * p.chunks_per_block.divisor;
 
@@ -55,23 +50,20 @@ block_universal_kernel(const __grid_constant__ Table table, const __grid_constan
         char *src_base = p.to_universal ? chunk : universal;
         char *dst_base = p.to_universal ? universal : chunk;
 
-        const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
-        move_vectors<V>(src_base, dst_base, first, p.vectors_per_chunk,
+        move_vectors<V>(src_base, dst_base, first, p.tiling.tile_threads, p.tiling.vectors_per_chunk,
                         [&](uint32_t j, int64_t *from, int64_t *to) {
                             int64_t chunk_off, universal_off;
                             vector_offsets<V>(p, c, j, &chunk_off, &universal_off);
                             *from = p.to_universal ? chunk_off : universal_off;
                             *to = p.to_universal ? universal_off : chunk_off;
                         });
-    }
+    });
 }
 
 template <int V>
-cudaError_t launch(const Params &p, void *const *host_table, void *const *device_table, uint32_t max_ctas,
-                   cudaStream_t stream)
+cudaError_t launch(const Params &p, void *const *host_table, void *const *device_table, unsigned grid,
+                   unsigned threads, cudaStream_t stream)
 {
-    const unsigned threads = p.vectors_per_tile / kUnroll;
-    const unsigned grid = max_ctas != 0 && max_ctas < p.tiles ? max_ctas : p.tiles;
     if (device_table != nullptr)
         block_universal_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<void *>{device_table}, p);
     else
@@ -103,27 +95,20 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
     if (dims->nb == 0 || vectors_per_chunk == 0)
         return cudaSuccess;
 
-    // Small chunks get narrower CTAs rather than idle threads.
-    uint32_t threads = (vectors_per_chunk + kUnroll - 1) / kUnroll;
-    threads = threads >= kThreads ? kThreads : (threads + 31) / 32 * 32;
-
     Params p;
     p.dims = *dims;
+    unsigned grid, threads;
+    p.tiling = make_tiling(vectors_per_chunk, dims->nb * dims->nchunks, max_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(segment_bytes / vector_bytes));
-    p.vectors_per_chunk = vectors_per_chunk;
-    p.vectors_per_tile = threads * kUnroll;
-    const uint32_t tiles_per_chunk = (vectors_per_chunk + p.vectors_per_tile - 1) / p.vectors_per_tile;
-    p.tiles_per_chunk = kvbm_divisor_make(tiles_per_chunk);
     p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
-    p.tiles = (uint32_t)(dims->nb * dims->nchunks * tiles_per_chunk);
     p.to_universal = direction == KVBM_TO_UNIVERSAL;
 
     switch (vector_bytes) {
-    case 16: return launch<16>(p, host_table, device_table, max_ctas, stream);
-    case 8: return launch<8>(p, host_table, device_table, max_ctas, stream);
-    case 4: return launch<4>(p, host_table, device_table, max_ctas, stream);
-    case 2: return launch<2>(p, host_table, device_table, max_ctas, stream);
-    case 1: return launch<1>(p, host_table, device_table, max_ctas, stream);
+    case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
+    case 8: return launch<8>(p, host_table, device_table, grid, threads, stream);
+    case 4: return launch<4>(p, host_table, device_table, grid, threads, stream);
+    case 2: return launch<2>(p, host_table, device_table, grid, threads, stream);
+    case 1: return launch<1>(p, host_table, device_table, grid, threads, stream);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -19,22 +19,22 @@ template <> struct VectorOf<4> { using type = uint32_t; };
 template <> struct VectorOf<2> { using type = uint16_t; };
 template <> struct VectorOf<1> { using type = uint8_t; };
 
-// Moves the vectors j = first + k * blockDim.x (k < kUnroll, j < count) of V
+// Moves the vectors j = first + k * stride (k < kUnroll, j < count) of V
 // bytes from src to dst, issuing every load before any store so that each
 // thread keeps kUnroll vectors in flight.  offsets(j, &from, &to) gives the
 // byte offsets of vector j in the source and the destination.  Plain
 // accesses: the evict-first hints (__ldcs, __stcs) measured 2 to 3 % slower
 // on the H200.
 template <int V, class Offsets>
-__device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_t first, uint32_t count,
-                                             const Offsets &offsets)
+__device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_t first, uint32_t stride,
+                                             uint32_t count, const Offsets &offsets)
 {
     using Vec = typename VectorOf<V>::type;
     Vec values[kUnroll];
     int64_t to[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t j = first + k * blockDim.x;
+        const uint32_t j = first + k * stride;
         if (j < count) {
             int64_t from;
             offsets(j, &from, &to[k]);
@@ -43,9 +43,66 @@ __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t j = first + k * blockDim.x;
+        const uint32_t j = first + k * stride;
         if (j < count)
             *reinterpret_cast<Vec *>(dst + to[k]) = values[k];
+    }
+}
+
+// How a kernel splits its chunks into tiles.  A tile is the part of one
+// chunk that tile_threads threads move, kUnroll vectors each; a CTA moves
+// `groups` tiles at once, so that a chunk of a few KiB still makes a full
+// CTA: a narrow CTA moves too few bytes per trip to memory, which a grid
+// bounded to a few CTAs (the staged permute beside a model) cannot make up
+// for.  A bounded grid also gets wider CTAs (kBoundedThreads): one CTA an SM,
+// so the CTA's own loads are all the SM has in flight.
+constexpr int kBoundedThreads = 1024;
+
+struct Tiling {
+    kvbm_divisor tiles_per_chunk;
+    uint32_t vectors_per_chunk;
+    uint32_t vectors_per_tile;
+    uint32_t tile_threads;
+    uint32_t groups;
+    uint32_t tiles;  // in all; the caller keeps this below 2^31
+};
+
+// The tiling of `chunks` chunks of vectors_per_chunk vectors each, and the
+// launch shape: at most max_ctas CTAs (0: as many as there are tile groups).
+inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t max_ctas, unsigned *grid,
+                          unsigned *threads)
+{
+    Tiling t;
+    uint32_t tile_threads = (vectors_per_chunk + kUnroll - 1) / kUnroll;
+    tile_threads = tile_threads >= kThreads ? kThreads : (tile_threads + 31) / 32 * 32;
+    t.vectors_per_chunk = vectors_per_chunk;
+    t.tile_threads = tile_threads;
+    t.vectors_per_tile = tile_threads * kUnroll;
+    const uint32_t tiles_per_chunk = (vectors_per_chunk + t.vectors_per_tile - 1) / t.vectors_per_tile;
+    t.tiles_per_chunk = kvbm_divisor_make(tiles_per_chunk);
+    t.tiles = (uint32_t)(chunks * tiles_per_chunk);
+    t.groups = kThreads / tile_threads;
+    if (max_ctas != 0 && (int64_t)max_ctas * t.groups < t.tiles)
+        t.groups = kBoundedThreads / tile_threads;
+    const uint32_t groups_needed = (t.tiles + t.groups - 1) / t.groups;
+    *grid = max_ctas != 0 && max_ctas < groups_needed ? max_ctas : groups_needed;
+    *threads = t.groups * tile_threads;
+    return t;
+}
+
+// Runs body(chunk, first) for every tile this thread takes part in: chunk
+// index, and the first vector of the chunk the thread moves (then every
+// tile_threads-th, kUnroll of them: move_vectors).
+template <class Body>
+__device__ __forceinline__ void for_each_tile(const Tiling &t, const Body &body)
+{
+    const uint32_t group = threadIdx.x / t.tile_threads;
+    const uint32_t lane = threadIdx.x - group * t.tile_threads;
+    const uint32_t step = gridDim.x * t.groups;
+    for (uint32_t tile_index = blockIdx.x * t.groups + group; tile_index < t.tiles; tile_index += step) {
+        const uint32_t chunk = kvbm_div(t.tiles_per_chunk, tile_index);
+        const uint32_t tile = tile_index - chunk * t.tiles_per_chunk.divisor;
+        body(chunk, tile * t.vectors_per_tile + lane);
     }
 }
 

@@ -1,9 +1,9 @@
 // Paged KV cache <-> universal or operational blocks.
 //
-// One CTA moves one tile of one chunk (block b, moved layer i, outer o) per
-// step of a grid-stride loop, so `max_ctas` bounds the SMs a transfer takes
-// without changing what it moves.  Each thread moves kUnroll vectors
-// (move_vectors).  Block ids and flat addresses come from the
+// A chunk is (block b, moved layer i, outer o); CTAs move tiles of chunks
+// (Tiling, kvbm_device.cuh) in a grid-stride loop, so `max_ctas` bounds the
+// SMs a transfer takes without changing what it moves.  Each thread moves
+// kUnroll vectors (move_vectors).  Block ids and flat addresses come from the
 // launch's parameters, the device or both; where a byte goes is decided by
 // kvbm_paged.h, the code the CPU path runs too.
 #include <stdint.h>
@@ -18,13 +18,10 @@ using namespace kvbm;
 struct Params {
     kvbm_paged p;
     kvbm_paged_addresses a;
+    Tiling tiling;
     kvbm_divisor vectors_per_segment;
-    kvbm_divisor tiles_per_chunk;
     kvbm_divisor chunks_per_block;  // nl * no
     kvbm_divisor outers;            // no
-    uint32_t vectors_per_chunk;
-    uint32_t vectors_per_tile;
-    uint32_t tiles;
 };
 
 template <class Table>
@@ -44,12 +41,10 @@ __device__ __forceinline__ char *flat_block(const Table &table, const Params &p,
 }
 
 template <int V, class Table>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBoundedThreads)
 paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    for (uint32_t tile_index = blockIdx.x; tile_index < p.tiles; tile_index += gridDim.x) {
-        const uint32_t chunk = kvbm_div(p.tiles_per_chunk, tile_index);  // (b * nl + i) * no + o
-        const uint32_t tile = tile_index - chunk * p.tiles_per_chunk.divisor;
+    for_each_tile(p.tiling, [&](uint32_t chunk, uint32_t first) {  // chunk = (b * nl + i) * no + o
         const uint32_t b = kvbm_div(p.chunks_per_block, chunk);
         const uint32_t layer_outer = chunk - b * p.chunks_per_block.divisor;
         const uint32_t i = kvbm_div(p.outers, layer_outer);
@@ -57,22 +52,22 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
 
         const int64_t id = block_id(table, p, b);
         if (id < 0 || id >= p.p.num_blocks)
-            continue;  // device-resident ids are not checked on the host
+            return;  // device-resident ids are not checked on the host
         char *cache = reinterpret_cast<char *>(table[i]) + kvbm_paged_cache_chunk(&p.p, id, o);
         char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, i, o);
         const char *src = p.p.to_flat ? cache : flat;
         char *dst = p.p.to_flat ? flat : cache;
 
-        const uint32_t first = tile * p.vectors_per_tile + threadIdx.x;
-        move_vectors<V>(src, dst, first, p.vectors_per_chunk, [&](uint32_t j, int64_t *from, int64_t *to) {
-            const uint32_t s = kvbm_div(p.vectors_per_segment, j);
-            const int64_t within = (int64_t)(j - s * p.vectors_per_segment.divisor) * V;
-            int64_t cache_off, flat_off;
-            kvbm_paged_segment(&p.p, s, &cache_off, &flat_off);
-            *from = (p.p.to_flat ? cache_off : flat_off) + within;
-            *to = (p.p.to_flat ? flat_off : cache_off) + within;
-        });
-    }
+        move_vectors<V>(src, dst, first, p.tiling.tile_threads, p.tiling.vectors_per_chunk,
+                        [&](uint32_t j, int64_t *from, int64_t *to) {
+                            const uint32_t s = kvbm_div(p.vectors_per_segment, j);
+                            const int64_t within = (int64_t)(j - s * p.vectors_per_segment.divisor) * V;
+                            int64_t cache_off, flat_off;
+                            kvbm_paged_segment(&p.p, s, &cache_off, &flat_off);
+                            *from = (p.p.to_flat ? cache_off : flat_off) + within;
+                            *to = (p.p.to_flat ? flat_off : cache_off) + within;
+                        });
+    });
 }
 
 template <int V>
@@ -105,22 +100,14 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     if (chunks == 0 || vectors_per_chunk == 0)
         return cudaSuccess;
 
-    // Small chunks get narrower CTAs rather than idle threads.
-    uint32_t threads = (vectors_per_chunk + kUnroll - 1) / kUnroll;
-    threads = threads >= kThreads ? kThreads : (threads + 31) / 32 * 32;
-
     Params p;
     p.p = *paged;
     p.a = *addresses;
+    unsigned grid, threads;
+    p.tiling = make_tiling(vectors_per_chunk, chunks, max_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
-    p.vectors_per_chunk = vectors_per_chunk;
-    p.vectors_per_tile = threads * kUnroll;
-    const uint32_t tiles_per_chunk = (vectors_per_chunk + p.vectors_per_tile - 1) / p.vectors_per_tile;
-    p.tiles_per_chunk = kvbm_divisor_make(tiles_per_chunk);
     p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.outers = kvbm_divisor_make((uint32_t)paged->no);
-    p.tiles = (uint32_t)(chunks * tiles_per_chunk);
-    const unsigned grid = max_ctas != 0 && max_ctas < p.tiles ? max_ctas : p.tiles;
 
     switch (vector_bytes) {
     case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
