@@ -2,11 +2,19 @@
 
 Environment:
   CUDA_ARCHS          GPU targets, e.g. "80;90" (default 80;86;89;90, plus PTX
-                      for the newest); targets the toolkit cannot build are skipped.
+                      for the newest); see parse_cuda_archs for the spellings.
+                      Targets the toolkit cannot build are skipped, with the reason.
   CUDA_HOME/CUDA_PATH where to look for nvcc before PATH.
   KVBM_REQUIRE_CUDA=1 fail instead of building without CUDA when nvcc is missing.
+
+A rebuild always reflects the current toolkit and targets: the build records
+them (with the compiler flags from the environment) per output file, and
+recompiles everything when they change; header edits rebuild too.
+
+Importing this file (the tests do) defines the helpers and does not build.
 """
 
+import json
 import os
 import re
 import shutil
@@ -14,14 +22,87 @@ import subprocess
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 VERSION = "0.4.0"
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "80;86;89;90"
 C_SOURCES = ["address_list.c", "args.c", "array.c", "convert.c", "copy.c", "cpu_copy.c", "debug.c", "module.c", "paged.c",
              "overlap.c", "pieces.c", "stream.c"]
+CUDA_C_SOURCES = ["gpu.c", "moves.c", "staging.c"]   # csrc/gpu_stub.c replaces them without nvcc
+# Flags that change the objects without changing a file; part of the recorded build configuration.
+FLAG_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED")
+RECORD_NAME = "kvbm_build_config.json"
+
+# One GPU target: sm_/compute_ prefix optional, "90" or "9.0", an optional a/f suffix (arch- or
+# family-specific features), an optional "+PTX" (also embed PTX for it, as in TORCH_CUDA_ARCH_LIST).
+ARCH_PATTERN = re.compile(r"(?:sm_|compute_)?(?:(\d{2,3})|(\d{1,2})\.(\d))([af]?)(\+ptx)?", re.IGNORECASE)
+
+
+def parse_cuda_archs(text):
+    """The targets of a CUDA_ARCHS value, e.g. "8.0;9.0a" -> [("80", False), ("90a", False)].
+
+    Entries are separated by ';', ',' or whitespace; each is 90, 9.0, sm_90, compute_90,
+    90a, 9.0a, sm_90a or 100f, optionally followed by +PTX.  Each target comes once
+    (with PTX if any spelling asked for it), in the order first given.  Raises ValueError
+    naming the entry that is none of these."""
+    targets = {}
+    for entry in re.split(r"[;,\s]+", text.strip()):
+        if not entry:
+            continue
+        match = ARCH_PATTERN.fullmatch(entry)
+        if match is None:
+            raise ValueError(f"CUDA_ARCHS={text!r}: {entry!r} is not a GPU target; "
+                             "write e.g. 90, 9.0, sm_90 or 90a (several separated by ';', ',' or spaces)")
+        digits, major, minor, suffix, ptx = match.groups()
+        arch = (digits or major + minor) + suffix.lower()
+        targets[arch] = targets.get(arch, False) or ptx is not None
+    if not targets:
+        raise ValueError(f"CUDA_ARCHS={text!r} names no GPU target")
+    return list(targets.items())
+
+
+def arch_number(arch):
+    return int(arch.rstrip("af"))
+
+
+def unsupported_reason(arch, listed, probe):
+    """Why this nvcc cannot build `arch`, or None when it can.  `listed`: the compute_NN numbers
+    of `nvcc --list-gpu-arch`; probe(arch): nvcc's complaint about -gencode for it, or None
+    (needed for the a/f variants, which nvcc does not list)."""
+    base = arch.rstrip("af")
+    if base not in listed:
+        shown = ", ".join(f"compute_{a}" for a in sorted(listed, key=int))
+        return f"not among the targets `nvcc --list-gpu-arch` lists ({shown})"
+    if arch != base:
+        complaint = probe(arch)
+        if complaint:
+            return f"nvcc rejects it: {complaint}"
+    return None
+
+
+def select_archs(requested, listed, probe):
+    """(the buildable targets sorted by number, [(arch, reason)] for the others)."""
+    kept, skipped = [], []
+    for arch, ptx in requested:
+        reason = unsupported_reason(arch, listed, probe)
+        if reason is None:
+            kept.append((arch, ptx))
+        else:
+            skipped.append((arch, reason))
+    kept.sort(key=lambda target: (arch_number(target[0]), target[0]))
+    return kept, skipped
+
+
+def gencode(kept):
+    """(-gencode flags, names as build_info() reports them): machine code for every target,
+    PTX for those that asked for it, else for the newest (so newer GPUs can JIT it)."""
+    ptx = [arch for arch, wanted in kept if wanted] or [kept[-1][0]]
+    flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch, _ in kept]
+    flags += [f"-gencode=arch=compute_{arch},code=compute_{arch}" for arch in ptx]
+    return flags, [f"sm_{arch}" for arch, _ in kept] + [f"compute_{arch}" for arch in ptx]
 
 
 def find_nvcc():
@@ -45,29 +126,40 @@ def cuda_root(nvcc):
 
 
 def nvcc_version(nvcc):
+    """("13.0", the full release line, e.g. "Cuda compilation tools, release 13.0, V13.0.88")."""
     out = subprocess.run([str(nvcc), "--version"], check=True, capture_output=True, text=True).stdout
-    return re.search(r"release (\d+\.\d+)", out).group(1)
+    release = re.search(r"^.*release (\d+\.\d+).*$", out, re.MULTILINE)
+    return release.group(1), release.group(0).strip()
 
 
-def gencode_flags(nvcc):
-    """-gencode flags for CUDA_ARCHS, machine code for each, PTX for the newest."""
-    requested = [a.strip() for a in os.environ.get("CUDA_ARCHS", DEFAULT_ARCHS).replace(",", ";").split(";") if a.strip()]
-    listed = subprocess.run([str(nvcc), "--list-gpu-arch"], check=True, capture_output=True, text=True).stdout
-    supported = set(re.findall(r"compute_(\d+a?)", listed))
-    archs = [a for a in requested if a in supported]
-    for skipped in sorted(set(requested) - set(archs)):
-        print(f"kvbm_ext: skipping sm_{skipped}: this nvcc cannot build it", file=sys.stderr)
-    if not archs:
-        raise RuntimeError(f"none of CUDA_ARCHS={requested} can be built by {nvcc}")
-    archs.sort(key=lambda a: int(a.rstrip("a")))
-    flags, names = [], []
-    for arch in archs:
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-        names.append(f"sm_{arch}")
-    newest = archs[-1]
-    flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
-    names.append(f"compute_{newest}")
-    return flags, names
+def nvcc_probe(nvcc):
+    """probe(arch) for unsupported_reason: nvcc's error line for a dry run with that target."""
+    def probe(arch):
+        run = subprocess.run([str(nvcc), "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull,
+                              f"-gencode=arch=compute_{arch},code=sm_{arch}"], capture_output=True, text=True)
+        if run.returncode == 0:
+            return None
+        lines = [line for line in (run.stderr + run.stdout).splitlines() if line and not line.startswith("#$")]
+        return lines[0].strip() if lines else f"exit status {run.returncode}"
+    return probe
+
+
+def cuda_gencode(nvcc, version):
+    """-gencode flags and names for CUDA_ARCHS with this nvcc; says why each skipped target is."""
+    requested = parse_cuda_archs(os.environ.get("CUDA_ARCHS", DEFAULT_ARCHS))
+    listing = subprocess.run([str(nvcc), "--list-gpu-arch"], check=True, capture_output=True, text=True).stdout
+    listed = set(re.findall(r"compute_(\d+)\b", listing))
+    kept, skipped = select_archs(requested, listed, nvcc_probe(nvcc))
+    for arch, reason in skipped:
+        print(f"kvbm_ext: skipping sm_{arch}: CUDA {version}'s {nvcc} cannot build it: {reason}", file=sys.stderr)
+    if not kept:
+        raise RuntimeError(f"none of CUDA_ARCHS={os.environ.get('CUDA_ARCHS', DEFAULT_ARCHS)!r} can be built "
+                           f"by {nvcc} (CUDA {version}): see the reasons above")
+    return gencode(kept)
+
+
+def sources_under(folder, *patterns):
+    return sorted(str(path.relative_to(ROOT)) for pattern in patterns for path in (ROOT / folder).glob(pattern))
 
 
 class BuildExt(build_ext):
@@ -81,50 +173,121 @@ class BuildExt(build_ext):
             if os.environ.get("KVBM_REQUIRE_CUDA") == "1":
                 raise RuntimeError("KVBM_REQUIRE_CUDA=1 but nvcc was not found (CUDA_HOME, CUDA_PATH, PATH)")
             print("kvbm_ext: nvcc not found: building without CUDA (is_using_stubs() will be True)", file=sys.stderr)
+            config = {"nvcc": None}
+        else:
+            config = cuda_config(nvcc)
+        config["flags"] = {name: os.environ.get(name, "") for name in FLAG_VARIABLES}
+        self.rebuild_if_changed(ext, config)
+        if nvcc is None:
             ext.sources.append("csrc/gpu_stub.c")
         else:
-            self.add_cuda(ext, nvcc)
+            self.add_cuda(ext, config)
         super().build_extensions()
+        self.record(ext, config)
 
-    def add_cuda(self, ext, nvcc):
-        cuda_home = cuda_root(nvcc)
-        flags, names = gencode_flags(nvcc)
-        version = nvcc_version(nvcc)
-        if tuple(int(x) for x in version.split(".")) < (12, 1):
-            # Small pointer tables travel as 32 KB kernel parameters (CUDA 12.1+).
-            raise RuntimeError(f"kvbm_ext needs CUDA 12.1 or newer; {nvcc} is CUDA {version}")
-        print(f"kvbm_ext: building with CUDA {version} from {cuda_home} for {' '.join(names)}", file=sys.stderr)
+    def record_path(self):
+        return Path(self.build_temp) / RECORD_NAME
+
+    def records(self):
+        try:
+            return json.loads(self.record_path().read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def output_key(self, ext):
+        return str(Path(self.get_ext_fullpath(ext.name)).resolve())
+
+    def rebuild_if_changed(self, ext, config):
+        """Force a full rebuild (CUDA objects, C objects, link) when the configuration the
+        extension was last built with differs: another nvcc, other targets, CUDA or not, other
+        flags.  File times cannot tell.  Recorded per output file, since --inplace and wheel
+        builds share build_temp."""
+        if self.records().get(self.output_key(ext)) != config:
+            self.force = True
+            if self.compiler is not None:
+                self.compiler.force = True
+
+    def record(self, ext, config):
+        records = self.records()
+        records[self.output_key(ext)] = config
+        self.record_path().parent.mkdir(parents=True, exist_ok=True)
+        self.record_path().write_text(json.dumps(records, indent=1, sort_keys=True))
+
+    def add_cuda(self, ext, config):
+        """Compiles the out-of-date CUDA objects and adds them, the CUDA variant of the GPU
+        layer and static cudart to the extension."""
+        nvcc, cuda_home = config["nvcc"], Path(config["cuda_home"])
         build_temp = Path(self.build_temp)
         build_temp.mkdir(parents=True, exist_ok=True)
+        headers = [ROOT / path for path in sources_under("cuda", "*.h", "*.cuh")]
+        commands = []
         for source in sorted((ROOT / "cuda").glob("*.cu")):
             obj = build_temp / (source.stem + ".cu.o")
-            cmd = [str(nvcc), "-c", str(source), "-o", str(obj), "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
-                   "-Xcompiler", "-fvisibility=hidden", f"-I{ROOT / 'cuda'}", *flags]
-            print(" ".join(cmd), file=sys.stderr)
-            subprocess.run(cmd, check=True)
+            inputs = [source, *headers, ROOT / "setup.py"]
+            if self.force or not obj.exists() or max(p.stat().st_mtime for p in inputs) > obj.stat().st_mtime:
+                commands.append([nvcc, "-c", str(source), "-o", str(obj), "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+                                 "-Xcompiler", "-fvisibility=hidden", f"-I{ROOT / 'cuda'}", *config["gencode"]])
             ext.extra_objects.append(str(obj))
-        ext.sources.extend(["csrc/gpu.c", "csrc/moves.c", "csrc/staging.c"])
+            ext.depends.append(str(obj))
+        run_concurrently(commands)
+        ext.sources.extend(f"csrc/{name}" for name in CUDA_C_SOURCES)
         ext.include_dirs.append(str(cuda_home / "include"))
         lib_dir = cuda_home / "lib64" if (cuda_home / "lib64").is_dir() else cuda_home / "lib"
         ext.library_dirs.append(str(lib_dir))
         # Static cudart: the module imports on machines without a GPU driver.
         ext.libraries.extend(["cudart_static", "dl", "rt", "pthread", "stdc++"])
         ext.define_macros.extend([
-            ("KVBM_CUDA_VERSION", f'"{version}"'),
-            ("KVBM_CUDA_ARCHS", '"' + ";".join(names) + '"'),
+            ("KVBM_CUDA_VERSION", f'"{config["version"]}"'),
+            ("KVBM_CUDA_ARCHS", '"' + ";".join(config["archs"]) + '"'),
         ])
 
 
-extension = Extension(
-    "kvbm_ext._C",
-    sources=[f"csrc/{name}" for name in C_SOURCES],
-    include_dirs=["csrc", "cuda"],
-    define_macros=[("KVBM_VERSION", f'"{VERSION}"')],
-    extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
-)
+def run_concurrently(commands):
+    """Runs the commands at once (nvcc spends much of its time waiting); raises on the first
+    that fails, after all have ended."""
+    for cmd in commands:
+        print(" ".join(cmd), file=sys.stderr)
+    running = [(cmd, subprocess.Popen(cmd)) for cmd in commands]
+    failed = [cmd for cmd, process in running if process.wait() != 0]
+    if failed:
+        raise RuntimeError(f"nvcc failed: {' '.join(failed[0])}")
 
-setup(
-    version=VERSION,
-    ext_modules=[extension],
-    cmdclass={"build_ext": BuildExt},
-)
+
+def cuda_config(nvcc):
+    """What a CUDA build depends on beyond its files: nvcc, its release, the targets."""
+    version, release = nvcc_version(nvcc)
+    if tuple(int(x) for x in version.split(".")) < (12, 1):
+        # Small pointer tables travel as 32 KB kernel parameters (CUDA 12.1+).
+        raise RuntimeError(f"kvbm_ext needs CUDA 12.1 or newer; {nvcc} is CUDA {version}")
+    cuda_home = cuda_root(nvcc)
+    flags, names = cuda_gencode(nvcc, version)
+    print(f"kvbm_ext: building with CUDA {version} from {cuda_home} for {' '.join(names)}", file=sys.stderr)
+    return {"nvcc": str(nvcc), "release": release, "version": version, "cuda_home": str(cuda_home),
+            "gencode": flags, "archs": names}
+
+
+def license_metadata():
+    """SPDX license metadata where setuptools knows it (77 and newer: License-Expression),
+    the classic License field before.  pyproject.toml leaves `license` dynamic because
+    setuptools older than 77 rejects the SPDX string there, and offline builds
+    (--no-build-isolation) use whatever setuptools is installed."""
+    if int(setuptools.__version__.split(".")[0]) >= 77:
+        return {"license_expression": "Apache-2.0", "license_files": ["LICENSE"]}
+    return {"license": "Apache-2.0", "license_files": ["LICENSE"]}
+
+
+if __name__ == "__main__":
+    setup(
+        version=VERSION,
+        ext_modules=[Extension(
+            "kvbm_ext._C",
+            sources=[f"csrc/{name}" for name in C_SOURCES],
+            # Every header, kernel and this file: a change to any of them rebuilds the extension.
+            depends=sources_under("csrc", "*.h", "*.c") + sources_under("cuda", "*") + ["setup.py"],
+            include_dirs=["csrc", "cuda"],
+            define_macros=[("KVBM_VERSION", f'"{VERSION}"')],
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+        )],
+        cmdclass={"build_ext": BuildExt},
+        **license_metadata(),
+    )
