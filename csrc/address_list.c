@@ -14,29 +14,32 @@ static kv_path entry_path(const char *name, Py_ssize_t index)
     return path;
 }
 
-static const char *const EXPECTED[2] = {"a sequence of ints or a 1-D int64/uint64 array",
-                                        "a sequence of ints or a 1-D int32/int64 array"};
+static const char *const EXPECTED[3] = {
+    [KV_LIST_ADDRESSES] = "a sequence of ints or a 1-D int64/uint64 array",
+    [KV_LIST_SIZES] = "an int, a sequence of ints or a 1-D int64/uint64 array",
+    [KV_LIST_BLOCK_IDS] = "a sequence of ints or a 1-D int32/int64 array",
+};
 
 /* One int of a sequence: an address or size from 0 to 2**64 - 1, or a block
  * id that fits in int64. */
 static int read_int(PyObject *item, const kv_path *entry, kv_list_kind kind, uint64_t *value)
 {
-    if (PyBool_Check(item) || !PyLong_Check(item))
-        return kv_path_error(PyExc_TypeError, entry, "expected an int, got %s", Py_TYPE(item)->tp_name);
-    if (kind == KV_LIST_BLOCK_IDS) {
-        const long long id = PyLong_AsLongLong(item);
-        if (id == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return kv_path_error(PyExc_ValueError, entry, "block id %R does not fit in int64", item);
-        }
-        *value = (uint64_t)id;
-        return 0;
-    }
-    *value = PyLong_AsUnsignedLongLong(item);
-    if (*value == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return kv_path_error(PyExc_ValueError, entry, "expected an int from 0 to 2**64 - 1, got %R", item);
-    }
+    if (kind != KV_LIST_BLOCK_IDS)
+        return kv_uint64(item, entry, value);
+    int64_t id;
+    if (kv_int64(item, entry, "an int", INT64_MIN, INT64_MAX, &id) < 0)
+        return -1;
+    *value = (uint64_t)id;
+    return 0;
+}
+
+/* One size for every entry. */
+static int one_value(PyObject *obj, const char *name, kv_address_list *out)
+{
+    const kv_path path = {name, {0, 0}, 0};
+    if (kv_uint64(obj, &path, &out->value) < 0)
+        return -1;
+    out->one_value = 1;
     return 0;
 }
 
@@ -75,13 +78,18 @@ static int element_type_ok(kv_dtype dtype, kv_list_kind kind)
     return (dtype.code == kDLInt || dtype.code == kDLUInt) && dtype.bits == 64;
 }
 
-static int from_array(PyObject *obj, const char *name, kv_list_kind kind, int allow_device, PyObject *dlpack_stream,
-                      kv_address_list *out)
+static int from_array(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind,
+                      int allow_device, kv_address_list *out)
 {
     const kv_path path = {name, {0, 0}, 0};
     kv_array *a = &out->array;
-    if (kv_array_from_object(obj, &path, dlpack_stream, a) < 0)
+    if (kv_array_read(reader, obj, &path, 0, a) < 0)
         return -1;
+    if (a->ndim == 0 && kind == KV_LIST_SIZES) {
+        /* An integer scalar (np.int64(4096)): one size, read as an int. */
+        kv_array_release(a);
+        return one_value(obj, name, out);
+    }
     char dtype[48];
     int rc = -1;
     if (a->ndim != 1)
@@ -122,7 +130,7 @@ static int from_array(PyObject *obj, const char *name, kv_list_kind kind, int al
     else
         memcpy(out->values, a->data, (size_t)out->count * sizeof(uint64_t));
     out->int32 = 0;
-    const int check_sign = kind == KV_LIST_ADDRESSES && a->dtype.code == kDLInt;
+    const int check_sign = kind != KV_LIST_BLOCK_IDS && a->dtype.code == kDLInt;
     kv_array_release(a);
     for (Py_ssize_t i = 0; check_sign && i < out->count; i++) {
         if ((int64_t)out->values[i] < 0) {
@@ -137,16 +145,29 @@ static int from_array(PyObject *obj, const char *name, kv_list_kind kind, int al
     return 0;
 }
 
-int kv_address_list_from_object(PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
-                                PyObject *dlpack_stream, kv_address_list *out)
+int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind,
+                         int allow_device, kv_address_list *out)
 {
     memset(out, 0, sizeof *out);
     out->device_id = -1;
-    /* Lists and tuples first: asking them for the array protocols costs more
-     * than reading a short list. */
-    if (!PyList_Check(obj) && !PyTuple_Check(obj) && kv_is_array(obj))
-        return from_array(obj, name, kind, allow_device, dlpack_stream, out);
+    /* Ints, lists and tuples first: asking them for the array protocols
+     * costs more than reading them. */
+    if (kind == KV_LIST_SIZES && PyLong_Check(obj) && !PyBool_Check(obj))
+        return one_value(obj, name, out);
+    if (PyList_Check(obj) || PyTuple_Check(obj))
+        return from_sequence(obj, name, kind, out);
+    if (kv_is_array(obj))
+        return from_array(reader, obj, name, kind, allow_device, out);
+    if (kind == KV_LIST_SIZES && PyIndex_Check(obj))
+        return one_value(obj, name, out);
     return from_sequence(obj, name, kind, out);
+}
+
+int kv_address_list_from_object(PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
+                                PyObject *dlpack_stream, kv_address_list *out)
+{
+    const kv_reader reader = {NULL, dlpack_stream};
+    return kv_address_list_read(&reader, obj, name, kind, allow_device, out);
 }
 
 void kv_address_list_release(kv_address_list *list)

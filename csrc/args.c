@@ -53,6 +53,58 @@ void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size)
         snprintf(buf + n, size - n, ndim == 1 ? ",)" : ")");
 }
 
+PyObject *kv_index(PyObject *obj, const kv_path *path, const char *expected)
+{
+    if (PyLong_CheckExact(obj))
+        return Py_NewRef(obj);
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        kv_path_error(PyExc_TypeError, path, "expected %s, got %s", expected, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyObject *value = PyNumber_Index(obj);
+    if (value == NULL)
+        kv_path_error_from(PyExc_TypeError, path, "expected %s, got %s, whose __index__ failed", expected,
+                           Py_TYPE(obj)->tp_name);
+    return value;
+}
+
+int kv_int64(PyObject *obj, const kv_path *path, const char *expected, int64_t minimum, int64_t maximum,
+             int64_t *out)
+{
+    PyObject *value = kv_index(obj, path, expected);
+    if (value == NULL)
+        return -1;
+    const long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        PyErr_Clear(); /* OverflowError: out of range below */
+    else if (v >= minimum && v <= maximum) {
+        Py_DECREF(value);
+        *out = v;
+        return 0;
+    }
+    kv_path_error(PyExc_ValueError, path, "expected an int from %lld to %lld, got %R", (long long)minimum,
+                  (long long)maximum, value);
+    Py_DECREF(value);
+    return -1;
+}
+
+int kv_uint64(PyObject *obj, const kv_path *path, uint64_t *out)
+{
+    PyObject *value = kv_index(obj, path, "an int");
+    if (value == NULL)
+        return -1;
+    const unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        kv_path_error(PyExc_ValueError, path, "expected an int from 0 to 2**64 - 1, got %R", value);
+        Py_DECREF(value);
+        return -1;
+    }
+    Py_DECREF(value);
+    *out = v;
+    return 0;
+}
+
 int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback, int allow_none,
                  int64_t *out)
 {
@@ -60,19 +112,63 @@ int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maxim
         *out = fallback;
         return 0;
     }
-    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: expected an int%s, got %s", name, allow_none ? " or None" : "",
-                     Py_TYPE(obj)->tp_name);
+    const kv_path path = {name, {0, 0}, 0};
+    return kv_int64(obj, &path, allow_none ? "an int or None" : "an int", minimum, maximum, out);
+}
+
+/* The index of keyword `name` among the parameters that take keywords, or
+ * -1 (also for a name that is not a str, which the call then rejects). */
+static int keyword_index(const kv_signature *signature, PyObject *name)
+{
+    for (int i = signature->positional_only; signature->names[i] != NULL; i++)
+        if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, signature->names[i]) == 0)
+            return i;
+    return -1;
+}
+
+int kv_parse_arguments(const kv_signature *signature, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                       PyObject **values)
+{
+    int count = 0;
+    while (signature->names[count] != NULL)
+        count++;
+    for (int i = 0; i < count; i++)
+        values[i] = NULL;
+    nargs = PyVectorcall_NARGS(nargs);
+    if (nargs > signature->keyword_only) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional argument%s (%zd given)", signature->function,
+                     signature->keyword_only, signature->keyword_only == 1 ? "" : "s", nargs);
         return -1;
     }
-    const long long value = PyLong_AsLongLong(obj);
-    if (value == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    else if (value >= minimum && value <= maximum) {
-        *out = value;
-        return 0;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        values[i] = args[i];
+    const Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t k = 0; k < keywords; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        const int i = keyword_index(signature, name);
+        if (i < 0) {
+            for (int p = 0; p < signature->positional_only; p++)
+                if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, signature->names[p]) == 0) {
+                    PyErr_Format(PyExc_TypeError, "%s() got some positional-only arguments passed as keyword "
+                                 "arguments: '%s'", signature->function, signature->names[p]);
+                    return -1;
+                }
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", signature->function, name);
+            return -1;
+        }
+        if (values[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", signature->function,
+                         signature->names[i]);
+            return -1;
+        }
+        values[i] = args[nargs + k];
     }
-    PyErr_Format(PyExc_ValueError, "%s: expected an int from %lld to %lld, got %R", name, (long long)minimum,
-                 (long long)maximum, obj);
-    return -1;
+    for (int i = 0; i < signature->required; i++) {
+        if (values[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %d)", signature->function,
+                         signature->names[i], i + 1);
+            return -1;
+        }
+    }
+    return 0;
 }

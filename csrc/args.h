@@ -9,11 +9,43 @@
  * TypeError or ValueError (listing the valid names), naming `argument`. */
 int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, int fallback, int *out);
 
-/* Reads an int argument from `minimum` to `maximum`: absent (NULL) gives
- * `fallback`, and so does None where `allow_none`.  TypeError (bool
- * included) or ValueError naming `name`. */
+/* The value of an int argument as an int (new reference): an int or any
+ * object with __index__ (NumPy and torch integer scalars); a bool is
+ * refused, as everywhere an int is taken.  NULL with TypeError naming
+ * `path`, saying what was `expected` (an __index__ that raises becomes
+ * that TypeError's cause). */
+PyObject *kv_index(PyObject *obj, const kv_path *path, const char *expected);
+
+/* kv_index, then a range check: ValueError "expected an int from minimum to
+ * maximum" naming `path`. */
+int kv_int64(PyObject *obj, const kv_path *path, const char *expected, int64_t minimum, int64_t maximum,
+             int64_t *out);
+
+/* The same from 0 to 2**64 - 1 (addresses and sizes). */
+int kv_uint64(PyObject *obj, const kv_path *path, uint64_t *out);
+
+/* Reads an int argument `name` from `minimum` to `maximum` as kv_int64
+ * does: absent (NULL) gives `fallback`, and so does None where
+ * `allow_none`. */
 int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback, int allow_none,
                  int64_t *out);
+
+/* The parameters of a METH_FASTCALL | METH_KEYWORDS function, as Python
+ * spells them: `names` lists every parameter in order (NULL-terminated);
+ * the first `positional_only` take no keyword, the first `required` must
+ * be given, and those from `keyword_only` on take no position. */
+typedef struct {
+    const char *function;
+    const char *const *names;
+    int positional_only, required, keyword_only;
+} kv_signature;
+
+/* Fills values[i] with parameter i's argument (borrowed from the call) or
+ * NULL when it was not given, without the tuple and dict a METH_VARARGS
+ * call builds.  TypeError as Python words it for a function defined with
+ * that signature.  Returns 0 or -1. */
+int kv_parse_arguments(const kv_signature *signature, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                       PyObject **values);
 
 /* A tuple holding the items of a sequence argument, taken once (new
  * reference).  Reading an array runs Python code (its protocols), which may

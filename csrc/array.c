@@ -18,23 +18,68 @@ void kv_path_format(const kv_path *path, char *buf, size_t size)
         n += snprintf(buf + n, size - (size_t)n, "[%zd]", path->index[i]);
 }
 
-int kv_path_error(PyObject *type, const kv_path *path, const char *format, ...)
+/* "path: message" from a printf-style format, or NULL with an exception. */
+static PyObject *path_message(const kv_path *path, const char *format, va_list args)
 {
     char where[96];
     kv_path_format(path, where, sizeof where);
+    PyObject *message = PyUnicode_FromFormatV(format, args);
+    if (message == NULL)
+        return NULL;
+    PyObject *full = PyUnicode_FromFormat("%s: %U", where, message);
+    Py_DECREF(message);
+    return full;
+}
+
+int kv_path_error(PyObject *type, const kv_path *path, const char *format, ...)
+{
     va_list args;
     va_start(args, format);
-    PyObject *message = PyUnicode_FromFormatV(format, args);
+    PyObject *message = path_message(path, format, args);
     va_end(args);
     if (message != NULL) {
-        PyErr_Format(type, "%s: %U", where, message);
+        PyErr_SetObject(type, message);
         Py_DECREF(message);
     }
     return -1;
 }
 
+int kv_path_error_from(PyObject *type, const kv_path *path, const char *format, ...)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
+        return -1;
+    PyObject *cause_type, *cause, *traceback;
+    PyErr_Fetch(&cause_type, &cause, &traceback);
+    PyErr_NormalizeException(&cause_type, &cause, &traceback);
+    if (traceback != NULL)
+        PyException_SetTraceback(cause, traceback);
+    va_list args;
+    va_start(args, format);
+    PyObject *message = path_message(path, format, args);
+    va_end(args);
+    PyObject *full = message == NULL ? NULL
+                                     : PyUnicode_FromFormat("%U (%s: %S)", message, ((PyTypeObject *)cause_type)->tp_name,
+                                                            cause);
+    Py_XDECREF(message);
+    if (full != NULL) {
+        PyErr_SetObject(type, full);
+        Py_DECREF(full);
+        PyObject *new_type, *value, *new_traceback;
+        PyErr_Fetch(&new_type, &value, &new_traceback);
+        PyErr_NormalizeException(&new_type, &value, &new_traceback);
+        PyException_SetCause(value, Py_NewRef(cause));
+        PyErr_Restore(new_type, value, new_traceback);
+    }
+    Py_DECREF(cause_type);
+    Py_DECREF(cause);
+    Py_XDECREF(traceback);
+    return -1;
+}
+
 int kv_is_array(PyObject *obj)
 {
+    if (PyList_Check(obj) || PyTuple_Check(obj))
+        return 0;
     return PyObject_HasAttrString(obj, "__dlpack__")
         || PyObject_HasAttrString(obj, "__cuda_array_interface__")
         || PyObject_HasAttrString(obj, "__array_interface__")
@@ -130,6 +175,207 @@ static int check_ndim(const kv_path *path, Py_ssize_t ndim)
     return 0;
 }
 
+/* ------------------------------------------------ names and type facts */
+
+static const char *const NAME_TEXT[KV_NAME_COUNT] = {
+    [KV_NAME_DLPACK] = "__dlpack__",
+    [KV_NAME_DLPACK_DEVICE] = "__dlpack_device__",
+    [KV_NAME_CUDA_ARRAY_INTERFACE] = "__cuda_array_interface__",
+    [KV_NAME_ARRAY_INTERFACE] = "__array_interface__",
+    [KV_NAME_EXCHANGE_API] = "__dlpack_c_exchange_api__",
+    [KV_NAME_DEVICE] = "device",
+    [KV_NAME_IS_NEG] = "is_neg",
+    [KV_NAME_IS_CONJ] = "is_conj",
+    [KV_NAME_REQUIRES_GRAD] = "requires_grad",
+    [KV_NAME_TYPESTR] = "typestr",
+    [KV_NAME_SHAPE] = "shape",
+    [KV_NAME_STRIDES] = "strides",
+    [KV_NAME_DATA] = "data",
+    [KV_NAME_MASK] = "mask",
+    [KV_NAME_STREAM] = "stream",
+    [KV_NAME_TORCH] = "torch",
+    [KV_NAME_TENSOR] = "Tensor",
+};
+
+int kv_protocols_init(kv_protocols *p)
+{
+    memset(p, 0, sizeof *p);
+    for (int i = 0; i < KV_NAME_COUNT; i++)
+        if ((p->names[i] = PyUnicode_InternFromString(NAME_TEXT[i])) == NULL)
+            goto fail;
+    p->dlpack_keywords = Py_BuildValue("(ss)", "stream", "max_version");
+    p->stream_keyword = Py_BuildValue("(s)", "stream");
+    p->max_version = Py_BuildValue("(ii)", 1, 3);
+    if (p->dlpack_keywords != NULL && p->stream_keyword != NULL && p->max_version != NULL)
+        return 0;
+fail:
+    kv_protocols_clear(p);
+    return -1;
+}
+
+int kv_protocols_traverse(kv_protocols *p, visitproc visit, void *arg)
+{
+    for (int i = 0; i < KV_TYPES_CACHED; i++) {
+        Py_VISIT(p->types[i].type);
+        Py_VISIT(p->types[i].is_neg);
+        Py_VISIT(p->types[i].is_conj);
+    }
+    Py_VISIT(p->increment_version);
+    return 0;
+}
+
+static void clear_facts(kv_type_facts *facts)
+{
+    Py_CLEAR(facts->type);
+    Py_CLEAR(facts->is_neg);
+    Py_CLEAR(facts->is_conj);
+    facts->exchange = NULL;
+}
+
+void kv_protocols_clear(kv_protocols *p)
+{
+    for (int i = 0; i < KV_NAME_COUNT; i++)
+        Py_CLEAR(p->names[i]);
+    Py_CLEAR(p->dlpack_keywords);
+    Py_CLEAR(p->stream_keyword);
+    Py_CLEAR(p->max_version);
+    Py_CLEAR(p->increment_version);
+    for (int i = 0; i < KV_TYPES_CACHED; i++)
+        clear_facts(&p->types[i]);
+}
+
+/* The C exchange API a type offers, or NULL.  Errors are cleared: a type
+ * without a usable one is read through the Python protocols. */
+static const DLPackExchangeAPI *find_exchange_api(const kv_protocols *p, PyTypeObject *type)
+{
+    PyObject *capsule = PyObject_GetAttr((PyObject *)type, p->names[KV_NAME_EXCHANGE_API]);
+    if (capsule == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    const DLPackExchangeAPI *api = PyCapsule_IsValid(capsule, "dlpack_exchange_api")
+                                       ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
+                                       : NULL;
+    Py_DECREF(capsule);
+    /* A major version other than 1 may have another layout. */
+    if (api == NULL || api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL
+        || api->current_work_stream == NULL)
+        return NULL;
+    return api;
+}
+
+/* For torch.Tensor and its subclasses, the type's is_neg and is_conj
+ * (new references), looked up on the type once rather than on each tensor;
+ * else both NULL.  torch is looked up among the imported modules only:
+ * before torch is imported there is no tensor.  Errors are cleared. */
+static void find_torch_flags(const kv_protocols *p, PyTypeObject *type, kv_type_facts *facts)
+{
+    PyObject *torch = PyImport_GetModule(p->names[KV_NAME_TORCH]);
+    PyObject *tensor = torch == NULL ? NULL : PyObject_GetAttr(torch, p->names[KV_NAME_TENSOR]);
+    if (tensor != NULL && PyType_Check(tensor) && PyType_IsSubtype(type, (PyTypeObject *)tensor)) {
+        facts->is_neg = PyObject_GetAttr((PyObject *)type, p->names[KV_NAME_IS_NEG]);
+        facts->is_conj = PyObject_GetAttr((PyObject *)type, p->names[KV_NAME_IS_CONJ]);
+        if (facts->is_neg == NULL || facts->is_conj == NULL) {
+            Py_CLEAR(facts->is_neg);
+            Py_CLEAR(facts->is_conj);
+        }
+    }
+    Py_XDECREF(tensor);
+    Py_XDECREF(torch);
+    PyErr_Clear();
+}
+
+/* The facts of `type`, from the cache or found (and cached) now.  The
+ * caller gets its own references to is_neg and is_conj (release_facts):
+ * finding facts runs Python code, which may call into this module again and
+ * recycle any slot. */
+static kv_type_facts type_facts(kv_protocols *p, PyTypeObject *type)
+{
+    for (int i = 0; i < KV_TYPES_CACHED; i++) {
+        if (p->types[i].type == type) {
+            kv_type_facts facts = p->types[i];
+            Py_XINCREF(facts.is_neg);
+            Py_XINCREF(facts.is_conj);
+            return facts;
+        }
+    }
+    kv_type_facts facts = {type, find_exchange_api(p, type), NULL, NULL};
+    find_torch_flags(p, type, &facts);
+    kv_type_facts *slot = &p->types[p->next_type];
+    p->next_type = (p->next_type + 1) % KV_TYPES_CACHED;
+    kv_type_facts old = *slot;
+    slot->type = (PyTypeObject *)Py_NewRef(type);
+    slot->exchange = facts.exchange;
+    slot->is_neg = Py_XNewRef(facts.is_neg);
+    slot->is_conj = Py_XNewRef(facts.is_conj);
+    clear_facts(&old); /* last: freeing a type may run Python code */
+    return facts;
+}
+
+static void release_facts(kv_type_facts *facts)
+{
+    Py_CLEAR(facts->is_neg);
+    Py_CLEAR(facts->is_conj);
+}
+
+/* ---------------------------------------------------------------- devices */
+
+/* DLPack's device types that kvbm_ext cannot read, by name. */
+static const char *dlpack_device_name(int type)
+{
+    switch (type) {
+    case 4: return "OpenCL";
+    case 7: return "Vulkan";
+    case 8: return "Metal";
+    case 9: return "VPI";
+    case 10: return "ROCm";
+    case 11: return "ROCm host";
+    case 12: return "ext_dev";
+    case 14: return "oneAPI";
+    case 15: return "WebGPU";
+    case 16: return "Hexagon";
+    case 17: return "MAIA";
+    case 18: return "Trainium";
+    default: return NULL;
+    }
+}
+
+#define READABLE "which kvbm_ext cannot read (it reads host memory and CUDA device memory)"
+
+static int is_readable(int type)
+{
+    return type == kDLCPU || type == kDLCUDA || type == kDLCUDAHost || type == kDLCUDAManaged;
+}
+
+static int unsupported_device(const kv_path *path, int type)
+{
+    const char *name = dlpack_device_name(type);
+    if (name != NULL)
+        return kv_path_error(PyExc_ValueError, path, "on device %s (DLPack device type %d), " READABLE, name, type);
+    return kv_path_error(PyExc_ValueError, path, "on DLPack device type %d, " READABLE, type);
+}
+
+/* __dlpack_device__() raised: the producer cannot describe where the array
+ * lives (torch: a meta tensor).  Its `device` attribute, if any, names it. */
+static int undescribed_device(const kv_protocols *p, PyObject *obj, const kv_path *path)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
+        return -1;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *device = PyObject_GetAttr(obj, p->names[KV_NAME_DEVICE]);
+    PyObject *name = device == NULL ? NULL : PyObject_Str(device);
+    Py_XDECREF(device);
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+    if (name == NULL)
+        return kv_path_error_from(PyExc_ValueError, path, "on a device its __dlpack_device__() cannot describe, "
+                                  READABLE);
+    kv_path_error_from(PyExc_ValueError, path, "on device %U, " READABLE, name);
+    Py_DECREF(name);
+    return -1;
+}
+
 /* ---------------------------------------------------------------- DLPack */
 
 /* The capsule's tensor, or NULL with an exception set.  *flags and the
@@ -149,7 +395,7 @@ static DLTensor *capsule_tensor(PyObject *capsule, const kv_path *path, uint64_t
                 return NULL;
             if (managed->deleter != NULL)
                 managed->deleter(managed);
-            kv_path_error(PyExc_BufferError, path, "DLPack major version %u is not supported (expected 1)", major);
+            kv_path_error(PyExc_ValueError, path, "DLPack major version %u is not supported (expected 1)", major);
             return NULL;
         }
         *flags = managed->flags;
@@ -168,10 +414,8 @@ static DLTensor *capsule_tensor(PyObject *capsule, const kv_path *path, uint64_t
 static int fill_from_dltensor(const DLTensor *t, const kv_path *path, kv_array *out)
 {
     const int type = t->device.device_type;
-    if (type != kDLCPU && type != kDLCUDA && type != kDLCUDAHost && type != kDLCUDAManaged)
-        return kv_path_error(PyExc_ValueError, path,
-                             "DLPack device type %d is not supported (expected CPU, CUDA, CUDA host or CUDA managed "
-                             "memory)", type);
+    if (!is_readable(type))
+        return unsupported_device(path, type);
     if (check_ndim(path, t->ndim) < 0)
         return -1;
     if (t->dtype.lanes != 1 || t->dtype.bits % 8 != 0 || t->dtype.bits == 0)
@@ -197,39 +441,28 @@ static int fill_from_dltensor(const DLTensor *t, const kv_path *path, kv_array *
 }
 
 /* obj.__dlpack__(stream=stream, max_version=(1, 3)), retried without
- * max_version for producers that predate it (they raise TypeError). */
-static PyObject *call_dlpack(PyObject *obj, PyObject *stream)
+ * max_version for producers that predate it (they raise TypeError).  A
+ * BufferError, DLPack's "cannot export this", becomes a ValueError naming
+ * the argument. */
+static PyObject *call_dlpack(const kv_protocols *p, PyObject *obj, const kv_path *path, PyObject *stream)
 {
-    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
-    if (method == NULL)
-        return NULL;
-    PyObject *args[] = {stream, NULL};
-    PyObject *names = Py_BuildValue("(ss)", "stream", "max_version");
-    PyObject *capsule = NULL;
-    if (names != NULL) {
-        args[1] = Py_BuildValue("(ii)", 1, 3);
-        if (args[1] != NULL)
-            capsule = PyObject_Vectorcall(method, args, 0, names);
-        Py_XDECREF(args[1]);
-    }
+    PyObject *args[3] = {obj, stream, p->max_version};
+    PyObject *capsule = PyObject_VectorcallMethod(p->names[KV_NAME_DLPACK], args, 1, p->dlpack_keywords);
     if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();
-        PyObject *stream_only = PyTuple_GetSlice(names, 0, 1);
-        if (stream_only != NULL)
-            capsule = PyObject_Vectorcall(method, args, 0, stream_only);
-        Py_XDECREF(stream_only);
+        capsule = PyObject_VectorcallMethod(p->names[KV_NAME_DLPACK], args, 1, p->stream_keyword);
     }
-    Py_XDECREF(names);
-    Py_DECREF(method);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_BufferError))
+        kv_path_error_from(PyExc_ValueError, path, "its producer refused to export it through DLPack");
     return capsule;
 }
 
 /* The (device_type, device_id) of obj.__dlpack_device__(). */
-static int dlpack_device(PyObject *obj, const kv_path *path, int *type, int *id)
+static int dlpack_device(const kv_protocols *p, PyObject *obj, const kv_path *path, int *type, int *id)
 {
-    PyObject *device = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    PyObject *device = PyObject_VectorcallMethod(p->names[KV_NAME_DLPACK_DEVICE], &obj, 1, NULL);
     if (device == NULL)
-        return -1;
+        return undescribed_device(p, obj, path);
     int rc = -1;
     if (!PyTuple_Check(device) || PyTuple_GET_SIZE(device) != 2)
         kv_path_error(PyExc_TypeError, path, "__dlpack_device__() must return a (device_type, device_id) tuple");
@@ -252,16 +485,13 @@ static int dlpack_device(PyObject *obj, const kv_path *path, int *type, int *id)
     return rc;
 }
 
-static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream, kv_array *out)
+static int from_dlpack(const kv_reader *reader, PyObject *obj, const kv_path *path, kv_array *out)
 {
     int device_type = 0, device_id = 0;
-    if (dlpack_device(obj, path, &device_type, &device_id) < 0)
+    if (dlpack_device(reader->protocols, obj, path, &device_type, &device_id) < 0)
         return -1;
-    if (device_type != kDLCPU && device_type != kDLCUDA && device_type != kDLCUDAHost
-        && device_type != kDLCUDAManaged)
-        return kv_path_error(PyExc_ValueError, path,
-                             "DLPack device type %d is not supported (expected CPU, CUDA, CUDA host or CUDA managed memory)",
-                             device_type);
+    if (!is_readable(device_type))
+        return unsupported_device(path, device_type);
 
     /* The stream argument asks the producer to order its pending work before
      * the consumer's stream; it means nothing for host memory.  The array's
@@ -270,7 +500,7 @@ static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream
     int previous = -1;
     if (on_device && kv_gpu_use_device(device_id, &previous) < 0)
         return -1;
-    PyObject *capsule = call_dlpack(obj, on_device ? cuda_stream : Py_None);
+    PyObject *capsule = call_dlpack(reader->protocols, obj, path, on_device ? reader->dlpack_stream : Py_None);
     kv_gpu_restore_device(previous);
     if (capsule == NULL)
         return -1;
@@ -285,45 +515,6 @@ static int from_dlpack(PyObject *obj, const kv_path *path, PyObject *cuda_stream
      * because the capsule is never renamed to used_*. */
     out->owner = capsule;
     return 0;
-}
-
-/* ------------------------------------------------ DLPack C exchange API */
-
-/* The exchange API of recently seen types, or NULL for types without one:
- * asking a type costs an attribute lookup (an AttributeError for most
- * types), far more than the call it saves.  Entries hold a reference to
- * their type, so an address is never reused by another type while cached;
- * the slots are recycled in turn.  Guarded by the GIL. */
-#define KV_EXCHANGE_TYPES 8
-static struct {
-    PyTypeObject *type;
-    const DLPackExchangeAPI *api;
-} exchange_types[KV_EXCHANGE_TYPES];
-static int exchange_next;
-
-static const DLPackExchangeAPI *exchange_api(PyTypeObject *type)
-{
-    for (int i = 0; i < KV_EXCHANGE_TYPES; i++)
-        if (exchange_types[i].type == type)
-            return exchange_types[i].api;
-    const DLPackExchangeAPI *api = NULL;
-    PyObject *capsule = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
-    if (capsule == NULL)
-        PyErr_Clear();
-    else {
-        const DLPackExchangeAPI *found = PyCapsule_IsValid(capsule, "dlpack_exchange_api")
-                                             ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
-                                             : NULL;
-        /* A major version other than 1 may have another layout. */
-        if (found != NULL && found->header.version.major == 1 && found->dltensor_from_py_object_no_sync != NULL
-            && found->current_work_stream != NULL)
-            api = found;
-        Py_DECREF(capsule);
-    }
-    Py_XSETREF(exchange_types[exchange_next].type, (PyTypeObject *)Py_NewRef(type));
-    exchange_types[exchange_next].api = api;
-    exchange_next = (exchange_next + 1) % KV_EXCHANGE_TYPES;
-    return api;
 }
 
 /* Fills *out through the producer's C function.  The producer does not
@@ -351,6 +542,95 @@ static int from_exchange(PyObject *obj, const DLPackExchangeAPI *api, const kv_p
     /* The DLTensor carries no read-only flag: the array is taken as writable. */
     out->owner = Py_NewRef(obj);
     return 0;
+}
+
+/* ------------------------------------------------------------------ torch */
+
+/* Whether `flag` (a method of obj's type, e.g. is_neg, or NULL for
+ * obj.requires_grad) is set: 1, 0, or -1 with an exception. */
+static int torch_flag(const kv_protocols *p, PyObject *obj, PyObject *flag)
+{
+    PyObject *value = flag != NULL ? PyObject_Vectorcall(flag, &obj, 1, NULL)
+                                   : PyObject_GetAttr(obj, p->names[KV_NAME_REQUIRES_GRAD]);
+    if (value == NULL)
+        return -1;
+    const int set = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return set;
+}
+
+/* What neither the C exchange API nor torch's __dlpack__ tells: a conjugate
+ * or negative view's bytes are not its values (the bit is applied lazily,
+ * by torch's own operations), and a tensor that requires grad cannot be
+ * written behind autograd's back (torch refuses in-place writes to such a
+ * leaf; on a non-leaf the graph would silently use the new values). */
+static int check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *facts, const kv_path *path,
+                       int write, kv_array *out)
+{
+    int set = out->dtype.code == kDLComplex ? torch_flag(p, obj, facts->is_conj) : 0; /* only complex can be */
+    if (set != 0)
+        return set < 0 ? -1
+                       : kv_path_error(PyExc_ValueError, path, "a conjugate view (its conjugate bit is set): its bytes "
+                                       "are not its values; pass x.resolve_conj()");
+    if ((set = torch_flag(p, obj, facts->is_neg)) != 0)
+        return set < 0 ? -1
+                       : kv_path_error(PyExc_ValueError, path, "a negative view (its negative bit is set, e.g. "
+                                       "x._neg_view() or the .imag of a conjugate view): its bytes are not its values; "
+                                       "pass x.resolve_neg()");
+    if (!write)
+        return 0;
+    if ((set = torch_flag(p, obj, NULL)) != 0)
+        return set < 0 ? -1
+                       : kv_path_error(PyExc_ValueError, path, "destination tensor requires grad, and autograd cannot "
+                                       "see this write; pass x.detach() (same memory) to write it anyway");
+    out->torch_written = 1;
+    return 0;
+}
+
+/* torch.autograd.graph.increment_version, found once; None when this torch
+ * has none.  Borrowed, or NULL with an exception. */
+static PyObject *increment_version(kv_protocols *p)
+{
+    if (p->increment_version == NULL) {
+        PyObject *graph = PyImport_ImportModule("torch.autograd.graph");
+        PyObject *found = graph == NULL ? NULL : PyObject_GetAttrString(graph, "increment_version");
+        Py_XDECREF(graph);
+        if (found == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_ImportError) && !PyErr_ExceptionMatches(PyExc_AttributeError))
+                return NULL;
+            PyErr_Clear();
+            found = Py_NewRef(Py_None);
+        }
+        Py_XSETREF(p->increment_version, found);
+    }
+    return p->increment_version;
+}
+
+int kv_arrays_written(kv_protocols *p, const kv_array *arrays, Py_ssize_t count)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        n += arrays[i].torch_written;
+    if (n == 0)
+        return 0;
+    PyObject *bump = increment_version(p);
+    if (bump == NULL)
+        return -1;
+    if (bump == Py_None)
+        return 0;
+    PyObject *tensors = PyTuple_New(n);
+    if (tensors == NULL)
+        return -1;
+    for (Py_ssize_t i = 0, k = 0; i < count; i++)
+        if (arrays[i].torch_written)
+            PyTuple_SET_ITEM(tensors, k++, Py_NewRef(arrays[i].owner));
+    /* Held by the call: the function may drop p's reference. */
+    Py_INCREF(bump);
+    PyObject *result = PyObject_CallOneArg(bump, tensors);
+    Py_DECREF(bump);
+    Py_DECREF(tensors);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
 }
 
 /* ----------------------------------------------- typestr-based interfaces */
@@ -406,12 +686,19 @@ static int read_entry(PyObject *item, const kv_path *path, const char *what, Py_
     return 0;
 }
 
-/* Fills shape and strides from an interface dict's "shape" and "strides". */
-static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *out)
+/* The value of an interface dict's key, borrowed from the dict (the
+ * caller's copy); NULL when absent, with an exception only on error. */
+static PyObject *entry(const kv_protocols *p, PyObject *dict, int name)
 {
-    PyObject *shape = PyDict_GetItemString(dict, "shape");
+    return PyDict_GetItemWithError(dict, p->names[name]);
+}
+
+/* Fills shape and strides from an interface dict's "shape" and "strides". */
+static int parse_shape_strides(const kv_protocols *p, PyObject *dict, const kv_path *path, kv_array *out)
+{
+    PyObject *shape = entry(p, dict, KV_NAME_SHAPE);
     if (shape == NULL || !PyTuple_Check(shape))
-        return kv_path_error(PyExc_TypeError, path, "array interface has no shape tuple");
+        return PyErr_Occurred() ? -1 : kv_path_error(PyExc_TypeError, path, "array interface has no shape tuple");
     Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
     if (check_ndim(path, ndim) < 0)
         return -1;
@@ -419,7 +706,9 @@ static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *ou
     for (Py_ssize_t i = 0; i < ndim; i++)
         if (read_entry(PyTuple_GET_ITEM(shape, i), path, "shape", i, 0, &out->shape[i]) < 0)
             return -1;
-    PyObject *strides = PyDict_GetItemString(dict, "strides");
+    PyObject *strides = entry(p, dict, KV_NAME_STRIDES);
+    if (strides == NULL && PyErr_Occurred())
+        return -1;
     if (strides == NULL || strides == Py_None) {
         set_compact_strides(out);
         return 0;
@@ -432,38 +721,56 @@ static int parse_shape_strides(PyObject *dict, const kv_path *path, kv_array *ou
     return 0;
 }
 
-/* Fills data and readonly from an interface dict's (pointer, readonly) "data". */
-static int parse_data(PyObject *dict, const kv_path *path, kv_array *out)
+/* An address or a stream handle of an interface dict: an int, or any
+ * object with __index__ but a bool, from 0 to 2**64 - 1.  0, or -1 with the
+ * error cleared (the caller names it). */
+static int read_address(PyObject *obj, uint64_t *value)
 {
-    PyObject *data = PyDict_GetItemString(dict, "data");
-    if (data == NULL || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2)
-        return kv_path_error(PyExc_TypeError, path, "array interface data must be a (pointer, readonly) tuple");
-    PyObject *pointer = PyTuple_GET_ITEM(data, 0);
-    const unsigned long long address = PyLong_Check(pointer) ? PyLong_AsUnsignedLongLong(pointer) : 0;
-    if (!PyLong_Check(pointer) || (address == (unsigned long long)-1 && PyErr_Occurred())) {
+    PyObject *number = PyBool_Check(obj) || !PyIndex_Check(obj) ? NULL : PyNumber_Index(obj);
+    const unsigned long long v = number == NULL ? 0 : PyLong_AsUnsignedLongLong(number);
+    Py_XDECREF(number);
+    if (number == NULL || (v == (unsigned long long)-1 && PyErr_Occurred())) {
         PyErr_Clear();
+        return -1;
+    }
+    *value = v;
+    return 0;
+}
+
+/* Fills data and readonly from an interface dict's (pointer, readonly) "data". */
+static int parse_data(const kv_protocols *p, PyObject *dict, const kv_path *path, kv_array *out)
+{
+    PyObject *data = entry(p, dict, KV_NAME_DATA);
+    if (data == NULL || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2)
+        return PyErr_Occurred() ? -1
+                                : kv_path_error(PyExc_TypeError, path, "array interface data must be a (pointer, "
+                                                "readonly) tuple");
+    PyObject *pointer = PyTuple_GET_ITEM(data, 0);
+    uint64_t address;
+    if (read_address(pointer, &address) < 0)
         return kv_path_error(PyExc_ValueError, path, "array interface data pointer %R is not an int from 0 to 2**64 - 1",
                              pointer);
-    }
     out->data = (void *)(uintptr_t)address;
     out->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
     if (out->readonly < 0)
         return -1;
-    PyObject *mask = PyDict_GetItemString(dict, "mask");
+    PyObject *mask = entry(p, dict, KV_NAME_MASK);
+    if (mask == NULL && PyErr_Occurred())
+        return -1;
     if (mask != NULL && mask != Py_None)
         return kv_path_error(PyExc_ValueError, path, "masked arrays are not supported");
     return 0;
 }
 
-/* Shared by __cuda_array_interface__ and __array_interface__. */
-static int from_interface(PyObject *obj, const kv_path *path, const char *attribute, kv_array *out)
+/* Shared by __cuda_array_interface__ and __array_interface__ (`name`). */
+static int from_interface(const kv_protocols *p, PyObject *obj, const kv_path *path, int name, kv_array *out)
 {
-    PyObject *given = PyObject_GetAttrString(obj, attribute);
+    PyObject *given = PyObject_GetAttr(obj, p->names[name]);
     if (given == NULL)
         return -1;
     if (!PyDict_Check(given)) {
         Py_DECREF(given);
-        return kv_path_error(PyExc_TypeError, path, "%s is not a dict", attribute);
+        return kv_path_error(PyExc_TypeError, path, "%U is not a dict", p->names[name]);
     }
     /* Read a copy: reading runs the entries' __index__, which could change
      * the producer's dict and free what a borrowed reference points at. */
@@ -472,25 +779,28 @@ static int from_interface(PyObject *obj, const kv_path *path, const char *attrib
     if (dict == NULL)
         return -1;
     int rc = -1;
-    PyObject *typestr = PyDict_GetItemString(dict, "typestr");
+    PyObject *typestr = entry(p, dict, KV_NAME_TYPESTR);
     if (typestr == NULL) {
-        kv_path_error(PyExc_TypeError, path, "%s has no typestr", attribute);
+        if (!PyErr_Occurred())
+            kv_path_error(PyExc_TypeError, path, "%U has no typestr", p->names[name]);
         goto done;
     }
-    if (parse_typestr(typestr, path, out) < 0 || parse_shape_strides(dict, path, out) < 0
-        || parse_data(dict, path, out) < 0)
+    if (parse_typestr(typestr, path, out) < 0 || parse_shape_strides(p, dict, path, out) < 0
+        || parse_data(p, dict, path, out) < 0)
         goto done;
-    PyObject *stream = PyDict_GetItemString(dict, "stream");
+    PyObject *stream = entry(p, dict, KV_NAME_STREAM);
+    if (stream == NULL && PyErr_Occurred())
+        goto done;
     if (stream != NULL && stream != Py_None) {
         /* CAI v3: the producer's work on this stream must be ordered before
          * ours.  0 is forbidden by the protocol (ambiguous). */
-        out->stream = PyLong_Check(stream) ? (intptr_t)PyLong_AsVoidPtr(stream) : 0;
-        if (out->stream == 0) {
-            PyErr_Clear();
+        uint64_t handle = 0;
+        if (read_address(stream, &handle) < 0 || handle == 0) {
             kv_path_error(PyExc_ValueError, path, "__cuda_array_interface__ stream %R is not allowed (a nonzero "
                           "cudaStream_t int, or None)", stream);
             goto done;
         }
+        out->stream = (intptr_t)handle;
         out->has_stream = 1;
     }
     out->owner = Py_NewRef(obj);
@@ -556,37 +866,29 @@ static void clear_array(kv_array *out)
 
 /* Borrows obj through the first protocol it offers, the C exchange API
  * first. */
-static int read_array(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+static int read_protocol(const kv_reader *reader, PyObject *obj, const kv_type_facts *facts, const kv_path *path,
+                         kv_array *out)
 {
-    clear_array(out);
-    int rc;
-    const DLPackExchangeAPI *api = exchange_api(Py_TYPE(obj));
-    if (api != NULL) {
-        rc = from_exchange(obj, api, path, out);
-        if (rc <= 0) {
-            if (rc < 0)
-                kv_array_release(out);
+    const kv_protocols *p = reader->protocols;
+    if (facts->exchange != NULL) {
+        const int rc = from_exchange(obj, facts->exchange, path, out);
+        if (rc <= 0)
             return rc;
-        }
         clear_array(out);
     }
-    if (PyObject_HasAttrString(obj, "__dlpack__") && PyObject_HasAttrString(obj, "__dlpack_device__"))
-        rc = from_dlpack(obj, path, dlpack_stream, out);
-    else if (PyObject_HasAttrString(obj, "__cuda_array_interface__")) {
-        rc = from_interface(obj, path, "__cuda_array_interface__", out);
+    if (PyObject_HasAttr(obj, p->names[KV_NAME_DLPACK]) && PyObject_HasAttr(obj, p->names[KV_NAME_DLPACK_DEVICE]))
+        return from_dlpack(reader, obj, path, out);
+    if (PyObject_HasAttr(obj, p->names[KV_NAME_CUDA_ARRAY_INTERFACE])) {
         out->place = KV_DEVICE;
+        return from_interface(p, obj, path, KV_NAME_CUDA_ARRAY_INTERFACE, out);
     }
-    else if (PyObject_HasAttrString(obj, "__array_interface__"))
-        rc = from_interface(obj, path, "__array_interface__", out);
-    else if (PyObject_CheckBuffer(obj))
-        rc = from_buffer(obj, path, out);
-    else
-        return kv_path_error(PyExc_TypeError, path,
-                             "expected an array (DLPack, __cuda_array_interface__, __array_interface__ or a buffer), got %s",
-                             Py_TYPE(obj)->tp_name);
-    if (rc < 0)
-        kv_array_release(out);
-    return rc;
+    if (PyObject_HasAttr(obj, p->names[KV_NAME_ARRAY_INTERFACE]))
+        return from_interface(p, obj, path, KV_NAME_ARRAY_INTERFACE, out);
+    if (PyObject_CheckBuffer(obj))
+        return from_buffer(obj, path, out);
+    return kv_path_error(PyExc_TypeError, path,
+                         "expected an array (DLPack, __cuda_array_interface__, __array_interface__ or a buffer), got %s",
+                         Py_TYPE(obj)->tp_name);
 }
 
 static int has_empty_dimension(const kv_array *a)
@@ -603,7 +905,7 @@ int64_t kv_array_elements(const kv_array *a)
         return 0;
     int64_t elements = 1;
     for (int i = 0; i < a->ndim; i++)
-        elements *= a->shape[i]; /* in range: kv_array_from_object checked it */
+        elements *= a->shape[i]; /* in range: kv_array_read checked it */
     return elements;
 }
 
@@ -636,18 +938,44 @@ static int check_extents(const kv_array *a, const kv_path *path)
     return 0;
 }
 
-int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+/* kv_array_read and kv_array_keep for a reader without the module's names
+ * (callers without the module state): made for the one array. */
+static int read_alone(const kv_reader *reader, PyObject *obj, const kv_path *path, int keep, kv_array *out)
 {
-    const int rc = read_array(obj, path, dlpack_stream, out);
-    if (rc == 0 && check_extents(out, path) < 0) {
-        kv_array_release(out);
+    kv_protocols protocols;
+    if (kv_protocols_init(&protocols) < 0) {
+        clear_array(out);
         return -1;
     }
+    const kv_reader with_names = {&protocols, reader->dlpack_stream};
+    const int rc = keep ? kv_array_keep(&with_names, obj, path, out) : kv_array_read(&with_names, obj, path, 0, out);
+    kv_protocols_clear(&protocols);
     return rc;
 }
 
-int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+int kv_array_read(const kv_reader *reader, PyObject *obj, const kv_path *path, int write, kv_array *out)
 {
+    if (reader->protocols == NULL)
+        return read_alone(reader, obj, path, 0, out);
+    clear_array(out);
+    kv_type_facts facts = type_facts(reader->protocols, Py_TYPE(obj));
+    int rc = read_protocol(reader, obj, &facts, path, out);
+    if (rc == 0 && facts.is_neg != NULL)
+        rc = check_torch(reader->protocols, obj, &facts, path, write, out);
+    release_facts(&facts);
+    if (rc == 0)
+        rc = check_extents(out, path);
+    if (rc == 0 && write && out->readonly)
+        rc = kv_path_error(PyExc_ValueError, path, "destination array is read-only");
+    if (rc < 0)
+        kv_array_release(out);
+    return rc;
+}
+
+int kv_array_keep(const kv_reader *reader, PyObject *obj, const kv_path *path, kv_array *out)
+{
+    if (reader->protocols == NULL)
+        return read_alone(reader, obj, path, 1, out);
     /* torch exports through DLPack a handle to the tensor itself, which
      * set_ and resize_ re-point, freeing the old storage under the capsule;
      * a detached alias shares the storage but is not re-pointed with it. */
@@ -657,9 +985,38 @@ int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpa
         if (alias == NULL)
             return -1;
     }
-    const int rc = kv_array_from_object(alias != NULL ? alias : obj, path, dlpack_stream, out);
+    const int rc = kv_array_read(reader, alias != NULL ? alias : obj, path, 0, out);
     Py_XDECREF(alias); /* the array's owner holds it */
     return rc;
+}
+
+int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+{
+    const kv_reader reader = {NULL, dlpack_stream};
+    return kv_array_read(&reader, obj, path, 0, out);
+}
+
+int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
+{
+    const kv_reader reader = {NULL, dlpack_stream};
+    return kv_array_keep(&reader, obj, path, out);
+}
+
+void kv_array_block(const kv_array *stack, int64_t b, kv_array *out)
+{
+    clear_array(out);
+    out->data = stack->data + b * stack->strides[0];
+    out->ndim = stack->ndim - 1;
+    memcpy(out->shape, stack->shape + 1, (size_t)out->ndim * sizeof(int64_t));
+    memcpy(out->strides, stack->strides + 1, (size_t)out->ndim * sizeof(int64_t));
+    out->itemsize = stack->itemsize;
+    out->dtype = stack->dtype;
+    out->place = stack->place;
+    out->device_id = stack->device_id;
+    out->readonly = stack->readonly;
+    out->has_stream = stack->has_stream;
+    out->stream = stack->stream;
+    out->current_work_stream = stack->current_work_stream;
 }
 
 void kv_array_release(kv_array *a)

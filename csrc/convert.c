@@ -11,12 +11,26 @@
 #include "overlap.h"
 #include "stream.h"
 
+/* One side of a call as given: a sequence of arrays, one per block, or one
+ * array, either a single block (a 5-D universal, a 3-D operational) or a
+ * stack whose leading dimension counts the blocks (6-D, 4-D), as
+ * PagedKVCache takes them. */
+typedef struct {
+    const char *name;
+    PyObject *items;  /* the sequence, snapshotted as a tuple; NULL for one array */
+    kv_array whole;   /* the one array, borrowed (has_whole) */
+    int has_whole;
+    int stacked;      /* whole has a leading block dimension */
+    Py_ssize_t nb;
+} kv_side;
+
 /* One call's arguments as they are walked and checked.  Two sides: `flat`,
- * whose first array fixes the dimensions (universals, or operationals when
+ * whose first block fixes the dimensions (universals, or operationals when
  * the other side is a block stack), and `other` (a block stack, or
- * operationals).  `arrays` holds flat's nb arrays, then other's (nb * nchunks
- * chunks, block-major, or nb operationals): the order of the kernels'
- * pointer table. */
+ * operationals).  `arrays` holds flat's nb blocks, then other's (nb *
+ * nchunks chunks, block-major, or nb operationals): the order of the
+ * kernels' pointer table.  The blocks of a side given as one array are
+ * views of it (kv_array_block), holding no reference. */
 typedef struct {
     kv_conversion conversion;
     int to_flat; /* the bytes move into the flat side */
@@ -26,12 +40,9 @@ typedef struct {
     const char *function;
     intptr_t stream;
     int stream_none; /* stream=None: the arrays' framework's current stream (kv_arrays_default_stream) */
-    PyObject *dlpack_stream;
-    const char *flat_name, *other_name;
-    PyObject *flat;  /* a list or tuple (a single array is wrapped) */
-    int single_flat; /* flat was one array: its path has no index */
-    PyObject *other; /* a list or tuple */
-    int single_other;
+    kv_state *state;
+    kv_reader reader;
+    kv_side flat, other;
     int other_is_blocks;
     int empty;       /* flat[0] has no element: the call moves nothing */
     Py_ssize_t nb;
@@ -50,20 +61,27 @@ static Py_ssize_t array_count(const kv_call *call)
     return call->nb * (1 + (call->other_is_blocks ? call->nchunks : 1));
 }
 
+/* Whether arrays[i] is written by the call. */
+static int is_destination(const kv_call *call, Py_ssize_t i)
+{
+    return (i < call->nb) == call->to_flat;
+}
+
+/* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
+static const kv_side *side_of(const kv_call *call, Py_ssize_t i)
+{
+    return i < call->nb ? &call->flat : call->other_is_blocks ? NULL : &call->other;
+}
+
 static kv_path path_of(const kv_call *call, Py_ssize_t i)
 {
-    kv_path path = {call->flat_name, {i, 0}, call->single_flat ? 0 : 1};
-    if (i >= call->nb && call->other_is_blocks) {
-        path.name = call->other_name;
-        path.index[0] = (i - call->nb) / call->nchunks;
-        path.index[1] = (i - call->nb) % call->nchunks;
-        path.depth = 2;
+    const kv_side *side = side_of(call, i);
+    if (side == NULL) {
+        const kv_path path = {call->other.name, {(i - call->nb) / call->nchunks, (i - call->nb) % call->nchunks}, 2};
+        return path;
     }
-    else if (i >= call->nb) {
-        path.name = call->other_name;
-        path.index[0] = i - call->nb;
-        path.depth = call->single_other ? 0 : 1;
-    }
+    /* A block of one array is named by the array. */
+    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, side->items != NULL};
     return path;
 }
 
@@ -77,27 +95,44 @@ static const char *other_shape_hint(const kv_call *call)
     return call->layout == KVBM_NHD ? "[nt, nh, hd] for layout NHD" : "[nh, nt, hd] for layout HND";
 }
 
-/* Checks arrays[i] against the call: shape, contiguity, element type (that
- * of arrays[0]) and, for destinations, writability. */
+/* The shape a block of `side` must have, `expected`, as the argument shows
+ * it: with the block count first when the side is one stack. */
+static void format_expected(const kv_side *side, const int64_t *expected, int ndim, char *buf, size_t size)
+{
+    int64_t shape[KV_MAX_NDIM];
+    const int stacked = side != NULL && side->stacked;
+    shape[0] = side != NULL ? side->nb : 0;
+    memcpy(shape + stacked, expected, (size_t)ndim * sizeof(int64_t));
+    kv_format_shape(shape, ndim + stacked, buf, size);
+}
+
+/* Checks arrays[i] against the call: shape, contiguity and element type
+ * (that of arrays[0]); kv_array_read checked that destinations are
+ * writable. */
 static int check_array(const kv_call *call, Py_ssize_t i)
 {
     const kv_array *a = &call->arrays[i];
     const kv_path path = path_of(call, i);
+    const kv_side *side = side_of(call, i);
     const int is_flat = i < call->nb;
     const int ndim = is_flat ? call->flat_ndim : 3;
     const int64_t *expected = is_flat ? call->flat_shape : call->other_shape;
-    char want[96], got[96];
+    char want[128], got[96];
 
     int same = a->ndim == ndim;
     for (int d = 0; same && d < ndim; d++)
         same = a->shape[d] == expected[d];
     if (!same) {
-        kv_format_shape(expected, ndim, want, sizeof want);
-        kv_format_shape(a->shape, a->ndim, got, sizeof got);
+        format_expected(side, expected, ndim, want, sizeof want);
+        if (side != NULL && side->has_whole)
+            kv_format_shape(side->whole.shape, side->whole.ndim, got, sizeof got);
+        else
+            kv_format_shape(a->shape, a->ndim, got, sizeof got);
+        const char *prefix = side != NULL && side->stacked ? "[nb, " : "[";
         if (is_flat)
-            return kv_path_error(PyExc_ValueError, &path, "expected shape %s (%s like %s[0]), got %s", want,
-                                 call->flat_ndim == 5 ? "[nh, nl, no, nt, hd]" : "[nl, no, nt*nh*hd]",
-                                 call->flat_name, got);
+            return kv_path_error(PyExc_ValueError, &path, "expected shape %s (%s%s like %s[0]), got %s", want, prefix,
+                                 call->flat_ndim == 5 ? "nh, nl, no, nt, hd]" : "nl, no, nt*nh*hd]", call->flat.name,
+                                 got);
         return kv_path_error(PyExc_ValueError, &path, "expected shape %s (%s), got %s", want, other_shape_hint(call),
                              got);
     }
@@ -112,17 +147,38 @@ static int check_array(const kv_call *call, Py_ssize_t i)
     }
     if (!kv_array_is_contiguous(a))
         return kv_path_error(PyExc_ValueError, &path, "array must be C-contiguous");
-    const int is_destination = is_flat == call->to_flat;
-    if (is_destination && a->readonly)
-        return kv_path_error(PyExc_ValueError, &path, "destination array is read-only");
     return 0;
 }
 
-/* Borrows `obj` into arrays[i]. */
-static int borrow(kv_call *call, PyObject *obj, Py_ssize_t i)
+/* Fills arrays[i]: block b of its side, borrowed from the side's sequence,
+ * or a view of the side's one array. */
+static int borrow_block(kv_call *call, const kv_side *side, Py_ssize_t b, Py_ssize_t i)
+{
+    kv_array *a = &call->arrays[i];
+    if (side->has_whole) {
+        if (side->stacked)
+            kv_array_block(&side->whole, b, a);
+        else {
+            *a = side->whole;
+            a->owner = NULL; /* the whole keeps the borrow */
+            a->has_view = 0;
+            a->torch_written = 0;
+        }
+        call->parsed = i + 1;
+        return 0;
+    }
+    const kv_path path = path_of(call, i);
+    if (kv_array_read(&call->reader, PyTuple_GET_ITEM(side->items, b), &path, is_destination(call, i), a) < 0)
+        return -1;
+    call->parsed = i + 1;
+    return 0;
+}
+
+/* Borrows chunk `obj` into arrays[i]. */
+static int borrow_chunk(kv_call *call, PyObject *obj, Py_ssize_t i)
 {
     const kv_path path = path_of(call, i);
-    if (kv_array_from_object(obj, &path, call->dlpack_stream, &call->arrays[i]) < 0)
+    if (kv_array_read(&call->reader, obj, &path, is_destination(call, i), &call->arrays[i]) < 0)
         return -1;
     call->parsed = i + 1;
     return 0;
@@ -134,7 +190,7 @@ static int borrow(kv_call *call, PyObject *obj, Py_ssize_t i)
 static int read_first_chunk(kv_call *call, PyObject *chunk)
 {
     const Py_ssize_t i = call->nb;
-    if (borrow(call, chunk, i) < 0)
+    if (borrow_chunk(call, chunk, i) < 0)
         return -1;
     const kv_array *a = &call->arrays[i];
     const kv_path path = path_of(call, i);
@@ -153,10 +209,9 @@ static int read_dimensions(kv_call *call)
 {
     kv_array *f = &call->arrays[0];
     const kv_path path = path_of(call, 0);
-    if (borrow(call, PySequence_Fast_GET_ITEM(call->flat, 0), 0) < 0)
+    if (borrow_block(call, &call->flat, 0, 0) < 0)
         return -1;
     const int is_universal = call->conversion != KV_BLOCK_OPERATIONAL;
-    call->flat_ndim = is_universal ? 5 : 3;
     if (f->ndim != call->flat_ndim) {
         char got[96];
         kv_format_shape(f->shape, f->ndim, got, sizeof got);
@@ -212,32 +267,31 @@ static int read_dimensions(kv_call *call)
 static int walk_arguments(kv_call *call)
 {
     for (Py_ssize_t b = 1; b < call->nb; b++)
-        if (borrow(call, PySequence_Fast_GET_ITEM(call->flat, b), b) < 0 || check_array(call, b) < 0)
+        if (borrow_block(call, &call->flat, b, b) < 0 || check_array(call, b) < 0)
             return -1;
     if (!call->other_is_blocks) {
         for (Py_ssize_t b = 0; b < call->nb; b++)
-            if (borrow(call, PySequence_Fast_GET_ITEM(call->other, b), call->nb + b) < 0
-                || check_array(call, call->nb + b) < 0)
+            if (borrow_block(call, &call->other, b, call->nb + b) < 0 || check_array(call, call->nb + b) < 0)
                 return -1;
         return 0;
     }
     for (Py_ssize_t b = 0; b < call->nb; b++) {
-        const kv_path path = {"blocks", {b, 0}, 1};
-        PyObject *chunks = kv_as_sequence(PySequence_Fast_GET_ITEM(call->other, b), &path,
+        const kv_path path = {call->other.name, {b, 0}, 1};
+        PyObject *chunks = kv_as_sequence(PyTuple_GET_ITEM(call->other.items, b), &path,
                                           "a sequence of nl*no chunk arrays");
         if (chunks == NULL)
             return -1;
         int rc = 0;
-        if (PySequence_Fast_GET_SIZE(chunks) != call->nchunks)
+        if (PyTuple_GET_SIZE(chunks) != call->nchunks)
             rc = kv_path_error(PyExc_ValueError, &path, "expected nl*no = %lld chunk arrays, got %zd",
-                               (long long)call->nchunks, PySequence_Fast_GET_SIZE(chunks));
+                               (long long)call->nchunks, PyTuple_GET_SIZE(chunks));
         for (Py_ssize_t c = 0; rc == 0 && c < call->nchunks; c++) {
             const Py_ssize_t i = call->nb + b * call->nchunks + c;
-            PyObject *chunk = PySequence_Fast_GET_ITEM(chunks, c);
+            PyObject *chunk = PyTuple_GET_ITEM(chunks, c);
             if (i == call->nb && call->conversion == KV_BLOCK_OPERATIONAL)
                 rc = read_first_chunk(call, chunk);
             else
-                rc = borrow(call, chunk, i) < 0 || check_array(call, i) < 0 ? -1 : 0;
+                rc = borrow_chunk(call, chunk, i) < 0 || check_array(call, i) < 0 ? -1 : 0;
         }
         Py_DECREF(chunks);
         if (rc < 0)
@@ -266,7 +320,7 @@ static int check_aliasing(const kv_call *call)
         return -1;
     }
     for (Py_ssize_t i = 0; i < count; i++)
-        spans[i] = kv_span_of(&call->arrays[i], i, (i < call->nb) == call->to_flat);
+        spans[i] = kv_span_of(&call->arrays[i], i, is_destination(call, i));
     Py_ssize_t first, second;
     int rc = kv_find_overlap(spans, count, &first, &second);
     PyMem_Free(spans);
@@ -408,8 +462,38 @@ static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims
     return NULL;
 }
 
-/* Block stack or operational <-> universal: the layout kernel, alone or
- * staged. */
+/* The layout kernel on the GPU, alone or staged through device memory when
+ * pinned host memory takes part. */
+static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target,
+                                const kvbm_block_dims *dims, void **table)
+{
+    const Py_ssize_t count = array_count(call);
+    int pinned = 0;
+    for (Py_ssize_t i = 0; i < count && !pinned; i++)
+        pinned = call->arrays[i].place == KV_HOST_PINNED;
+    /* The staged path alone needs the arrays' addresses as integers. */
+    uint64_t *addresses = NULL;
+    if (pinned && (addresses = PyMem_Malloc((size_t)count * sizeof *addresses)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv_staged staged;
+    const char *unstageable = pinned ? plan_staging(call, dims, addresses, &staged) : NULL;
+    const kv_route route = kv_route_move(call->backend, pinned, unstageable, call->num_ctas);
+    staged.async_copies = route.async_copies;
+    kv_gpu_report report;
+    memset(&report, 0, sizeof report);
+    const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
+    const int rc = kv_gpu_block_universal(gpu, target, dims, direction, table,
+                                          vector_bytes((const void *const *)table, count, dims->row_bytes), route.ctas,
+                                          route.staged ? &staged : NULL, &report);
+    if (rc == 0)
+        kv_debug_move(call->function, &route, &report, target->device);
+    PyMem_Free(addresses);
+    return rc;
+}
+
+/* Block stack or operational <-> universal: the layout kernel, or the CPU. */
 static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target, int on_gpu)
 {
     const Py_ssize_t count = array_count(call);
@@ -425,46 +509,41 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *
     dims.chunk_stride = call->other_is_blocks ? 0 : dims.nh * dims.nt * dims.row_bytes;
     dims.universal_chunks = dims.nchunks;
     dims.chunk_heads = dims.nh;
-    const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
 
     void **table = PyMem_Malloc((size_t)count * sizeof *table);
-    uint64_t *addresses = on_gpu ? PyMem_Malloc((size_t)count * sizeof *addresses) : NULL;
-    if (table == NULL || (on_gpu && addresses == NULL)) {
-        PyMem_Free(table);
+    if (table == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t i = 0; i < count; i++)
         table[i] = call->arrays[i].data;
     int rc = 0;
-    if (on_gpu) {
-        int pinned = 0;
-        for (Py_ssize_t i = 0; i < count && !pinned; i++)
-            pinned = call->arrays[i].place == KV_HOST_PINNED;
-        kv_staged staged;
-        const char *unstageable = pinned ? plan_staging(call, &dims, addresses, &staged) : NULL;
-        const kv_route route = kv_route_move(call->backend, pinned, unstageable, call->num_ctas);
-        staged.async_copies = route.async_copies;
-        kv_gpu_report report;
-        memset(&report, 0, sizeof report);
-        rc = kv_gpu_block_universal(gpu, target, &dims, direction, table,
-                                    vector_bytes((const void *const *)table, count, dims.row_bytes), route.ctas,
-                                    route.staged ? &staged : NULL, &report);
-        if (rc == 0)
-            kv_debug_move(call->function, &route, &report, target->device);
-    }
+    if (on_gpu)
+        rc = run_universal_on_gpu(gpu, call, target, &dims, table);
     else {
+        const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
         Py_BEGIN_ALLOW_THREADS
         kv_cpu_block_universal(&dims, table, direction);
         Py_END_ALLOW_THREADS
     }
     PyMem_Free(table);
-    PyMem_Free(addresses);
     return rc;
 }
 
-static int run(kv_gpu *gpu, kv_call *call)
+/* Tells the destinations' frameworks that they are about to be written
+ * (kv_arrays_written): the destination side's one array, or its arrays. */
+static int mark_written(kv_call *call)
 {
+    const kv_side *side = call->to_flat ? &call->flat : &call->other;
+    if (side->has_whole)
+        return kv_arrays_written(&call->state->protocols, &side->whole, 1);
+    const Py_ssize_t first = call->to_flat ? 0 : call->nb, end = call->to_flat ? call->nb : array_count(call);
+    return kv_arrays_written(&call->state->protocols, call->arrays + first, end - first);
+}
+
+static int run(kv_call *call)
+{
+    kv_gpu *gpu = call->state->gpu;
     const Py_ssize_t count = array_count(call);
     int on_gpu = 0;
     for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
@@ -475,7 +554,7 @@ static int run(kv_gpu *gpu, kv_call *call)
                    || (call->stream_none
                        && kv_arrays_default_stream(call->arrays, count, target.device, &target.stream) < 0)))
         return -1;
-    if (check_aliasing(call) < 0)
+    if (check_aliasing(call) < 0 || mark_written(call) < 0)
         return -1;
     if (on_gpu) {
         producers = PyMem_Malloc((size_t)count * sizeof *producers);
@@ -493,14 +572,46 @@ static int run(kv_gpu *gpu, kv_call *call)
     return rc;
 }
 
-/* A side given as one array (not a sequence) is one block. */
-static PyObject *flat_side(PyObject *obj, const char *name, int *single)
+/* Reads one side's argument (`block_ndim`: a block's dimensions, 5 for
+ * universals, 3 for operationals): a sequence is snapshotted; one array is
+ * borrowed now, to tell a single block from a stack. */
+static int read_side(kv_call *call, kv_side *side, PyObject *obj, int block_ndim, int write)
 {
-    const kv_path path = {name, {0, 0}, 0};
-    *single = kv_is_array(obj);
-    if (*single)
-        return PyTuple_Pack(1, obj);
-    return kv_as_sequence(obj, &path, "an array or a sequence of arrays");
+    const kv_path path = {side->name, {0, 0}, 0};
+    if (!kv_is_array(obj)) {
+        side->items = kv_as_sequence(obj, &path, "an array or a sequence of arrays");
+        side->nb = side->items == NULL ? 0 : PyTuple_GET_SIZE(side->items);
+        return side->items == NULL ? -1 : 0;
+    }
+    kv_array *a = &side->whole;
+    if (kv_array_read(&call->reader, obj, &path, write, a) < 0)
+        return -1;
+    side->has_whole = 1;
+    if (a->ndim == block_ndim) {
+        side->nb = 1;
+        return 0;
+    }
+    const char *block = block_ndim == 5 ? "nh, nl, no, nt, hd]" : "nl, no, nt*nh*hd]";
+    char got[96];
+    kv_format_shape(a->shape, a->ndim, got, sizeof got);
+    if (a->ndim != block_ndim + 1)
+        return kv_path_error(PyExc_ValueError, &path, "expected a %d-D [%s array (one block) or a %d-D [nb, %s array, "
+                             "got shape %s", block_ndim, block, block_ndim + 1, block, got);
+    side->stacked = 1;
+    side->nb = (Py_ssize_t)a->shape[0];
+    if (!kv_array_is_contiguous_from(a, 1))
+        return kv_path_error(PyExc_ValueError, &path, "every block (all dimensions after the first) must be "
+                             "C-contiguous, got shape %s", got);
+    if (write && side->nb > 1 && kv_array_elements(a) > 0) {
+        /* Blocks that overlap would be written twice, in an order that
+         * decides the result. */
+        const int64_t block_bytes = kv_array_elements(a) / a->shape[0] * a->itemsize;
+        if (a->strides[0] < block_bytes)
+            return kv_path_error(PyExc_ValueError, &path, "the blocks %s (leading stride %lld bytes, %lld bytes per "
+                                 "block); a destination's blocks may not overlap", a->strides[0] < 0 ? "run backwards"
+                                 : "overlap", (long long)a->strides[0], (long long)block_bytes);
+    }
+    return 0;
 }
 
 /* The Python function a call came through, for the debug log. */
@@ -516,16 +627,32 @@ static const char *function_name(kv_conversion conversion, int to_flat)
     }
 }
 
-int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *flat, PyObject *other,
+/* Both sides hold nb blocks; a side given as a stack whose leading
+ * dimension disagrees is named, else the other side. */
+static int check_block_counts(const kv_call *call)
+{
+    const kv_side *flat = &call->flat, *other = &call->other;
+    if (other->nb == flat->nb)
+        return 0;
+    const kv_side *wrong = flat->stacked && !other->stacked ? flat : other;
+    const kv_side *right = wrong == flat ? other : flat;
+    PyErr_Format(PyExc_ValueError, "%s: has %zd blocks%s but %s has %zd", wrong->name, wrong->nb,
+                 wrong->stacked ? " (its leading dimension)" : "", right->name, right->nb);
+    return -1;
+}
+
+int kv_convert(kv_state *state, kv_conversion conversion, int to_flat, PyObject *flat, PyObject *other,
                PyObject *layout, PyObject *backend, PyObject *num_ctas, PyObject *stream)
 {
     kv_call call;
     memset(&call, 0, sizeof call);
+    call.state = state;
     call.conversion = conversion;
     call.to_flat = to_flat;
-    call.flat_name = conversion == KV_BLOCK_OPERATIONAL ? "operationals" : "universals";
-    call.other_name = conversion == KV_UNIVERSAL_OPERATIONAL ? "operationals" : "blocks";
+    call.flat.name = conversion == KV_BLOCK_OPERATIONAL ? "operationals" : "universals";
+    call.other.name = conversion == KV_UNIVERSAL_OPERATIONAL ? "operationals" : "blocks";
     call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
+    call.flat_ndim = conversion == KV_BLOCK_OPERATIONAL ? 3 : 5;
     call.function = function_name(conversion, to_flat);
     call.stream_none = stream == NULL || stream == Py_None;
     int layout_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
@@ -538,31 +665,31 @@ int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *fla
     call.layout = (kvbm_layout)layout_index;
     call.backend = (kv_backend)backend_index;
     call.num_ctas = (uint32_t)ctas;
+    call.reader.protocols = &state->protocols;
+    call.reader.dlpack_stream = kv_stream_for_dlpack(call.stream);
+    if (call.reader.dlpack_stream == NULL)
+        return -1;
 
     int rc = -1;
-    const kv_path other_path = {call.other_name, {0, 0}, 0};
-    call.flat = flat_side(flat, call.flat_name, &call.single_flat);
-    if (call.flat == NULL)
+    const kv_path other_path = {call.other.name, {0, 0}, 0};
+    if (read_side(&call, &call.flat, flat, call.flat_ndim, to_flat) < 0)
         goto done;
-    if (call.other_is_blocks)
-        call.other = kv_as_sequence(other, &other_path, "a sequence of nb sequences of chunk arrays");
-    else
-        call.other = flat_side(other, call.other_name, &call.single_other);
-    if (call.other == NULL)
-        goto done;
-    call.nb = PySequence_Fast_GET_SIZE(call.flat);
-    if (PySequence_Fast_GET_SIZE(call.other) != call.nb) {
-        kv_path_error(PyExc_ValueError, &other_path, "has %zd blocks but %s has %zd", PySequence_Fast_GET_SIZE(call.other),
-                      call.flat_name, call.nb);
-        goto done;
+    if (!call.other_is_blocks) {
+        if (read_side(&call, &call.other, other, 3, !to_flat) < 0)
+            goto done;
     }
+    else if ((call.other.items = kv_as_sequence(other, &other_path, "a sequence of nb sequences of chunk arrays"))
+             == NULL)
+        goto done;
+    else
+        call.other.nb = PyTuple_GET_SIZE(call.other.items);
+    if (check_block_counts(&call) < 0)
+        goto done;
+    call.nb = call.flat.nb;
     if (call.nb == 0) {
         rc = 0;
         goto done;
     }
-    call.dlpack_stream = kv_stream_for_dlpack(call.stream);
-    if (call.dlpack_stream == NULL)
-        goto done;
     call.arrays = PyMem_Calloc(1, sizeof(kv_array));
     if (call.arrays == NULL) {
         PyErr_NoMemory();
@@ -583,15 +710,19 @@ int kv_convert(kv_gpu *gpu, kv_conversion conversion, int to_flat, PyObject *fla
         }
         call.arrays = grown;
     }
-    if (walk_arguments(&call) < 0 || run(gpu, &call) < 0)
+    if (walk_arguments(&call) < 0 || run(&call) < 0)
         goto done;
     rc = 0;
 done:
     for (Py_ssize_t i = 0; i < call.parsed; i++)
         kv_array_release(&call.arrays[i]);
     PyMem_Free(call.arrays);
-    Py_XDECREF(call.dlpack_stream);
-    Py_XDECREF(call.flat);
-    Py_XDECREF(call.other);
+    kv_side *sides[2] = {&call.flat, &call.other};
+    for (int i = 0; i < 2; i++) {
+        if (sides[i]->has_whole)
+            kv_array_release(&sides[i]->whole);
+        Py_XDECREF(sides[i]->items);
+    }
+    Py_XDECREF(call.reader.dlpack_stream);
     return rc;
 }

@@ -104,8 +104,6 @@ void kv_debug_move(const char *function, const kv_route *route, const kv_gpu_rep
 typedef struct {
     kv_address_list src, dst, sizes;
     int parsed; /* lists read so far */
-    int uniform;
-    uint64_t uniform_size;
     intptr_t stream;
     PyObject *dlpack_stream;
 } kv_copy_call;
@@ -119,8 +117,8 @@ static void release_call(kv_copy_call *call)
 }
 
 /* Reads the stream and the three lists and checks that their lengths agree. */
-static int read_call(PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream, int allow_device,
-                     kv_copy_call *call)
+static int read_call(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream,
+                     int allow_device, kv_copy_call *call)
 {
     memset(call, 0, sizeof *call);
     if (kv_stream_from_object(stream, &call->stream) < 0)
@@ -128,12 +126,11 @@ static int read_call(PyObject *src, PyObject *dst, PyObject *sizes, PyObject *st
     call->dlpack_stream = kv_stream_for_dlpack(call->stream);
     if (call->dlpack_stream == NULL)
         return -1;
-    if (kv_address_list_from_object(src, LIST_NAMES[0], KV_LIST_ADDRESSES, allow_device, call->dlpack_stream,
-                                    &call->src) < 0)
+    const kv_reader reader = {&state->protocols, call->dlpack_stream};
+    if (kv_address_list_read(&reader, src, LIST_NAMES[0], KV_LIST_ADDRESSES, allow_device, &call->src) < 0)
         return -1;
     call->parsed = 1;
-    if (kv_address_list_from_object(dst, LIST_NAMES[1], KV_LIST_ADDRESSES, allow_device, call->dlpack_stream,
-                                    &call->dst) < 0)
+    if (kv_address_list_read(&reader, dst, LIST_NAMES[1], KV_LIST_ADDRESSES, allow_device, &call->dst) < 0)
         return -1;
     call->parsed = 2;
     if (call->dst.count != call->src.count) {
@@ -141,21 +138,10 @@ static int read_call(PyObject *src, PyObject *dst, PyObject *sizes, PyObject *st
                      call->src.count);
         return -1;
     }
-    call->uniform = PyLong_Check(sizes) && !PyBool_Check(sizes);
-    if (call->uniform) {
-        call->uniform_size = PyLong_AsUnsignedLongLong(sizes);
-        if (call->uniform_size == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "sizes: expected a size from 0 to 2**64 - 1, got %R", sizes);
-            return -1;
-        }
-        return 0;
-    }
-    if (kv_address_list_from_object(sizes, "sizes", KV_LIST_ADDRESSES, allow_device, call->dlpack_stream,
-                                    &call->sizes) < 0)
+    if (kv_address_list_read(&reader, sizes, "sizes", KV_LIST_SIZES, allow_device, &call->sizes) < 0)
         return -1;
     call->parsed = 3;
-    if (call->sizes.count != call->src.count) {
+    if (!call->sizes.one_value && call->sizes.count != call->src.count) {
         PyErr_Format(PyExc_ValueError, "sizes: has %zd sizes but src_ptrs has %zd addresses", call->sizes.count,
                      call->src.count);
         return -1;
@@ -170,11 +156,11 @@ static kv_pairs pairs_of(const kv_copy_call *call)
     pairs.count = call->src.count;
     pairs.src = call->src.values;
     pairs.dst = call->dst.values;
-    pairs.sizes = call->uniform ? NULL : call->sizes.values;
-    pairs.uniform_size = call->uniform_size;
+    pairs.sizes = call->sizes.one_value ? NULL : call->sizes.values;
+    pairs.uniform_size = call->sizes.value;
     pairs.src_on_device = call->src.on_device;
     pairs.dst_on_device = call->dst.on_device;
-    pairs.sizes_on_device = !call->uniform && call->sizes.on_device;
+    pairs.sizes_on_device = call->sizes.on_device;
     return pairs;
 }
 
@@ -242,16 +228,31 @@ static int check_pair_aliasing(const kv_pairs *pairs)
     return rc > 0 ? -1 : rc;
 }
 
+/* Raw copies go through CUDA even between host buffers: without a device
+ * (a build without CUDA, no GPU, no driver) they cannot run. */
+static int need_a_device(const char *function)
+{
+    if (kv_gpu_device_count() > 0)
+        return 0;
+    if (kv_gpu_compiled())
+        PyErr_Format(PyExc_RuntimeError, "%s needs a CUDA device (it copies with CUDA, host memory included), and "
+                     "none is visible: no GPU, or no usable driver", function);
+    else
+        PyErr_Format(PyExc_RuntimeError, "%s needs a CUDA device (it copies with CUDA, host memory included), but "
+                     "kvbm_ext was built without CUDA (nvcc was not found at build time)", function);
+    return -1;
+}
+
 /* Both Python functions: read and check the lists, then copy with `engine`.
  * The kernel takes device-resident lists but no pageable memory; the copy
  * engines take pageable memory but only lists they can read on the host. */
-static int copy_pairs(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream, kv_engine engine,
-                      int fallback, const char *function, const char *reason)
+static int copy_pairs(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream,
+                      kv_engine engine, int fallback, const char *function, const char *reason)
 {
     const int kernel = engine == KV_ENGINE_KERNEL;
     kv_copy_call call;
     int rc = -1, device;
-    if (read_call(src, dst, sizes, stream, kernel, &call) < 0)
+    if (read_call(state, src, dst, sizes, stream, kernel, &call) < 0)
         goto done;
     kv_pairs pairs = pairs_of(&call);
     if (pairs.count == 0) {
@@ -263,31 +264,31 @@ static int copy_pairs(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes
                      "split them into several calls", (long long)pairs.count);
         goto done;
     }
-    if (check_pair_aliasing(&pairs) < 0)
+    if (check_pair_aliasing(&pairs) < 0 || need_a_device(function) < 0)
         goto done;
     kv_gpu_target target;
     intptr_t producers[3];
     if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0
         || resolve_target(&call, device, &target, producers) < 0)
         goto done;
-    rc = copy_and_log(gpu, &target, &pairs, engine, fallback, function, reason);
+    rc = copy_and_log(state->gpu, &target, &pairs, engine, fallback, function, reason);
 done:
     release_call(&call);
     return rc;
 }
 
-int kv_vectorized_copy(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream)
+int kv_vectorized_copy(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream)
 {
-    return copy_pairs(gpu, src, dst, sizes, stream, KV_ENGINE_KERNEL, 0, "vectorized_copy", "copy kernel");
+    return copy_pairs(state, src, dst, sizes, stream, KV_ENGINE_KERNEL, 0, "vectorized_copy", "copy kernel");
 }
 
-int kv_memcpy_batch(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream)
+int kv_memcpy_batch(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream)
 {
     int m;
     if (kv_parse_name(mode, "mode", MODE_NAMES, 3, MODE_BATCHED_WITH_FALLBACK, &m) < 0)
         return -1;
     if (m == MODE_FALLBACK_ONLY)
-        return copy_pairs(gpu, src, dst, sizes, stream, KV_ENGINE_ASYNC, 0, "memcpy_batch", "mode fallback_only");
-    return copy_pairs(gpu, src, dst, sizes, stream, KV_ENGINE_BATCH, m == MODE_BATCHED_WITH_FALLBACK, "memcpy_batch",
+        return copy_pairs(state, src, dst, sizes, stream, KV_ENGINE_ASYNC, 0, "memcpy_batch", "mode fallback_only");
+    return copy_pairs(state, src, dst, sizes, stream, KV_ENGINE_BATCH, m == MODE_BATCHED_WITH_FALLBACK, "memcpy_batch",
                       "cudaMemcpyBatchAsync");
 }

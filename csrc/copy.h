@@ -3,7 +3,7 @@
 #ifndef KVBM_COPY_H
 #define KVBM_COPY_H
 
-#include "gpu.h"
+#include "state.h"
 
 /* The `backend` argument of every conversion: one knob, one meaning.
  * "kernel": SM kernels move every byte, reading and writing pinned host
@@ -56,7 +56,7 @@ int kv_copy_with_backend(kv_gpu *gpu, const kv_gpu_target *target, kv_pairs *pai
 
 /* The Python functions; each validates everything before copying.  Return
  * 0, or -1 with an exception set. */
-int kv_vectorized_copy(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream);
-int kv_memcpy_batch(kv_gpu *gpu, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream);
+int kv_vectorized_copy(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream);
+int kv_memcpy_batch(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream);
 
 #endif /* KVBM_COPY_H */

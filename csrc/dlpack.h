@@ -82,7 +82,7 @@ typedef struct DLPackExchangeAPIHeader {
     struct DLPackExchangeAPIHeader *prev_api;
 } DLPackExchangeAPIHeader;
 
-typedef struct {
+typedef struct DLPackExchangeAPI {
     DLPackExchangeAPIHeader header;
     void *managed_tensor_allocator;
     void *managed_tensor_from_py_object_no_sync;

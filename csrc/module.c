@@ -20,7 +20,9 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "nt tokens per block, hd head dim, nb blocks.\n\n"                                                                 \
     "universals: a sequence of nb C-contiguous arrays, each [nh, nl, no, nt, hd]\n"                                    \
     "    (heads first: a tensor-parallel rank's heads are one contiguous slice);\n"                                    \
-    "    a single 5-D array means nb = 1.\n"                                                                           \
+    "    or one 6-D [nb, nh, nl, no, nt, hd] array whose blocks are each C-contiguous\n"                               \
+    "    (any leading stride; a destination's blocks may not overlap); a single\n"                                     \
+    "    5-D array means nb = 1.\n"                                                                                    \
     "blocks: a sequence of nb sequences, each holding nl*no C-contiguous chunk\n"                                      \
     "    arrays in [layer][outer] order (chunk l*no + o), each [nt, nh, hd] for\n"                                     \
     "    layout \"NHD\" (vLLM) or [nh, nt, hd] for \"HND\".\n"                                                         \
@@ -33,9 +35,15 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "Arrays: anything exposing DLPack, __cuda_array_interface__ (v2, v3),\n"                                           \
     "__array_interface__ or the buffer protocol: torch, CuPy, JAX, NumPy.  All\n"                                      \
     "have one element type (any 1-, 2-, 4- or 8-byte type; bytes are copied\n"                                        \
-    "exactly).  If every array is in host memory the CPU implementation runs,\n"                                       \
-    "without the GIL.  Otherwise every array is on one CUDA device or in pinned\n"                                     \
-    "host memory (see backend); pageable host memory is rejected.\n\n"                                                \
+    "exactly).  torch tensors with the conjugate or negative bit set are refused\n"                                   \
+    "(their bytes are not their values: resolve_conj(), resolve_neg()), and so are\n"                                  \
+    "destinations that require grad; a torch destination's version counter is\n"                                     \
+    "bumped, as an in-place operation would.\n\n"                                                                     \
+    "Memory, the same for every array argument: if every array is in host memory\n"                                   \
+    "(pageable or pinned), the CPU implementation runs, without the GIL and without\n"                                \
+    "a GPU.  Otherwise every array is in device memory of one CUDA device or in\n"                                    \
+    "pinned (page-locked) host memory (see backend); pageable host memory is then\n"                                  \
+    "rejected, and so are devices other than CUDA (e.g. torch's meta).\n\n"                                          \
     "Streams: the work is enqueued on `stream`, on the arrays' device, and the call\n"                                 \
     "returns without waiting for it.  Producers' pending work is ordered first:\n"                                     \
     "DLPack producers receive the stream in __dlpack__(stream=...), and a CAI v3\n"                                    \
@@ -48,7 +56,8 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
 #define OPERATIONAL_DOC                                                                                                \
     "operationals: a sequence of nb C-contiguous arrays, each [nl, no, nt*nh*hd]:\n"                                   \
     "    one buffer per block (TensorRT-LLM), chunk (l, o) at operational[l, o, :]\n"                                  \
-    "    in the chunk's own order; a single 3-D array means nb = 1.\n"
+    "    in the chunk's own order; or one 4-D [nb, nl, no, nt*nh*hd] array whose\n"                                    \
+    "    blocks are each C-contiguous; a single 3-D array means nb = 1.\n"
 
 #define BACKEND_DOC                                                                                                    \
     "backend (for device or pinned arrays; all-host calls run on the CPU): \"auto\"\n"                                 \
@@ -69,37 +78,39 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
  * backend, num_ctas, stream), with the flat side first or second by
  * direction. */
 typedef struct {
-    const char *format; /* PyArg format, with the function's name */
+    kv_signature signature;
     kv_conversion conversion;
     int to_flat;        /* the destination is the flat side (see convert.h) */
-    int has_layout;
 } kv_conversion_form;
 
-static PyObject *convert(PyObject *module, PyObject *args, PyObject *kwargs, const kv_conversion_form *form)
+static PyObject *convert(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                         const kv_conversion_form *form)
 {
-    static char *with_layout[] = {"", "", "layout", "backend", "num_ctas", "stream", NULL};
-    static char *without_layout[] = {"", "", "backend", "num_ctas", "stream", NULL};
-    PyObject *source, *destination, *layout = NULL, *backend = NULL, *num_ctas = NULL, *stream = Py_None;
-    const int parsed = form->has_layout
-        ? PyArg_ParseTupleAndKeywords(args, kwargs, form->format, with_layout, &source, &destination, &layout,
-                                      &backend, &num_ctas, &stream)
-        : PyArg_ParseTupleAndKeywords(args, kwargs, form->format, without_layout, &source, &destination, &backend,
-                                      &num_ctas, &stream);
-    if (!parsed)
+    PyObject *values[6]; /* source, destination, [layout], backend, num_ctas, stream */
+    if (kv_parse_arguments(&form->signature, args, nargs, kwnames, values) < 0)
         return NULL;
-    PyObject *flat = form->to_flat ? destination : source;
-    PyObject *other = form->to_flat ? source : destination;
-    if (kv_convert(state_of(module)->gpu, form->conversion, form->to_flat, flat, other, layout, backend, num_ctas,
-                   stream) < 0)
+    const int has_layout = form->signature.keyword_only == 3;
+    PyObject *layout = has_layout ? values[2] : NULL;
+    PyObject *const *options = values + 2 + has_layout;
+    PyObject *flat = form->to_flat ? values[1] : values[0];
+    PyObject *other = form->to_flat ? values[0] : values[1];
+    if (kv_convert(state_of(module), form->conversion, form->to_flat, flat, other, layout, options[0], options[1],
+                   options[2] != NULL ? options[2] : Py_None) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-#define DEFINE_CONVERSION(name, format, conversion, to_flat, has_layout)                                               \
-    static PyObject *name(PyObject *module, PyObject *args, PyObject *kwargs)                                          \
+/* A conversion function `name` from `source` to `destination`, with a
+ * layout parameter or not. */
+#define DEFINE_CONVERSION(name, source, destination, conversion, to_flat, has_layout)                                \
+    static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)                \
     {                                                                                                                  \
-        static const kv_conversion_form form = {format, conversion, to_flat, has_layout};                             \
-        return convert(module, args, kwargs, &form);                                                                   \
+        static const char *const with_layout[] = {source, destination, "layout", "backend", "num_ctas", "stream",     \
+                                                  NULL};                                                               \
+        static const char *const without_layout[] = {source, destination, "backend", "num_ctas", "stream", NULL};      \
+        static const kv_conversion_form form = {                                                                       \
+            {#name, has_layout ? with_layout : without_layout, 2, 2, has_layout ? 3 : 2}, conversion, to_flat};        \
+        return convert(module, args, nargs, kwnames, &form);                                                           \
     }
 
 PyDoc_STRVAR(block_to_universal_doc,
@@ -108,7 +119,7 @@ PyDoc_STRVAR(block_to_universal_doc,
              "Copy nb blocks from block-stack chunks into universal blocks:\n"
              "universals[b][h, l, o, t, :] = blocks[b][l*no + o][t, h, :] (NHD)\n"
              "                             or blocks[b][l*no + o][h, t, :] (HND).\n\n" SHAPES_DOC);
-DEFINE_CONVERSION(block_to_universal, "OO|O$OOO:block_to_universal", KV_BLOCK_UNIVERSAL, 1, 1)
+DEFINE_CONVERSION(block_to_universal, "blocks", "universals", KV_BLOCK_UNIVERSAL, 1, 1)
 
 PyDoc_STRVAR(universal_to_block_doc,
              "universal_to_block(universals, blocks, /, layout='NHD', *, backend='auto', num_ctas=None, "
@@ -116,7 +127,7 @@ PyDoc_STRVAR(universal_to_block_doc,
              "Copy nb universal blocks into block-stack chunks, the inverse of\n"
              "block_to_universal: blocks[b][l*no + o][t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD ([h, t, :] for HND).\n\n" BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(universal_to_block, "OO|O$OOO:universal_to_block", KV_BLOCK_UNIVERSAL, 0, 1)
+DEFINE_CONVERSION(universal_to_block, "universals", "blocks", KV_BLOCK_UNIVERSAL, 0, 1)
 
 PyDoc_STRVAR(block_to_operational_doc,
              "block_to_operational(blocks, operationals, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
@@ -124,14 +135,14 @@ PyDoc_STRVAR(block_to_operational_doc,
              "operationals[b][l, o, :] = blocks[b][l*no + o].reshape(-1).  Chunks keep their\n"
              "own order (NHD or HND) and all have the shape of blocks[0][0].\n\n" OPERATIONAL_DOC BACKEND_DOC
              "\n" SHAPES_DOC);
-DEFINE_CONVERSION(block_to_operational, "OO|$OOO:block_to_operational", KV_BLOCK_OPERATIONAL, 1, 0)
+DEFINE_CONVERSION(block_to_operational, "blocks", "operationals", KV_BLOCK_OPERATIONAL, 1, 0)
 
 PyDoc_STRVAR(operational_to_block_doc,
              "operational_to_block(operationals, blocks, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy nb operational blocks into block-stack chunks, the inverse of\n"
              "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC
              BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(operational_to_block, "OO|$OOO:operational_to_block", KV_BLOCK_OPERATIONAL, 0, 0)
+DEFINE_CONVERSION(operational_to_block, "operationals", "blocks", KV_BLOCK_OPERATIONAL, 0, 0)
 
 PyDoc_STRVAR(universal_to_operational_doc,
              "universal_to_operational(universals, operationals, /, layout='NHD', *, backend='auto', num_ctas=None, "
@@ -139,41 +150,50 @@ PyDoc_STRVAR(universal_to_operational_doc,
              "Copy nb universal blocks into operational blocks in one pass:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD (.view(nh, nt, hd)[h, t, :] for HND).\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(universal_to_operational, "OO|O$OOO:universal_to_operational", KV_UNIVERSAL_OPERATIONAL, 0, 1)
+DEFINE_CONVERSION(universal_to_operational, "universals", "operationals", KV_UNIVERSAL_OPERATIONAL, 0, 1)
 
 PyDoc_STRVAR(operational_to_universal_doc,
              "operational_to_universal(operationals, universals, /, layout='NHD', *, backend='auto', num_ctas=None, "
              "stream=None)\n--\n\n"
              "Copy nb operational blocks into universal blocks in one pass, the inverse of\n"
              "universal_to_operational.\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(operational_to_universal, "OO|O$OOO:operational_to_universal", KV_UNIVERSAL_OPERATIONAL, 1, 1)
+DEFINE_CONVERSION(operational_to_universal, "operationals", "universals", KV_UNIVERSAL_OPERATIONAL, 1, 1)
 
 /* ------------------------------------------------------------ raw copies */
 
 #define PAIRS_DOC                                                                                                      \
     "src_ptrs, dst_ptrs: a sequence of int addresses, or a 1-D int64/uint64 array.\n"                                  \
-    "sizes: one int (bytes, every pair) or one per pair, in the same forms.\n"                                         \
-    "stream: as for the conversions; the work is enqueued and not waited for.\n"                                       \
-    "The lists are read before the call returns.  Zero-size pairs are skipped.\n"
+    "sizes: one int (bytes, every pair; a NumPy integer scalar too) or one per\n"                                     \
+    "    pair, in the same forms.  An int is an int or any object with __index__\n"                                  \
+    "    (np.int64 and np.uint64 items of list(array) too), never a bool.\n"                                          \
+    "stream: None (the legacy default stream), an int cudaStream_t handle, or an\n"                                   \
+    "    object with __cuda_stream__() or .cuda_stream; the work is enqueued and not\n"                               \
+    "    waited for.  The lists are read before the call returns.  Zero-size pairs\n"                                 \
+    "    are skipped, and a call without pairs does nothing.\n"                                                       \
+    "Raw copies run on a CUDA device, even between host buffers: without one (no\n"                                   \
+    "GPU, no driver, or a build without CUDA) a call with pairs raises RuntimeError.\n"
 
 PyDoc_STRVAR(vectorized_copy_doc,
              "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None)\n--\n\n"
              "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
              "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
-             "two addresses and its size allow.  Addresses are in device memory of one GPU or\n"
-             "in pinned host memory, which the kernel reaches over PCIe.\n\n" PAIRS_DOC
-             "The lists may also be CUDA device arrays, which the kernel reads itself; their\n"
-             "addresses are then not checked.  Host lists are checked before anything is\n"
-             "copied: no null address, no pageable host memory, every range inside one\n"
-             "allocation, device memory on one device (ValueError naming the entry).");
+             "two addresses and its size allow.\n\n"
+             "Memory: the addresses point into device memory of one CUDA device or into pinned\n"
+             "(page-locked) host memory, which the kernel reaches over PCIe; not into pageable\n"
+             "host memory (use memcpy_batch).  The lists themselves are in host memory, or are\n"
+             "CUDA arrays on that device, which the kernel reads itself (their addresses are\n"
+             "then not checked).\n\n" PAIRS_DOC
+             "Host lists are checked before anything is copied: no null address, no pageable\n"
+             "host memory, every range inside one allocation, device memory on one device, no\n"
+             "destination range overlapping another range (ValueError naming the entry).");
 
-static PyObject *vectorized_copy(PyObject *module, PyObject *args, PyObject *kwargs)
+static PyObject *vectorized_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static char *keywords[] = {"src_ptrs", "dst_ptrs", "sizes", "stream", NULL};
-    PyObject *src, *dst, *sizes, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$O:vectorized_copy", keywords, &src, &dst, &sizes, &stream))
-        return NULL;
-    if (kv_vectorized_copy(state_of(module)->gpu, src, dst, sizes, stream) < 0)
+    static const char *const names[] = {"src_ptrs", "dst_ptrs", "sizes", "stream", NULL};
+    static const kv_signature signature = {"vectorized_copy", names, 0, 3, 3};
+    PyObject *v[4];
+    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
+        || kv_vectorized_copy(state_of(module), v[0], v[1], v[2], v[3] != NULL ? v[3] : Py_None) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -181,23 +201,26 @@ static PyObject *vectorized_copy(PyObject *module, PyObject *args, PyObject *kwa
 PyDoc_STRVAR(memcpy_batch_doc,
              "memcpy_batch(src_ptrs, dst_ptrs, sizes, *, mode='batched_with_fallback', stream=None)\n--\n\n"
              "Copy every pair with the copy engines: cudaMemcpyBatchAsync where the build and\n"
-             "the driver have it (CUDA 12.8+), else one cudaMemcpyAsync per pair.  Any memory\n"
-             "cudaMemcpyAsync accepts (device, pinned or pageable host).  On the legacy default\n"
-             "stream, which the batch API rejects, the batch runs on an internal stream ordered\n"
-             "after and before the caller's with events, so the stream semantics are unchanged.\n\n" PAIRS_DOC
-             "The lists must be in host memory.\n"
+             "the driver have it (CUDA 12.8+), else one cudaMemcpyAsync per pair.  On the legacy\n"
+             "default stream, which the batch API rejects, the batch runs on an internal stream\n"
+             "ordered after and before the caller's with events, so the stream semantics are\n"
+             "unchanged.\n\n"
+             "Memory: the addresses point into device memory of one CUDA device, pinned host\n"
+             "memory, or pageable host memory (whose ranges the driver cannot bound, so they\n"
+             "are not checked against their allocation; CUDA copies pageable memory through\n"
+             "its own staging, synchronously with the host for some directions).  The lists\n"
+             "themselves must be in host memory (sequences or host arrays).\n\n" PAIRS_DOC
              "mode: \"batched_with_fallback\" (batch, else the loop), \"fallback_only\" (the\n"
              "loop), \"batch_without_fallback\" (RuntimeError naming the CUDA error instead of\n"
              "falling back).  KVBM_EXT_DEBUG=1 logs what ran, and why, to stderr.");
 
-static PyObject *memcpy_batch(PyObject *module, PyObject *args, PyObject *kwargs)
+static PyObject *memcpy_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static char *keywords[] = {"src_ptrs", "dst_ptrs", "sizes", "mode", "stream", NULL};
-    PyObject *src, *dst, *sizes, *mode = NULL, *stream = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|$OO:memcpy_batch", keywords, &src, &dst, &sizes, &mode,
-                                     &stream))
-        return NULL;
-    if (kv_memcpy_batch(state_of(module)->gpu, src, dst, sizes, mode, stream) < 0)
+    static const char *const names[] = {"src_ptrs", "dst_ptrs", "sizes", "mode", "stream", NULL};
+    static const kv_signature signature = {"memcpy_batch", names, 0, 3, 3};
+    PyObject *v[5];
+    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
+        || kv_memcpy_batch(state_of(module), v[0], v[1], v[2], v[3], v[4] != NULL ? v[4] : Py_None) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -215,16 +238,16 @@ static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
 
 /* ------------------------------------------------------------ staging */
 
-/* The device a staging function names, from its one optional argument
- * `device` (`format` holds the function's name): None for the current one.
- * -1 with an exception. */
-static int staging_device(PyObject *args, PyObject *kwargs, const char *format)
+/* The device a staging function (`function`) names, from its one optional
+ * argument `device`: None for the current one.  -1 with an exception. */
+static int staging_device(const char *function, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static char *keywords[] = {"device", NULL};
-    PyObject *device = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, keywords, &device))
+    static const char *const names[] = {"device", NULL};
+    const kv_signature signature = {function, names, 0, 0, 1};
+    PyObject *device;
+    if (kv_parse_arguments(&signature, args, nargs, kwnames, &device) < 0)
         return -1;
-    if (device == Py_None)
+    if (device == NULL || device == Py_None)
         return kv_gpu_current_device();
     int64_t index;
     if (kv_parse_int(device, "device", 0, INT32_MAX, 0, 0, &index) < 0)
@@ -241,20 +264,21 @@ PyDoc_STRVAR(set_staging_doc,
              "set_staging(size_bytes=None, *, lanes=None)\n--\n\n"
              "Size the device staging memory of the copy-engine path (backend \"auto\" or\n"
              "\"copy_engines\" with pinned host memory): size_bytes per CUDA device (at least\n"
-             "1 MiB; default 64 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
+             "1 MiB; default 96 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
              "one stream at a time: calls on up to `lanes` streams at once never share staging,\n"
              "more queue behind each other.  None keeps the current value.  Staging already\n"
              "allocated is freed (after the work that uses it) and allocated anew, at the new\n"
              "size, by the next call that needs it.");
 
-static PyObject *set_staging(PyObject *module, PyObject *args, PyObject *kwargs)
+static PyObject *set_staging(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static char *keywords[] = {"size_bytes", "lanes", NULL};
-    PyObject *size = Py_None, *lanes = Py_None;
+    static const char *const names[] = {"size_bytes", "lanes", NULL};
+    static const kv_signature signature = {"set_staging", names, 0, 0, 1};
+    PyObject *v[2];
     int64_t bytes, count;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O$O:set_staging", keywords, &size, &lanes)
-        || kv_parse_int(size, "size_bytes", (int64_t)1 << 20, (int64_t)1 << 40, -1, 1, &bytes) < 0
-        || kv_parse_int(lanes, "lanes", 1, 16, -1, 1, &count) < 0
+    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
+        || kv_parse_int(v[0], "size_bytes", (int64_t)1 << 20, (int64_t)1 << 40, -1, 1, &bytes) < 0
+        || kv_parse_int(v[1], "lanes", 1, 16, -1, 1, &count) < 0
         || kv_gpu_set_staging(state_of(module)->gpu, bytes, (int)count) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -268,9 +292,9 @@ PyDoc_STRVAR(reserve_staging_doc,
              "Graphs holding staged calls share that lane: do not replay two of them at once\n"
              "on different streams.  RuntimeError without a CUDA device.");
 
-static PyObject *reserve_staging(PyObject *module, PyObject *args, PyObject *kwargs)
+static PyObject *reserve_staging(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    const int index = staging_device(args, kwargs, "|O:reserve_staging");
+    const int index = staging_device("reserve_staging", args, nargs, kwnames);
     if (index < 0 || kv_gpu_reserve_staging(state_of(module)->gpu, index) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -282,9 +306,9 @@ PyDoc_STRVAR(staging_info_doc,
              "\"size_bytes\", \"lanes\", \"lane_bytes\", \"allocated\", \"capture_reserved\"}.\n"
              "RuntimeError without a CUDA device.");
 
-static PyObject *staging_info(PyObject *module, PyObject *args, PyObject *kwargs)
+static PyObject *staging_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    const int index = staging_device(args, kwargs, "|O:staging_info");
+    const int index = staging_device("staging_info", args, nargs, kwnames);
     return index < 0 ? NULL : kv_gpu_staging_info(state_of(module)->gpu, index);
 }
 
@@ -342,26 +366,26 @@ static PyObject *cuda_devices(PyObject *module, PyObject *unused)
 /* ------------------------------------------------------------ the module */
 
 static PyMethodDef module_methods[] = {
-    {"block_to_universal", (PyCFunction)(void (*)(void))block_to_universal, METH_VARARGS | METH_KEYWORDS,
+    {"block_to_universal", (PyCFunction)(void (*)(void))block_to_universal, METH_FASTCALL | METH_KEYWORDS,
      block_to_universal_doc},
-    {"universal_to_block", (PyCFunction)(void (*)(void))universal_to_block, METH_VARARGS | METH_KEYWORDS,
+    {"universal_to_block", (PyCFunction)(void (*)(void))universal_to_block, METH_FASTCALL | METH_KEYWORDS,
      universal_to_block_doc},
-    {"block_to_operational", (PyCFunction)(void (*)(void))block_to_operational, METH_VARARGS | METH_KEYWORDS,
+    {"block_to_operational", (PyCFunction)(void (*)(void))block_to_operational, METH_FASTCALL | METH_KEYWORDS,
      block_to_operational_doc},
-    {"operational_to_block", (PyCFunction)(void (*)(void))operational_to_block, METH_VARARGS | METH_KEYWORDS,
+    {"operational_to_block", (PyCFunction)(void (*)(void))operational_to_block, METH_FASTCALL | METH_KEYWORDS,
      operational_to_block_doc},
     {"universal_to_operational", (PyCFunction)(void (*)(void))universal_to_operational,
-     METH_VARARGS | METH_KEYWORDS, universal_to_operational_doc},
+     METH_FASTCALL | METH_KEYWORDS, universal_to_operational_doc},
     {"operational_to_universal", (PyCFunction)(void (*)(void))operational_to_universal,
-     METH_VARARGS | METH_KEYWORDS, operational_to_universal_doc},
-    {"vectorized_copy", (PyCFunction)(void (*)(void))vectorized_copy, METH_VARARGS | METH_KEYWORDS,
+     METH_FASTCALL | METH_KEYWORDS, operational_to_universal_doc},
+    {"vectorized_copy", (PyCFunction)(void (*)(void))vectorized_copy, METH_FASTCALL | METH_KEYWORDS,
      vectorized_copy_doc},
-    {"memcpy_batch", (PyCFunction)(void (*)(void))memcpy_batch, METH_VARARGS | METH_KEYWORDS, memcpy_batch_doc},
+    {"memcpy_batch", (PyCFunction)(void (*)(void))memcpy_batch, METH_FASTCALL | METH_KEYWORDS, memcpy_batch_doc},
     {"is_memcpy_batch_available", is_memcpy_batch_available, METH_NOARGS, is_memcpy_batch_available_doc},
-    {"set_staging", (PyCFunction)(void (*)(void))set_staging, METH_VARARGS | METH_KEYWORDS, set_staging_doc},
-    {"reserve_staging", (PyCFunction)(void (*)(void))reserve_staging, METH_VARARGS | METH_KEYWORDS,
+    {"set_staging", (PyCFunction)(void (*)(void))set_staging, METH_FASTCALL | METH_KEYWORDS, set_staging_doc},
+    {"reserve_staging", (PyCFunction)(void (*)(void))reserve_staging, METH_FASTCALL | METH_KEYWORDS,
      reserve_staging_doc},
-    {"staging_info", (PyCFunction)(void (*)(void))staging_info, METH_VARARGS | METH_KEYWORDS, staging_info_doc},
+    {"staging_info", (PyCFunction)(void (*)(void))staging_info, METH_FASTCALL | METH_KEYWORDS, staging_info_doc},
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},
@@ -371,16 +395,33 @@ static PyMethodDef module_methods[] = {
 static int module_exec(PyObject *module)
 {
     kv_state *state = state_of(module);
+    if (kv_protocols_init(&state->protocols) < 0)
+        return -1;
     state->gpu = kv_gpu_new();
     if (state->gpu == NULL || kv_paged_add_type(module) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }
 
+static int module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    kv_state *state = state_of(module);
+    return state == NULL ? 0 : kv_protocols_traverse(&state->protocols, visit, arg);
+}
+
+static int module_clear(PyObject *module)
+{
+    kv_state *state = state_of(module);
+    if (state != NULL)
+        kv_protocols_clear(&state->protocols);
+    return 0;
+}
+
 static void module_free(void *module)
 {
     kv_state *state = state_of((PyObject *)module);
     if (state != NULL) {
+        kv_protocols_clear(&state->protocols);
         kv_gpu_free(state->gpu);
         state->gpu = NULL;
     }
@@ -400,6 +441,8 @@ static struct PyModuleDef module_def = {
     .m_size = sizeof(kv_state),
     .m_methods = module_methods,
     .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
     .m_free = module_free,
 };
 

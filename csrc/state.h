@@ -7,6 +7,7 @@
 
 typedef struct {
     kv_gpu *gpu;
+    kv_protocols protocols; /* names and type facts for reading arrays (array.h) */
 } kv_state;
 
 #endif /* KVBM_STATE_H */

@@ -399,3 +399,86 @@ def test_repeated_calls_reuse_arrays(gen):
             for c in chunks:
                 c.copy_(random_tensor(c.shape, c.dtype, generator=gen))
         b2u_and_check(blocks, universals, "NHD", no=2)
+
+
+# --------------------------------------------------------------------------
+# Universals as one [nb, nh, nl, no, nt, hd] array, as PagedKVCache takes them.
+# --------------------------------------------------------------------------
+
+STACK_SHAPE = (3, 2, 2, 3, 4, 5)  # nb, nl, no, nh, nt, hd (nt != nh)
+
+
+def stack_of(universals, kind, spacing=None):
+    """One [nb, ...] array holding the universals, torch or NumPy; `spacing`: a leading
+    stride of that many blocks' worth of elements plus 7 (the blocks are still each
+    contiguous, with gaps between them)."""
+    stack = torch.stack(universals)
+    if spacing is not None:
+        block = universals[0].numel()
+        room = torch.empty(len(universals), block * spacing + 7, dtype=stack.dtype)
+        poison_(room)
+        spaced = room[:, :block].view(stack.shape)
+        spaced.copy_(stack)
+        assert spaced.stride(0) == block * spacing + 7 and spaced[0].is_contiguous()
+        stack = spaced
+    return stack.numpy() if kind == "numpy" else stack
+
+
+@pytest.mark.parametrize("spacing", [None, 1, 2], ids=["packed", "gap-7", "gap-block+7"])
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_universals_as_one_stacked_array(layout, kind, spacing, gen):
+    nb, nl, no, nh, nt, hd = STACK_SHAPE
+    blocks, universals = make_case(*STACK_SHAPE, torch.float16, layout, generator=gen)
+    if kind == "numpy":
+        blocks = to_numpy(blocks)
+    stack = stack_of(universals, kind, spacing)
+    poison_(list(stack))
+    kvbm_ext.block_to_universal(blocks, stack, layout)
+    assert_all_bitwise_equal(list(stack), expected_universals(blocks, no, layout), "universals")
+
+    fresh = poison_(clone_all(blocks))
+    kvbm_ext.universal_to_block(stack, fresh, layout)
+    assert_all_bitwise_equal(fresh, expected_blocks(list(stack), layout), "blocks")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stacked_source_with_any_leading_stride(layout, gen):
+    """A source's blocks may repeat (leading stride 0) or run backwards (NumPy [::-1])."""
+    nb, nl, no, nh, nt, hd = STACK_SHAPE
+    blocks, universals = make_case(*STACK_SHAPE, torch.float32, layout, generator=gen)
+    repeated = universals[1].unsqueeze(0).expand(nb, *universals[1].shape)
+    assert repeated.stride(0) == 0
+    poison_(blocks)
+    kvbm_ext.universal_to_block(repeated, blocks, layout)
+    assert_all_bitwise_equal(blocks, expected_blocks([universals[1]] * nb, layout), "blocks")
+
+    backwards = np.stack(to_numpy(universals))[::-1]
+    assert backwards.strides[0] < 0
+    poison_(blocks)
+    kvbm_ext.universal_to_block(backwards, blocks, layout)
+    assert_all_bitwise_equal(blocks, expected_blocks(list(universals[::-1]), layout), "blocks")
+
+
+def test_stacked_universals_of_one_block_and_none(gen):
+    """[1, ...] is one block like a 5-D array; [0, ...] with no blocks does nothing."""
+    blocks, universals = make_case(1, 2, 2, 3, 4, 5, torch.bfloat16, "NHD", generator=gen)
+    stack = torch.stack(universals)
+    poison_(stack)
+    kvbm_ext.block_to_universal(blocks, stack)
+    assert_all_bitwise_equal(list(stack), expected_universals(blocks, 2, "NHD"), "universals")
+    empty = torch.empty(0, 3, 2, 2, 4, 5, dtype=torch.bfloat16)
+    kvbm_ext.block_to_universal([], empty)
+    kvbm_ext.universal_to_block(empty, [])
+
+
+def test_stacked_universals_through_every_protocol(gen):
+    """The one-array form through DLPack (versioned and legacy), __array_interface__ and
+    the buffer protocol alike."""
+    blocks, universals = make_case(*STACK_SHAPE, torch.float32, "HND", generator=gen)
+    for make in (lambda s: DLPackOnly(s), lambda s: LegacyDLPackOnly(s), lambda s: ArrayInterfaceOnly(s.numpy()),
+                 lambda s: memoryview(s.numpy())):
+        stack = torch.stack(universals)
+        poison_(stack)
+        kvbm_ext.block_to_universal(blocks, make(stack), "HND")
+        assert_all_bitwise_equal(list(stack), expected_universals(blocks, 2, "HND"), "universals")

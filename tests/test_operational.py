@@ -1211,3 +1211,120 @@ def test_gpu_debug_log_auto_over_pcie(direction, monkeypatch, capfd, gen):
     want = "batch" if kvbm_ext.is_memcpy_batch_available() else "kernel"
     assert re.search(rf"backend {want}\b", lines[0]), lines[0]
     assert "falling back" not in lines[0], lines[0]
+
+
+# ==========================================================================
+# Operationals (and universals) as one array with a leading nb dimension,
+# [nb, nl, no, nt*nh*hd] and [nb, nh, nl, no, nt, hd], as PagedKVCache takes them.
+# ==========================================================================
+
+STACK_CASE = (3, 2, 2, 3, 4, 5)  # nb, nl, no, nh, nt, hd
+
+
+def as_stack(arrays, where="cpu"):
+    """One array holding `arrays` along a new leading dimension, on the host, the
+    device ("cuda") or in pinned host memory ("pinned")."""
+    stack = torch.stack(arrays)
+    if where == "pinned":
+        return stack.pin_memory()
+    return stack.to(where)
+
+
+def stacked_check(direction, src, dst, layout, after=sync, **kwargs):
+    """Poisons dst, runs `direction` with src/dst as given (lists or stacks), compares
+    every destination block with the reference computed block by block."""
+    per_block = lambda x: list(x) if isinstance(x, (list, tuple, torch.Tensor, np.ndarray)) else x  # noqa: E731
+    before = clone_all(per_block(src))
+    poison_(list(arrays_in(per_block(dst))))
+    sync()
+    call_op(direction, src, dst, *layout_args(direction, layout), **kwargs)
+    after()
+    want = expected_op(direction, before, per_block(dst), layout)
+    assert_all_bitwise_equal(per_block(dst), want, "destinations")
+    assert_all_bitwise_equal(per_block(src), before, "sources")
+
+
+@pytest.mark.parametrize("stacked", ["operationals", "universals", "both"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_operationals_and_universals(direction, layout, stacked, gen):
+    if stacked != "operationals" and direction in BLOCK_DIRECTIONS:
+        pytest.skip("block <-> operational has no universals")
+    blocks, universals, ops = make_op_case(*STACK_CASE, torch.bfloat16, layout, generator=gen)
+    if stacked in ("operationals", "both"):
+        ops = as_stack(ops)
+    if stacked in ("universals", "both"):
+        universals = as_stack(universals)
+    src, dst = src_dst(direction, blocks, universals, ops)
+    stacked_check(direction, src, dst, layout)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_operationals_numpy_with_gaps(direction, gen):
+    """NumPy stacks whose blocks sit apart (leading stride of two blocks)."""
+    blocks, universals, ops = make_op_case(*STACK_CASE, torch.float16, "NHD", generator=gen)
+    blocks, universals, ops = to_numpy(blocks), to_numpy(universals), to_numpy(ops)
+    room = np.stack(ops + ops)[::2]
+    room[...] = np.stack(ops)
+    assert room.strides[0] == 2 * ops[0].nbytes
+    src, dst = src_dst(direction, blocks, universals, room)
+    stacked_check(direction, src, dst, "NHD")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_operationals_leading_dimension_not_nb(direction, gen):
+    blocks, universals, ops = make_op_case(*STACK_CASE, torch.float32, "NHD", generator=gen)
+    extra = make_operationals(1, 2, 2, 4 * 3 * 5, torch.float32, generator=gen)
+    src, dst = src_dst(direction, blocks, universals, as_stack(ops + extra))
+    msg = check_op_rejected(direction, src, dst, ValueError, "operationals", "leading dimension",
+                            args=layout_args(direction, "NHD"))
+    assert "4 blocks" in msg, msg
+
+
+def test_stacked_operationals_and_universals_disagree(gen):
+    """Both sides as stacks: the operationals' count is checked against the universals'."""
+    _, universals, ops = make_op_case(*STACK_CASE, torch.float32, "HND", generator=gen)
+    check_op_rejected("u2o", as_stack(universals), as_stack(ops[:2]), ValueError, "operationals",
+                      "2 blocks (its leading dimension) but universals has 3", args=("HND",))
+
+
+@pytest.mark.parametrize("direction", ["u2o", "o2u"])
+def test_stacked_operationals_of_the_wrong_block_shape(direction, gen):
+    blocks, universals, ops = make_op_case(*STACK_CASE, torch.float32, "NHD", generator=gen)
+    wrong = torch.stack([o[:, :, :-1].contiguous() for o in ops])
+    src, dst = src_dst(direction, blocks, universals, wrong)
+    check_op_rejected(direction, src, dst, ValueError, "operationals", "(3, 2, 2, 59)", args=("NHD",))
+
+
+@pytest.mark.parametrize("direction", ["b2o", "u2o"])
+def test_stacked_operational_destination_blocks_may_not_overlap(direction, gen):
+    blocks, universals, ops = make_op_case(*STACK_CASE, torch.float32, "NHD", generator=gen)
+    repeated = ops[0].unsqueeze(0).expand(3, *ops[0].shape)
+    src, _ = src_dst(direction, blocks, universals, ops)
+    check_op_rejected(direction, src, repeated, ValueError, "operationals", "overlap",
+                      args=layout_args(direction, "NHD"))
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_operationals_blocks_must_be_contiguous(direction, gen):
+    blocks, universals, ops = make_op_case(*STACK_CASE, torch.float32, "NHD", generator=gen)
+    transposed = torch.stack([o.transpose(0, 1).contiguous() for o in ops]).transpose(1, 2)
+    assert transposed.shape == (3, 2, 2, 60) and not transposed[0].is_contiguous()
+    src, dst = src_dst(direction, blocks, universals, transposed)
+    check_op_rejected(direction, src, dst, ValueError, "operationals", "C-contiguous",
+                      args=layout_args(direction, "NHD"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned"), ("pinned", "device")],
+                         ids=["device", "ops-pinned", "ops-device"])
+@pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engines"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_gpu_stacked_operationals(direction, backend, placement, gen):
+    other_where, ops_where = placement
+    blocks, universals, ops = placed_op_case(STACK_CASE, torch.bfloat16, "NHD", gen, other_where, ops_where)
+    ops = as_stack(ops, "pinned" if ops_where == "pinned" else "cuda")
+    if direction in UNIVERSAL_DIRECTIONS:
+        universals = as_stack(universals, "pinned" if other_where == "pinned" else "cuda")
+    src, dst = src_dst(direction, blocks, universals, ops)
+    stacked_check(direction, src, dst, "NHD", backend=backend)
