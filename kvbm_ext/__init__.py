@@ -17,6 +17,10 @@ beside it; set_staging, reserve_staging and staging_info manage that memory.
 
 Raw batched copies between device and pinned host memory: vectorized_copy
 (one kernel launch) and memcpy_batch (the copy engines).
+
+Resharder (and reshard) moves blocks between engines of different tensor /
+pipeline parallel sizes over torch.distributed: one packed message per pair of
+ranks that share heads and layers (EngineLayout, plan_reshard, Transport).
 """
 
 try:
@@ -45,8 +49,25 @@ except ImportError as error:  # pragma: no cover - only without a build
         "(or run `python setup.py build_ext --inplace`) from the source tree"
     ) from error
 
+from ._reshard import (
+    EngineLayout,
+    Resharder,
+    ReshardStats,
+    ReshardTransfer,
+    TorchTransport,
+    Transport,
+    plan_reshard,
+    reshard,
+)
+
 __all__ = [
+    "EngineLayout",
     "PagedKVCache",
+    "ReshardStats",
+    "ReshardTransfer",
+    "Resharder",
+    "TorchTransport",
+    "Transport",
     "__version__",
     "block_to_operational",
     "block_to_universal",
@@ -57,7 +78,9 @@ __all__ = [
     "memcpy_batch",
     "operational_to_block",
     "operational_to_universal",
+    "plan_reshard",
     "reserve_staging",
+    "reshard",
     "set_staging",
     "staging_info",
     "universal_to_block",

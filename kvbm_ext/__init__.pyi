@@ -1,7 +1,14 @@
-from typing import Any, Literal, Sequence, SupportsIndex, TypedDict, final
+import dataclasses
+from typing import Any, Callable, Literal, Protocol, Sequence, SupportsIndex, TypedDict, final
 
 __all__ = [
+    "EngineLayout",
     "PagedKVCache",
+    "ReshardStats",
+    "ReshardTransfer",
+    "Resharder",
+    "TorchTransport",
+    "Transport",
     "__version__",
     "block_to_operational",
     "block_to_universal",
@@ -12,7 +19,9 @@ __all__ = [
     "memcpy_batch",
     "operational_to_block",
     "operational_to_universal",
+    "plan_reshard",
     "reserve_staging",
+    "reshard",
     "set_staging",
     "staging_info",
     "universal_to_block",
@@ -223,3 +232,118 @@ def staging_info(device: int | None = None) -> _StagingInfo: ...
 def is_using_stubs() -> bool: ...
 def build_info() -> _BuildInfo: ...
 def cuda_devices() -> list[_CudaDevice]: ...
+
+# Resharding between engines of different TP / PP sizes (kvbm_ext/_reshard.py).
+# Tensors here are torch tensors; torch is imported only when a Resharder is built.
+_Tensor = Any
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    tp_size: int
+    pp_size: int = 1
+    ranks: Sequence[int] | None = None
+    layer_ranges: Sequence[range | tuple[int, int]] | None = None
+    def __post_init__(self) -> None: ...
+    @property
+    def size(self) -> int: ...
+    def rank_of(self, pp_stage: int, tp_rank: int) -> int: ...
+    def position_of(self, rank: int) -> tuple[int, int] | None: ...
+    def heads_of(self, tp_rank: int, num_heads: int) -> range: ...
+    def tp_ranks_holding(self, head: int, num_heads: int) -> range: ...
+    def layers_of(self, pp_stage: int, num_layers: int) -> range: ...
+
+@dataclasses.dataclass(frozen=True)
+class ReshardTransfer:
+    src_rank: int
+    dst_rank: int
+    heads: range
+    layers: range
+    src_heads: range
+    src_layers: range
+    dst_heads: range
+    dst_layers: range
+    @property
+    def is_local(self) -> bool: ...
+
+@dataclasses.dataclass(frozen=True)
+class ReshardStats:
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    local_copies: int = 0
+    bytes_copied: int = 0
+
+def plan_reshard(
+    num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout
+) -> tuple[ReshardTransfer, ...]: ...
+
+class Transport(Protocol):
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def start(
+        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]]
+    ) -> Callable[[], None]: ...
+
+class TorchTransport:
+    group: Any
+    def __init__(self, group: Any = None) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def start(
+        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]]
+    ) -> Callable[[], None]: ...
+
+class Resharder:
+    plan: tuple[ReshardTransfer, ...]
+    num_heads: int
+    num_layers: int
+    src: EngineLayout
+    dst: EngineLayout
+    transport: Transport
+    rank: int
+    num_messages: int
+    def __init__(
+        self,
+        num_heads: int,
+        num_layers: int,
+        src: EngineLayout,
+        dst: EngineLayout,
+        *,
+        group: Any = None,
+        transport: Transport | None = None,
+    ) -> None: ...
+    @property
+    def staging_nbytes(self) -> int: ...
+    def __call__(
+        self,
+        src_cache: PagedKVCache | None,
+        src_block_ids: _BlockIds | None,
+        dst_cache: PagedKVCache | None,
+        dst_block_ids: _BlockIds | None,
+        *,
+        stream: _Stream = None,
+        check: bool = True,
+    ) -> ReshardStats: ...
+
+def reshard(
+    src_cache: PagedKVCache | None,
+    src_block_ids: _BlockIds | None,
+    dst_cache: PagedKVCache | None,
+    dst_block_ids: _BlockIds | None,
+    *,
+    num_heads: int,
+    num_layers: int,
+    src: EngineLayout,
+    dst: EngineLayout,
+    group: Any = None,
+    transport: Transport | None = None,
+    stream: _Stream = None,
+    check: bool = True,
+) -> ReshardStats: ...

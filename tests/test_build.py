@@ -31,8 +31,11 @@ PUBLIC_FUNCTIONS = [
     "is_using_stubs",
     "build_info",
     "cuda_devices",
+    "plan_reshard",
+    "reshard",
 ]
-PUBLIC_TYPES = ["PagedKVCache"]
+PUBLIC_TYPES = ["PagedKVCache", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
+                "Transport"]
 
 
 def test_all_lists_every_public_function():
