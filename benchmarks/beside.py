@@ -29,8 +29,10 @@ streams, disjoint blocks).  Stand-ins: "gemm" (bf16 8192^3 GEMMs, compute-bound)
 "sweep" (add_ over a 4 GiB tensor, memory-bound).
 
 Every path is checked bit for bit against pure torch before anything is timed.  Output:
-a CSV and a log in --out (default: a new temporary directory), PASS/MISS per target at
-the end.  See benchmarks/README.md ("beside.py").
+a CSV and a log in --out (default: ./beside-results outside the source tree, else a new
+temporary directory), PASS/MISS per target at the end.  The timing primitives and the
+output location are harness.py's, shared with kvbench.py.  See benchmarks/README.md
+("beside.py").
 """
 
 import argparse
@@ -39,10 +41,8 @@ import datetime
 import math
 import os
 import random
-import re
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -52,6 +52,9 @@ import torch
 # Benchmark the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
+from harness import (STEADY_REPS, Tee, calibrate_sleep_cycles_per_us, fill_random_, int_list,  # noqa: E402
+                     output_dir, run_stem, steady_host_us)
+from report import csv_cells, fmt  # noqa: E402
 
 NL, NO, NH, NT, HD = 80, 2, 8, 16, 128        # Llama-3.1-70B KV cache, 16 tokens per block
 DTYPE = torch.bfloat16
@@ -72,7 +75,6 @@ MIN_NUM_BLOCKS = 256
 ID_SEED = 2026                    # the block ids are the same in every run
 VERIFY_NB = 3                     # verified at this nb and at every timed one
 HOST_NBS = (1, 64)                # host time of a staged call at these nb
-STEADY_REPS, STEADY_BATCH = 100, 10
 KERNEL_FEW_CTAS = 8
 STAGED_CTAS = 32                  # the "staged" path's num_ctas
 CURVE_NB = 64                     # the curve's nb (the largest --nb when 64 is not in it)
@@ -115,14 +117,6 @@ REQUIRED = ("PagedKVCache", "memcpy_batch", "is_memcpy_batch_available", "set_st
 
 # ----------------------------------------------------------------------------- arguments
 
-def int_list(text):
-    """argparse type: comma-separated positive integers."""
-    values = [int(part) for part in text.split(",") if part.strip()]
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 8,64, got {text!r}")
-    return values
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Time KV-block transfers between a vLLM paged cache and pinned host "
@@ -134,10 +128,11 @@ def parse_args(argv=None):
                              "(default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: nb 64, 1 repetition, ~30 ms stand-ins, curve with "
-                             "num_ctas 4,16 only (under 2 minutes on an H200)")
+                             "num_ctas 8,32 only (under 2 minutes on an H200)")
     parser.add_argument("--out", default=None,
-                        help="directory for beside-<gpu>-<date>.csv and .log "
-                             "(default: a new temporary directory, printed at the end)")
+                        help="directory for beside-<gpu>-<date>.csv and .log (default: "
+                             "./beside-results when the current directory is outside this "
+                             "source tree, else a new temporary directory; printed at the end)")
     parser.add_argument("--skip-curve", action="store_true",
                         help="leave out the num_ctas / staging-size curve")
     args = parser.parse_args(argv)
@@ -155,26 +150,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- output
-
-class Tee:
-    """A text stream that writes to the console and to the log file."""
-
-    def __init__(self, console, log):
-        self.console, self.log = console, log
-
-    def write(self, text):
-        self.console.write(text)
-        self.log.write(text)
-        self.log.flush()             # a run that dies keeps its log
-
-    def flush(self):
-        self.console.flush()
-        self.log.flush()
-
-
-def fmt(value, digits=1):
-    return "" if value == "" or value is None else f"{value:.{digits}f}"
-
 
 class Results:
     """The rows measured so far, each written to the CSV (and printed) as it comes, so
@@ -195,8 +170,7 @@ class Results:
         row.update(gpu_name=self.gpu_name, date=self.date)
         row.update(fields)
         self.rows.append(row)
-        self.writer.writerow({k: fmt(v, 3) if isinstance(v, float) else v
-                              for k, v in row.items()})
+        self.writer.writerow(csv_cells(row))
         self.file.flush()
         self.say(describe(row))
         return row
@@ -228,10 +202,6 @@ def describe(row):
     return f"{what}: {', '.join(shown)}{note}"
 
 
-def slug(name):
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
-
-
 # ----------------------------------------------------------------------------- GPU timing
 
 def new_event():
@@ -258,21 +228,6 @@ def gbps(nbytes, ms):
 def gate_us(host_us_to_fill):
     """A gate long enough for the host to enqueue host_us_to_fill of work behind it."""
     return GATE_BASE_US + GATE_FACTOR * host_us_to_fill
-
-
-def calibrate_sleep_cycles_per_us(stream):
-    """GPU clock cycles per microsecond of torch.cuda._sleep, from events around one sleep."""
-    cycles = 20_000_000
-    samples = []
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(1_000_000)
-        for _ in range(3):
-            start = record_event(stream)
-            torch.cuda._sleep(cycles)
-            end = record_event(stream)
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-    return cycles / statistics.median(samples)
 
 
 @dataclass
@@ -322,13 +277,6 @@ def gpu_device():
 
 def pinned_empty(shape, dtype):
     return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-def fill_random_(tensor, device):
-    """Overwrite tensor (on the device or pinned) with random bits: every int16 pattern,
-    NaNs included, never all zeros."""
-    bits = tensor.view(torch.int16)
-    bits.copy_(torch.randint(-2**15, 2**15, bits.shape, dtype=torch.int16, device=device))
 
 
 @dataclass
@@ -817,25 +765,13 @@ def run_main_grid(bench, paths, standins):
                     add_beside_row(bench, "beside", path, direction, nb, standin, lanes, alone)
 
 
-def steady_host_us(call):
-    """Median host time of calls issued back to back, as a serving worker issues them;
-    the device is synchronized every STEADY_BATCH calls, outside the timed calls."""
-    samples = []
-    for i in range(STEADY_REPS):
-        if i % STEADY_BATCH == 0:
-            torch.cuda.synchronize()
-        samples.append(timed_call(call))
-    torch.cuda.synchronize()
-    return statistics.median(samples) * 1e6
-
-
 def measure_host_time(bench):
     """Host time of the default (staged) to_universal call at nb = 1 and 64."""
     path = auto_path(bench.cache)
     for nb in HOST_NBS:
         (lane,) = bench.lanes(path, "offload", nb)
         warm_up([lane])
-        bench.results.add(group="host", host_steady_us=steady_host_us(lane.call),
+        bench.results.add(group="host", host_steady_us=steady_host_us([lane.call]),
                           reps=STEADY_REPS, **path_fields(path, "offload", nb))
 
 
@@ -1062,9 +998,7 @@ def environment_line(gpu_name, bench):
 
 def open_outputs(args, gpu_name, date, started):
     """The CSV (Results) and the log, which gets everything printed from here on."""
-    out_dir = args.out or tempfile.mkdtemp(prefix="beside-")
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"beside-{slug(gpu_name)}-{date}")
+    stem = run_stem(output_dir(args.out, "beside"), "beside", gpu_name, date)
     log = open(stem + ".log", "w")
     sys.stdout = Tee(sys.__stdout__, log)
     sys.stderr = Tee(sys.__stderr__, log)

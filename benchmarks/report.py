@@ -1,0 +1,622 @@
+"""The report of a kvbench run: the rows and their columns, the tables printed at the end,
+the targets (a PASS/MISS verdict per row), the CSV, the comparison with an older run's CSV
+and the PNG.  Plain Python: it reads and writes rows, it times nothing."""
+
+import csv
+import math
+import operator
+import statistics
+from dataclasses import dataclass
+from functools import partial
+
+VERIFIED = "verified"            # status of a row whose case matched the reference bit for bit
+LABEL_WIDTH = 28
+MAX_FAILURES_SHOWN = 8
+AUTO_TOLERANCE = 1.05            # auto is fine within 5% of the fastest backend
+BACKEND_APIS = ("operational", "copy")   # whose variants are compared by annotate_backends
+TARGET_NT = 16                   # the GPU targets are stated for nt = 16
+BANDWIDTH_MIN_NB = 64            # the paged bandwidth targets hold from this nb on
+
+
+# ----------------------------------------------------------------------------- rows
+
+COLUMNS = [
+    "gpu_name", "date", "mode", "api", "function", "direction", "placement", "layout",
+    "backend", "granularity", "nt", "nb", "pairs", "bytes", "gpu_us", "host_us", "gbps",
+    "ceiling_gbps", "pct_of_ceiling", "same_size_memcpy_gbps", "pct_same_size_memcpy",
+    "best_backend", "auto_vs_best", "auto_within_5pct", "ratio_vs_memcpy",
+    "reps", "sets", "uncovered_reps", "gpu_timing", "status",
+    "num_ctas", "sms", "gbps_per_sm", "speedup_vs_torch", "host_steady_us",   # paged rows
+    "target", "verdict",      # rows a target covers: the goal, PASS or MISS
+]
+
+SHORT = {  # names in the printed tables
+    "operational": "op", "pinned": "pin", "ceiling": "ceil",
+    "vectorized_copy": "vc", "memcpy_batch": "mb", "host_list": "host", "device_list": "dev",
+    "batched_with_fallback": "bwf", "fallback_only": "loop", "batch_without_fallback": "batch",
+    "host_ids": "hostid", "device_ids": "devid",
+}
+
+
+def make_row(ctx, **fields):
+    """A row of the CSV: every column, the run's GPU name and date, status "verified" until
+    the case says otherwise."""
+    row = {column: "" for column in COLUMNS}
+    row.update(gpu_name=ctx.gpu_name, date=ctx.date, status=VERIFIED)
+    row.update(fields)
+    return row
+
+
+def fmt(value, digits=1):
+    if value == "" or value is None:
+        return ""
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def short(name):
+    return SHORT.get(name, name)
+
+
+def variant(row):
+    """What a backend row times: the backend, or function:backend for raw copies."""
+    return f"{row['function']}:{row['backend']}" if row["api"] == "copy" else row["backend"]
+
+
+def short_variant(name):
+    return ":".join(short(part) for part in name.split(":"))
+
+
+def label(row, with_variant=True):
+    """A row's short name in the printed tables, e.g. 'op b2o pin kernel'."""
+    kind = row["api"] if row["mode"] == "gpu" else row["mode"]
+    parts = [short(kind), row["direction"], short(row["placement"]), row["layout"],
+             row["granularity"]]
+    if with_variant:
+        parts.append(short_variant(variant(row)))
+        if is_swept(row):
+            parts.append(f"c{row['num_ctas']}")
+    return " ".join(part for part in parts if part)
+
+
+def print_progress(row):
+    figures = [(row["gpu_us"], "us gpu"), (row["host_us"], "us host"), (row["gbps"], "GB/s"),
+               (row["pct_of_ceiling"], "% of ceiling"),
+               (row["pct_same_size_memcpy"], "% of same-size memcpy")]
+    shown = ", ".join(f"{fmt(value)} {unit}" for value, unit in figures if value != "")
+    size = f" nt={row['nt']} nb={row['nb']}" if row["nt"] != "" else ""
+    fed = " (fed)" if row["gpu_timing"] == "fed" else ""
+    print(f"  {label(row)}{size}: {shown}{fed} [{row['status']}]", flush=True)
+
+
+def is_timed(row):
+    gpu_us = row["gpu_us"]
+    return row["status"] == VERIFIED and isinstance(gpu_us, float) and not math.isnan(gpu_us)
+
+
+# ----------------------------------------------------------------------------- annotations
+
+def annotate_backends(rows):
+    """On backend rows (operational backends, raw copy variants): the fastest variant of the
+    same size by GPU time, auto left out; on auto rows, auto's GPU time over the fastest."""
+    groups = {}
+    for row in rows:
+        if row["mode"] == "gpu" and row["backend"] and row["api"] in BACKEND_APIS:
+            key = tuple(row[k] for k in ("api", "direction", "placement", "layout",
+                                         "granularity", "nt", "nb"))
+            groups.setdefault(key, []).append(row)
+    for group in groups.values():
+        timed = [row for row in group if row["backend"] != "auto" and is_timed(row)]
+        if not timed:
+            continue
+        best = min(timed, key=lambda row: row["gpu_us"])
+        for row in group:
+            row["best_backend"] = variant(best)
+            if row["backend"] == "auto" and is_timed(row):
+                ratio = row["gpu_us"] / best["gpu_us"]
+                row.update(auto_vs_best=ratio,
+                           auto_within_5pct="yes" if ratio <= AUTO_TOLERANCE else "no")
+
+
+def call_us(row):
+    """What back-to-back calls cost per call: the host or the GPU time, whichever is longer
+    (the host time on the CPU path)."""
+    gpu_us = row["gpu_us"]
+    return row["host_us"] if gpu_us == "" or math.isnan(gpu_us) else max(row["host_us"], gpu_us)
+
+
+def paged_key(row):
+    return tuple(row[k] for k in ("mode", "direction", "placement", "layout", "nt", "nb"))
+
+
+def annotate_paged(rows):
+    """On paged rows: GB/s per SM used (GPU PagedKVCache rows), and the speedup over the
+    torch loop of the same direction, placement and size by call_us."""
+    paged = [row for row in rows if row["api"] == "paged" and row["status"] == VERIFIED]
+    loops = {paged_key(row): row for row in paged if row["backend"] == "torch"}
+    for row in paged:
+        if row["sms"] != "":
+            row["gbps_per_sm"] = row["gbps"] / row["sms"]
+        loop = loops.get(paged_key(row))
+        if loop is not None and loop is not row and not is_swept(row):
+            row["speedup_vs_torch"] = call_us(loop) / call_us(row)
+
+
+# ----------------------------------------------------------------------------- tables
+
+def header_lines(names, columns, width):
+    """Column headings, a line per part of the column tuples; an outer part is shown where
+    it changes."""
+    lines = []
+    for level, name in enumerate(names):
+        cells = []
+        for i, column in enumerate(columns):
+            shown = (level == len(names) - 1 or i == 0
+                     or columns[i - 1][:level + 1] != column[:level + 1])
+            cells.append(f"{column[level] if shown else '':>{width}}")
+        lines.append(f"{name:>{LABEL_WIDTH}}" + "".join(cells))
+    return lines
+
+
+def print_pivot(title, rows, label_of, column_of, names, cell, width):
+    """A line per label_of(row), a column per column_of(row) (a tuple, its parts named by
+    names); cell(the rows of one line and column) -> text."""
+    if not rows:
+        return
+    columns = sorted({column_of(row) for row in rows})
+    cells = {}
+    for row in rows:
+        cells.setdefault((label_of(row), column_of(row)), []).append(row)
+    print()
+    print(title)
+    for line in header_lines(names, columns, width):
+        print(line)
+    for name in dict.fromkeys(label_of(row) for row in rows):
+        texts = [cell(cells[name, c]) if (name, c) in cells else "" for c in columns]
+        print(f"{name:{LABEL_WIDTH}}" + "".join(f"{text:>{width}}" for text in texts))
+
+
+def nt_nb(row):
+    return (row["nt"], row["nb"])
+
+
+def nb_only(row):
+    return (row["nb"],)
+
+
+def failed_cell(row):
+    return "ERR" if row["status"].startswith("error") else "MIS"
+
+
+def pct_cell(rows):
+    row = rows[0]
+    if row["status"] != VERIFIED:
+        return failed_cell(row)
+    value = row["pct_same_size_memcpy"]
+    value = row["pct_of_ceiling"] if value == "" else value
+    text = "999+" if value >= 999.5 else fmt(value, 0)
+    return text + ("f" if row["gpu_timing"] == "fed" else "")
+
+
+def host_cell(rows):
+    values = [row["host_us"] for row in rows if row["status"] == VERIFIED]
+    return f"{statistics.median(values) / 1e3:.3g}" if values else "ERR"
+
+
+def best_cell(rows):
+    return short_variant(rows[0]["best_backend"])
+
+
+def auto_cell(rows):
+    row = rows[0]
+    if row["auto_vs_best"] == "":
+        return ""
+    return f"{row['auto_vs_best']:.2f}" + ("*" if row["auto_within_5pct"] == "no" else "")
+
+
+def is_swept(row):
+    """A row of the num_ctas sweep (num_ctas an int; None rows are the group's own)."""
+    return isinstance(row["num_ctas"], int)
+
+
+def is_paged_kv(row):
+    """A GPU row of PagedKVCache itself with num_ctas None (not the sweep, list API or torch)."""
+    return (row["mode"] == "gpu" and row["api"] == "paged" and not is_swept(row)
+            and row["function"].startswith("PagedKVCache."))
+
+
+def figure(value):
+    """Three significant digits, no exponent."""
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def host_times_cell(rows):
+    row = rows[0]
+    return f"{figure(row['host_us'])}/{figure(row['host_steady_us'])}"
+
+
+def speedup_cell(rows):
+    return f"{figure(rows[0]['speedup_vs_torch'])}x"
+
+
+def ctas_label(row):
+    """e.g. 'b2u pin NHD ctas=8 8SM'."""
+    return (f"{row['direction']} {short(row['placement'])} {row['layout']} "
+            f"ctas={row['num_ctas']} {row['sms']}SM")
+
+
+def ctas_cell(rows):
+    row = rows[0]
+    if row["status"] != VERIFIED:
+        return failed_cell(row)
+    return f"{fmt(row['gbps'], 0)} {fmt(row['gbps_per_sm'])}"
+
+
+def ctas_order(row):
+    return (row["layout"], row["placement"], row["num_ctas"] if is_swept(row) else math.inf)
+
+
+def print_ctas_sweep(rows):
+    """The num_ctas sweep of to_universal (device ids) with its num_ctas None rows."""
+    nbs = {row["nb"] for row in rows if is_swept(row)}
+    swept = sorted((row for row in rows if row["num_ctas"] != "" and row["nb"] in nbs
+                    and row["function"] == "PagedKVCache.to_universal"
+                    and row["backend"] == "device_ids"), key=ctas_order)
+    print_pivot("paged num_ctas: PagedKVCache.to_universal, device ids; GB/s, GB/s per SM used",
+                swept, ctas_label, nt_nb, ("nt", "nb"), ctas_cell, 12)
+
+
+# ----------------------------------------------------------------------------- targets
+
+PASSES = {"<": operator.lt, "<=": operator.le, ">=": operator.ge}
+
+
+@dataclass
+class Target:
+    """A goal rows are held to.  Each row it covers gets the goal in its `target` column and
+    PASS or MISS in `verdict`; the summary names the worst row.  A row that was not
+    verified, or has no figure, misses."""
+    text: str           # what it covers, for the summary
+    api: str            # the group whose runs it belongs to (its summary line shows then)
+    select: object      # row -> whether the target covers it
+    column: str         # the row's figure
+    op: str             # "<", "<=" or ">="
+    goal: float
+    unit: str           # as printed after the figure: " us", "x", "%"
+
+    def goal_text(self):
+        return f"{self.column} {self.op} {figure(self.goal)}{self.unit}"
+
+    def met_by(self, row):
+        value = row[self.column]
+        return (row["status"] == VERIFIED and isinstance(value, (int, float)) and not math.isnan(value)
+                and PASSES[self.op](value, self.goal))
+
+    def line(self, rows):
+        covered = [row for row in rows if self.select(row)]
+        if not covered:
+            return f"  n/a   {self.text} ({self.goal_text()}): not measured"
+        bad = [row for row in covered if row["status"] != VERIFIED or row[self.column] == ""]
+        if bad:
+            return f"  MISS  {self.text} ({self.goal_text()}): {len(bad)} of {len(covered)} rows without a figure"
+        worst = (min if self.op == ">=" else max)(covered, key=lambda row: row[self.column])
+        return (f"  {'PASS' if self.met_by(worst) else 'MISS'}  {self.text}: "
+                f"{figure(worst[self.column])}{self.unit} ({self.goal_text()}; worst of "
+                f"{len(covered)}: {label(worst)} nt={worst['nt']} nb={worst['nb']})")
+
+
+def targets():
+    """The goals of the list and paged groups; GPU goals are for nt = TARGET_NT.  Host times
+    are those of calls issued back to back (host_steady_us); the from-idle figures are in
+    the tables."""
+    def host_time_at(kind, nb):
+        # Device to device: one launch a call.  With pinned memory a call is staged in
+        # pieces (benchmarks/beside.py times those against their own target).
+        return lambda row: (is_paged_kv(row) and row["backend"] == kind and row["nb"] == nb
+                            and row["nt"] == TARGET_NT and row["placement"] == "d2d")
+
+    def list_at(nb):
+        return lambda row: (row["mode"] == "gpu" and row["api"] == "paged" and row["nt"] == TARGET_NT
+                            and row["backend"] == "list" and row["nb"] == nb)
+
+    def speedup_at(nb):
+        return lambda row: (is_paged_kv(row) and row["placement"] == "d2d" and row["nb"] == nb
+                            and row["direction"] in ("b2u", "u2b") and row["nt"] == TARGET_NT)
+
+    def bandwidth_of(placement):
+        return lambda row: (is_paged_kv(row) and row["placement"] == placement
+                            and row["nb"] >= BANDWIDTH_MIN_NB and row["nt"] == TARGET_NT)
+
+    def cpu_list(row):
+        return row["mode"] == "cpu" and row["api"] == "list"
+
+    return [
+        Target("CPU list API, time over one memcpy of the same bytes", "list", cpu_list,
+               "ratio_vs_memcpy", "<=", 3, "x"),
+        Target("PagedKVCache host time per call, back to back, d2d, nb=64, host ids", "paged",
+               host_time_at("host_ids", 64), "host_steady_us", "<", 15, " us"),
+        Target("PagedKVCache host time per call, back to back, d2d, nb=64, device ids", "paged",
+               host_time_at("device_ids", 64), "host_steady_us", "<", 15, " us"),
+        Target("list API host time per call, back to back, nb=64", "paged", list_at(64),
+               "host_steady_us", "<", 3000, " us"),
+        Target("PagedKVCache speedup over the torch loop, d2d, nb=1", "paged", speedup_at(1),
+               "speedup_vs_torch", ">=", 100, "x"),
+        Target("PagedKVCache speedup over the torch loop, d2d, nb=256", "paged", speedup_at(256),
+               "speedup_vs_torch", ">=", 6, "x"),
+        Target(f"PagedKVCache d2d, nb>={BANDWIDTH_MIN_NB}, % of the device copy ceiling", "paged",
+               bandwidth_of("d2d"), "pct_of_ceiling", ">=", 90, "%"),
+        Target(f"PagedKVCache pinned, nb>={BANDWIDTH_MIN_NB}, % of the same-size pinned memcpy", "paged",
+               bandwidth_of("pinned"), "pct_same_size_memcpy", ">=", 90, "%"),
+    ]
+
+
+def apply_targets(rows, goals):
+    """Fill the target and verdict columns of every row a goal covers (MISS if any of its
+    goals is missed)."""
+    for row in rows:
+        mine = [goal for goal in goals if goal.select(row)]
+        if mine:
+            row["target"] = "; ".join(goal.goal_text() for goal in mine)
+            row["verdict"] = "PASS" if all(goal.met_by(row) for goal in mine) else "MISS"
+
+
+def print_targets(rows, goals):
+    ran = {row["api"] for row in rows}
+    lines = [goal.line(rows) for goal in goals if goal.api in ran]
+    if not lines:
+        return
+    print()
+    print(f"targets (GPU rows at nt={TARGET_NT}, num_ctas None; each row a target covers has PASS or MISS "
+          "in the CSV's verdict column, the worst of them is named here)")
+    for line in lines:
+        print(line)
+
+
+def print_paged_summary(rows):
+    """The paged group: speedups over the torch loop, host times, the num_ctas sweep."""
+    paged = [row for row in rows if row["api"] == "paged"]
+    if not paged:
+        return
+    print_pivot("paged speedup over the torch loop, time per call = max(host, GPU) "
+                "(cpu: host)", [row for row in paged if row["speedup_vs_torch"] != ""],
+                label, nt_nb, ("nt", "nb"), speedup_cell, 6)
+    print_pivot("paged host time per call, us: from an idle device / back to back",
+                [row for row in paged if row["host_steady_us"] != ""], label, nt_nb, ("nt", "nb"),
+                host_times_cell, 11)
+    print_ctas_sweep(paged)
+
+
+def print_failures(rows):
+    failed = [row for row in rows if row["status"] != VERIFIED]
+    if not failed:
+        return
+    print()
+    print(f"not verified: {len(failed)}")
+    for row in failed[:MAX_FAILURES_SHOWN]:
+        print(f"  {label(row)} nt={row['nt']} nb={row['nb']}: {row['status']}"[:120])
+    if len(failed) > MAX_FAILURES_SHOWN:
+        print(f"  ... and {len(failed) - MAX_FAILURES_SHOWN} more in the CSV")
+
+
+def print_summary(rows, goals):
+    """Compact tables of the run, then the targets and the cases that failed."""
+    ceilings = [row for row in rows if row["mode"] == "ceiling" and row["nt"] == ""]
+    if ceilings:
+        print("ceilings: " + ", ".join(f"{row['direction']} {fmt(row['gbps'])} GB/s"
+                                       for row in ceilings) + " (d2d: read + written)")
+    sized = [row for row in rows if row["nt"] != ""]
+    print_pivot("% of ceiling (pin: same-size memcpy; d2d: device copy; ceil: 1 GiB memcpy; "
+                "cpu: memcpy time / ours; f: fed timing)",
+                sized, label, nt_nb, ("nt", "nb"), pct_cell, 5)
+    print_pivot("host ms per call (median over nt)", sized, label, nb_only, ("nb",), host_cell, 8)
+    with_best = [row for row in rows if row["best_backend"]]
+    print_pivot("fastest by GPU time (auto left out)", with_best,
+                partial(label, with_variant=False), nt_nb, ("nt", "nb"), best_cell, 9)
+    autos = [row for row in with_best if row["backend"] == "auto"]
+    print_pivot("auto / fastest, GPU time (*: beyond 5%)", autos,
+                partial(label, with_variant=False), nt_nb, ("nt", "nb"), auto_cell, 6)
+    print_paged_summary(rows)
+    print_targets(rows, goals)
+    print_failures(rows)
+    verified = sum(row["status"] == VERIFIED for row in rows)
+    verdicts = [row["verdict"] for row in rows if row["verdict"]]
+    print(f"\nrows: {verified} of {len(rows)} verified bit-exact; targets: {verdicts.count('PASS')} rows PASS, "
+          f"{verdicts.count('MISS')} MISS")
+
+
+# ----------------------------------------------------------------------------- CSV
+
+
+def csv_cells(row):
+    """A row as CSV text: floats with three decimals."""
+    return {key: fmt(value, 3) if isinstance(value, float) else value for key, value in row.items()}
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(csv_cells(row) for row in rows)
+
+
+def read_csv(path):
+    """The rows of a kvbench CSV as text (an older run's CSV, with fewer columns, reads too)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames or not {"gbps", "status"} <= set(reader.fieldnames):
+            raise ValueError(f"{path} is not a kvbench CSV: it has no gbps and status columns")
+        return list(reader)
+
+
+# ----------------------------------------------------------------------------- comparison
+
+# The columns that name a row; a row of another run with the same values is the same case.
+IDENTITY = ("mode", "api", "function", "direction", "placement", "layout", "backend", "granularity", "nt", "nb",
+            "num_ctas")
+VERIFIED_BEFORE = (VERIFIED, "ok")   # older kvbench CSVs say "ok"
+
+
+def row_key(row):
+    return tuple(str(row.get(column, "")) for column in IDENTITY)
+
+
+def rate(row):
+    """A row's GB/s as a positive float, or None (not verified, not timed)."""
+    if row.get("status") not in VERIFIED_BEFORE:
+        return None
+    try:
+        value = float(row["gbps"])
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 else None      # nan > 0 is False
+
+
+@dataclass
+class Change:
+    row: dict           # the row of this run
+    old: float          # GB/s in the older run
+    new: float          # GB/s in this run
+
+    @property
+    def pct(self):
+        return 100 * (self.new - self.old) / self.old
+
+
+def compare(old_rows, new_rows):
+    """(a Change per row timed in both runs, in this run's order; the number of this run's
+    timed rows the older run lacks; the number of the older run's timed rows this one lacks)."""
+    old = {row_key(row): rate(row) for row in old_rows}
+    old = {key: value for key, value in old.items() if value is not None}
+    changes, only_new = [], 0
+    seen = set()
+    for row in new_rows:
+        new = rate(row)
+        if new is None:
+            continue
+        key = row_key(row)
+        seen.add(key)
+        if key in old:
+            changes.append(Change(row, old[key], new))
+        else:
+            only_new += 1
+    return changes, only_new, len(set(old) - seen)
+
+
+def regressions(changes, pct):
+    """The changes that lose more than pct percent of the older run's GB/s."""
+    return [change for change in changes if change.pct < -pct]
+
+
+def print_comparison(old_path, changes, only_new, only_old, threshold):
+    print()
+    print(f"compared with {old_path}: GB/s of the {len(changes)} rows timed in both runs, "
+          "change = new / old - 1")
+    print(f"{'':{LABEL_WIDTH}}{'nt':>4}{'nb':>5}{'old GB/s':>11}{'new GB/s':>11}{'change':>9}")
+    for change in changes:
+        row = change.row
+        flag = "  <- regression" if threshold is not None and change.pct < -threshold else ""
+        print(f"{label(row):{LABEL_WIDTH}}{fmt(row['nt']):>4}{fmt(row['nb']):>5}{figure(change.old):>11}"
+              f"{figure(change.new):>11}{change.pct:>+8.1f}%{flag}")
+    if only_new or only_old:
+        print(f"not compared: {only_new} timed row(s) only in this run, {only_old} only in {old_path}")
+
+
+# ----------------------------------------------------------------------------- picture
+
+PANEL_UNITS = {"d2d": "GB/s, bytes read + written", "pinned": "GB/s over PCIe",
+               "host": "GB/s, bytes read + written"}
+CEILING_STYLES = {"d2d": "-", "h2d": "-", "d2h": "-."}     # the 1 GiB (2 GiB device) copies
+OUTBOUND = ("b2u", "b2o", "u2o", "d2h")     # solid lines; the opposite directions are dashed
+
+
+def panel_of(row):
+    """Where a row is drawn: (group, placement), e.g. ("paged", "pinned") or ("cpu list", "host")."""
+    if row["mode"] == "gpu":
+        return (row["api"], row["placement"])
+    if row["mode"] == "cpu":
+        return (f"cpu {row['api']}", "host")
+    return None
+
+
+def grid_of(panels):
+    """(rows, {panel: (row, column)}): a row per GPU group, d2d left and pinned right; the
+    CPU groups share the last row."""
+    gpu_groups = list(dict.fromkeys(group for group, placement in panels if placement != "host"))
+    cpu = [panel for panel in panels if panel[1] == "host"]
+    place = {}
+    for panel in panels:
+        group, placement = panel
+        if placement != "host":
+            place[panel] = (gpu_groups.index(group), 0 if placement == "d2d" else 1)
+    for i, panel in enumerate(cpu):
+        place[panel] = (len(gpu_groups) + i // 2, i % 2)
+    return max(r for r, _ in place.values()) + 1, place
+
+
+def shown_nt(rows):
+    nts = {row["nt"] for row in rows}
+    return TARGET_NT if TARGET_NT in nts else min(nts)
+
+
+def plot(rows, path, title):
+    """A PNG of GB/s against nb: a panel per group and placement at one nt (16 when it was
+    run), a line per path, the run's measured ceilings as horizontal lines and the memcpy of
+    the same bytes as a dotted line.  Returns why no PNG was written, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install matplotlib)"
+    drawn = [row for row in rows if panel_of(row) and rate(row) and row["nb"] != "" and not is_swept(row)]
+    if not drawn:
+        return "no PNG: no row was timed"
+    panels = list(dict.fromkeys(panel_of(row) for row in drawn))
+    nrows, place = grid_of(panels)
+    figure_, axes = plt.subplots(nrows, 2, figsize=(15, 6 * nrows), squeeze=False, constrained_layout=True)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for panel in panels:
+        group, placement = panel
+        ax = axes[place[panel]]
+        ax.set_visible(True)
+        mine = [row for row in drawn if panel_of(row) == panel]
+        nt = shown_nt(mine)
+        mine = [row for row in mine if row["nt"] == nt]
+        colors = iter(plt.get_cmap("tab20").colors * 4)
+        for name in dict.fromkeys(label(row) for row in mine):
+            points = sorted((row["nb"], rate(row)) for row in mine if label(row) == name)
+            outbound = any(row["direction"] in OUTBOUND for row in mine if label(row) == name)
+            ax.plot(*zip(*points), marker="o", markersize=3, color=next(colors),
+                    linestyle="-" if outbound else "--", label=name)
+        for row in rows:
+            if (row["mode"] == "ceiling" and row["nt"] == "" and rate(row)
+                    and row["direction"] in ({"d2d"} if placement == "d2d" else {"h2d", "d2h"} if placement == "pinned"
+                                             else set())):
+                ax.axhline(row["gbps"], color="black", linewidth=1, linestyle=CEILING_STYLES[row["direction"]],
+                           label=f"ceiling {row['direction']}: {figure(row['gbps'])} GB/s")
+        if placement == "pinned":
+            for direction in ("d2h", "h2d"):
+                points = sorted((row["nb"], rate(row)) for row in rows
+                                if row["mode"] == "ceiling" and row["nt"] == nt and row["direction"] == direction
+                                and rate(row))
+                if points:
+                    ax.plot(*zip(*points), color="gray", linestyle=":", label=f"memcpy of the same bytes, {direction}")
+        if placement == "host":
+            points = sorted({(row["nb"], row["ceiling_gbps"]) for row in mine if row["ceiling_gbps"] != ""})
+            if points:
+                ax.plot(*zip(*points), color="gray", linestyle=":", label="memcpy of the same bytes")
+        nbs = sorted({row["nb"] for row in mine})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(nbs, [str(nb) for nb in nbs])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("nb, blocks per call")
+        ax.set_ylabel(PANEL_UNITS[placement])
+        ax.set_title(f"{group}, {placement}, nt={nt}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    figure_.suptitle(title, fontsize=11)
+    figure_.savefig(path, dpi=100)
+    plt.close(figure_)
+    return None

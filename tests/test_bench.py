@@ -1,0 +1,225 @@
+"""benchmarks/kvbench.py on the CPU at a tiny size: its files (CSV, PNG, log) go where they
+should, rows say "verified" and a separate PASS/MISS against their target, --compare
+prints each row's change and --fail-on-regression sets the exit status; report.py's
+comparison on its own; beside.py without a GPU."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+BENCH = os.path.join(REPO_ROOT, "benchmarks")
+KVBENCH = os.path.join(BENCH, "kvbench.py")
+# nt=1: 327,680-byte blocks, so a run takes a few seconds.
+TINY = ["--device", "cpu", "--cpu-nt", "1", "--cpu-nb", "1,2", "--quick"]
+
+
+def kvbench(*args, cwd, preamble=""):
+    """Runs kvbench.py as `python3 benchmarks/kvbench.py ARGS` would, after `preamble` (Python
+    run first in the same interpreter)."""
+    code = (f"{preamble}\nimport runpy, sys\nsys.argv = {[KVBENCH, *args]!r}\nsys.path.insert(0, {BENCH!r})\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def printed_path(stdout, kind):
+    match = re.search(rf"^{kind}: (.*)$", stdout, re.MULTILINE)
+    assert match, stdout
+    return match.group(1)
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def list_run(tmp_path_factory):
+    """One tiny run of the list group's CPU cases into --out."""
+    out = tmp_path_factory.mktemp("list-run")
+    run = kvbench(*TINY, "--out", str(out), cwd=out)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run, out
+
+
+def test_run_writes_its_files_into_out(list_run):
+    run, out = list_run
+    stem = os.path.join(out, f"kvbench-cpu-{read_rows(printed_path(run.stdout, 'CSV'))[0]['date']}")
+    assert printed_path(run.stdout, "CSV") == stem + ".csv"
+    assert printed_path(run.stdout, "log") == stem + ".log"
+    with open(stem + ".log") as f:
+        log = f.read()
+    assert "rows: 4 of 4 verified bit-exact" in log and "CSV: " + stem + ".csv" in log, log[-2000:]
+
+
+def test_rows_are_verified_and_judged_against_their_target(list_run):
+    run, _ = list_run
+    rows = read_rows(printed_path(run.stdout, "CSV"))
+    assert [(r["direction"], r["nb"]) for r in rows] == [("b2u", "1"), ("u2b", "1"), ("b2u", "2"), ("u2b", "2")]
+    for row in rows:
+        assert row["status"] == "verified", row
+        assert row["target"] == "ratio_vs_memcpy <= 3x", row
+        assert row["verdict"] == ("PASS" if float(row["ratio_vs_memcpy"]) <= 3 else "MISS"), row
+    assert re.search(r"\[verified\]$", run.stdout.splitlines()[2]), run.stdout
+    assert re.search(r"^  (PASS|MISS)  CPU list API, time over one memcpy of the same bytes: [\d.]+x "
+                     r"\(ratio_vs_memcpy <= 3x; worst of 4: ", run.stdout, re.MULTILINE), run.stdout
+
+
+def test_png_of_the_run(list_run):
+    pytest.importorskip("matplotlib", reason="kvbench draws its PNG with matplotlib")
+    run, _ = list_run
+    png = printed_path(run.stdout, "PNG")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+    assert os.path.getsize(png) > 10_000
+
+
+def test_without_matplotlib_the_run_says_so(tmp_path):
+    run = kvbench(*TINY, "--cpu-nb", "1", "--out", str(tmp_path), cwd=tmp_path,
+                  preamble="import sys; sys.modules['matplotlib'] = None  # import matplotlib fails")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "PNG: no PNG: matplotlib is not installed (pip install matplotlib)" in run.stdout, run.stdout
+    assert not list(tmp_path.glob("*.png")) and len(list(tmp_path.glob("*.csv"))) == 1
+
+
+def test_default_output_outside_the_source_tree(tmp_path):
+    """Run from elsewhere: ./kvbench-results there.  Run from the checkout: a temporary
+    directory, never the source tree."""
+    run = kvbench(*TINY, "--cpu-nb", "1", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert os.path.dirname(printed_path(run.stdout, "CSV")) == str(tmp_path / "kvbench-results")
+
+    before = sorted(os.listdir(BENCH))
+    run = kvbench(*TINY, "--cpu-nb", "1", cwd=BENCH)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    folder = os.path.dirname(printed_path(run.stdout, "CSV"))
+    assert os.path.commonpath([os.path.realpath(folder), os.path.realpath(REPO_ROOT)]) != os.path.realpath(REPO_ROOT)
+    assert sorted(os.listdir(BENCH)) == before
+    for name in os.listdir(folder):
+        os.remove(os.path.join(folder, name))
+    os.rmdir(folder)
+
+
+def doctored(rows, path, factors):
+    """The rows as an older run's CSV whose GB/s were factors[direction] times this run's."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(dict(row, gbps=f"{float(row['gbps']) * factors[row['direction']]:.3f}"))
+
+
+@pytest.mark.parametrize("threshold,status,regressed", [("10", 3, 1), ("60", 0, 0)])
+def test_compare_and_fail_on_regression(list_run, tmp_path, threshold, status, regressed):
+    """Against an older run that was twice as fast in b2u and half as fast in u2b: b2u lost
+    50 %, a regression beyond 10 % but not beyond 60 %."""
+    run, _ = list_run
+    old = tmp_path / "old.csv"
+    doctored(read_rows(printed_path(run.stdout, "CSV")), old, {"b2u": 2.0, "u2b": 0.5})
+    again = kvbench(*TINY, "--cpu-nb", "1", "--out", str(tmp_path), "--compare", str(old),
+                    "--fail-on-regression", threshold, cwd=tmp_path)
+    assert again.returncode == status, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"compared with {old}: GB/s of the 2 rows timed in both runs" in again.stdout, again.stdout
+    changes = re.findall(r"^cpu (b2u|u2b) host NHD\s+1\s+1\s+[\d.]+\s+[\d.]+\s+([+-][\d.]+)%( +<- regression)?$",
+                         again.stdout, re.MULTILINE)
+    assert [(direction, bool(flag)) for direction, _, flag in changes] == [("b2u", regressed == 1), ("u2b", False)]
+    assert float(changes[0][1]) < -10 and float(changes[1][1]) > 10, changes
+    assert f"regressions beyond {threshold} %: {regressed} of 2 rows" in again.stdout, again.stdout
+    assert "not compared: 0 timed row(s) only in this run, 2 only in" in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fail-on-regression", "5"], "--fail-on-regression needs --compare OLD.csv"),
+    (["--compare", "no-such.csv"], "--compare no-such.csv: [Errno 2] No such file or directory"),
+])
+def test_comparison_options_checked_before_the_run(tmp_path, args, message):
+    run = kvbench(*TINY, *args, cwd=tmp_path)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "CPU section" not in run.stdout
+
+
+# --------------------------------------------------------------------------
+# report.py's comparison, in process.
+# --------------------------------------------------------------------------
+
+@pytest.fixture
+def report():
+    sys.path.insert(0, BENCH)
+    try:
+        import report as module
+    finally:
+        sys.path.remove(BENCH)
+    return module
+
+
+def row(report, **fields):
+    base = {column: "" for column in report.COLUMNS}
+    base.update(mode="gpu", api="paged", function="PagedKVCache.to_universal", direction="b2u",
+                placement="d2d", layout="NHD", backend="device_ids", nt=16, nb=64, num_ctas="None",
+                status=report.VERIFIED)
+    base.update(fields)
+    return base
+
+
+def test_compare_matches_rows_by_what_names_them(report):
+    new = [row(report, gbps=3900.0), row(report, nb=256, gbps=4000.0), row(report, backend="host_ids", gbps=10.0),
+           row(report, direction="u2b", gbps=float("nan")), row(report, nb=1, gbps=500.0, status="MISMATCH")]
+    # An older CSV: text cells, status "ok", one row this run lacks.
+    old = [{**{k: str(v) for k, v in row(report).items()}, "gbps": "4000.0", "status": "ok"},
+           {**{k: str(v) for k, v in row(report, nb=256).items()}, "gbps": "3200.0", "status": "ok"},
+           {**{k: str(v) for k, v in row(report, nb=8).items()}, "gbps": "3000.0", "status": "ok"},
+           {**{k: str(v) for k, v in row(report, nb=1).items()}, "gbps": "450.0", "status": "ok"}]
+    changes, only_new, only_old = report.compare(old, new)
+    assert [(c.row["nb"], round(c.pct, 1)) for c in changes] == [(64, -2.5), (256, 25.0)]
+    assert (only_new, only_old) == (1, 2)     # host_ids is new; nb=8 and the failed nb=1 are the old run's only
+    assert [c.row["nb"] for c in report.regressions(changes, 2)] == [64]
+    assert report.regressions(changes, 2.5) == []
+
+
+def test_read_csv_refuses_what_is_not_a_kvbench_csv(report, tmp_path):
+    path = tmp_path / "other.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a kvbench CSV"):
+        report.read_csv(str(path))
+
+
+def test_committed_results_still_compare(report):
+    """The CSVs under benchmarks/results/ (status "ok") read and match themselves."""
+    results = os.path.join(BENCH, "results")
+    paths = [os.path.join(results, name) for name in sorted(os.listdir(results))
+             if name.startswith("kvbench-") and name.endswith(".csv")] if os.path.isdir(results) else []
+    if not paths:
+        pytest.skip("no committed kvbench results here")
+    rows = report.read_csv(paths[0])
+    changes, only_new, only_old = report.compare(rows, rows)
+    assert changes and only_new == only_old == 0 and all(c.pct == 0 for c in changes)
+
+
+# --------------------------------------------------------------------------
+# beside.py and the documentation.
+# --------------------------------------------------------------------------
+
+def test_beside_without_a_gpu_says_so(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: beside.py would run for minutes")
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "beside.py"), "--quick"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "no GPU, nothing to measure" in run.stdout, run.stdout + run.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_kvbench_help():
+    run = subprocess.run([sys.executable, KVBENCH, "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0
+    for option in ("--out", "--compare", "--fail-on-regression", "--device"):
+        assert option in run.stdout, run.stdout
