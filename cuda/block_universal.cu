@@ -38,7 +38,7 @@ __device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint
 }
 
 template <int V, class Table>
-__global__ void __launch_bounds__(kBoundedThreads)
+__global__ void __launch_bounds__(kThreads)
 block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
     for_each_tile(p.tiling, [&](uint32_t chunk_index, uint32_t first) {  // chunk_index = b * nchunks + c

@@ -54,10 +54,10 @@ __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_
 // `groups` tiles at once, so that a chunk of a few KiB still makes a full
 // CTA: a narrow CTA moves too few bytes per trip to memory, which a grid
 // bounded to a few CTAs (the staged permute beside a model) cannot make up
-// for.  A bounded grid also gets wider CTAs (kBoundedThreads): one CTA an SM,
-// so the CTA's own loads are all the SM has in flight.
-constexpr int kBoundedThreads = 1024;
-
+// for.  CTAs stay at kThreads when the grid is bounded too: the bytes a
+// bounded grid keeps in flight set its share of HBM beside a memory-bound
+// model, and 8 CTAs of 1024 threads measured +3.6 % on such a model where 8
+// of 256 cost +1.7 % (benchmarks/beside.py on the H200).
 struct Tiling {
     kvbm_divisor tiles_per_chunk;
     uint32_t vectors_per_chunk;
@@ -82,8 +82,6 @@ inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t m
     t.tiles_per_chunk = kvbm_divisor_make(tiles_per_chunk);
     t.tiles = (uint32_t)(chunks * tiles_per_chunk);
     t.groups = kThreads / tile_threads;
-    if (max_ctas != 0 && (int64_t)max_ctas * t.groups < t.tiles)
-        t.groups = kBoundedThreads / tile_threads;
     const uint32_t groups_needed = (t.tiles + t.groups - 1) / t.groups;
     *grid = max_ctas != 0 && max_ctas < groups_needed ? max_ctas : groups_needed;
     *threads = t.groups * tile_threads;

@@ -41,7 +41,7 @@ __device__ __forceinline__ char *flat_block(const Table &table, const Params &p,
 }
 
 template <int V, class Table>
-__global__ void __launch_bounds__(kBoundedThreads)
+__global__ void __launch_bounds__(kThreads)
 paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
     for_each_tile(p.tiling, [&](uint32_t chunk, uint32_t first) {  // chunk = (b * nl + i) * no + o
