@@ -18,6 +18,7 @@ from reference import (
     TORCH_DTYPES,
     arrays_in,
     assert_all_bitwise_equal,
+    assert_poisoned,
     b2u_and_check,
     call,
     check_rejected,
@@ -470,3 +471,62 @@ def test_jax_arrays_as_sources(direction, layout, np_dtype, gen):
     jax_sources = arg_blocks if direction == "b2u" else arg_universals
     flat_jax = [a for x in jax_sources for a in (x if isinstance(x, list) else [x])]
     assert_all_bitwise_equal([np.asarray(a) for a in flat_jax], list(arrays_in(sources)), "JAX sources")
+
+
+# --------------------------------------------------------------------------
+# Universals as one [nb, nh, nl, no, nt, hd] array on the device or in pinned memory,
+# with every backend (the staged path reads one array's blocks by its leading stride).
+# --------------------------------------------------------------------------
+
+
+def stack_on(universals, where, spacing):
+    """One [nb, ...] array of the universals, "device" or "pinned"; `spacing` extra
+    elements between blocks (0: packed)."""
+    flat = torch.stack([u.cpu() for u in universals])
+    block = universals[0].numel()
+    room = torch.empty(len(universals), block + spacing, dtype=flat.dtype)
+    room = room.pin_memory() if where == "pinned" else room.cuda()
+    poison_(room)
+    stack = room[:, :block].view(flat.shape)
+    stack.copy_(flat)
+    return stack
+
+
+@pytest.mark.parametrize("spacing", [0, 24], ids=["packed", "gaps"])
+@pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engines"])
+@pytest.mark.parametrize("where", ["device", "pinned"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_universals(direction, where, backend, spacing, gen):
+    shape = (5, 3, 2, 4, 16, 128)
+    blocks, universals = device_case(shape, torch.bfloat16, "NHD", gen)
+    stack = stack_on(universals, where, spacing)
+    if direction == "b2u":
+        poison_(stack)
+        sync()
+        kvbm_ext.block_to_universal(blocks, stack, backend=backend)
+        sync()
+        assert_all_bitwise_equal(list(stack), expected_universals(blocks, shape[2], "NHD"), "universals")
+    else:
+        poison_(blocks)
+        sync()
+        kvbm_ext.universal_to_block(stack, blocks, backend=backend)
+        sync()
+        assert_all_bitwise_equal(blocks, expected_blocks(list(stack), "NHD"), "blocks")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_universals_on_another_device_kind_rejected(direction, gen):
+    """A pageable stack among device chunks is refused like a pageable universal."""
+    blocks, universals = device_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen)
+    check_rejected(direction, blocks, torch.stack(universals).cpu(), ValueError, "universals", "pageable")
+
+
+def test_meta_universals_on_a_gpu_call(gen):
+    blocks, universals = device_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen)
+    meta = [u.to("meta") if i == 1 else u for i, u in enumerate(universals)]
+    poison_(blocks)
+    sync()
+    with pytest.raises(ValueError, match=r"^universals\[1\]: on device meta"):
+        kvbm_ext.universal_to_block(meta, blocks)
+    sync()
+    assert_poisoned(blocks, "blocks")

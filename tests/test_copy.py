@@ -178,6 +178,9 @@ ADDRESS_FORMS = {
     "numpy-uint64": lambda v: np.array(v, dtype=np.uint64),
     "numpy-int64": lambda v: np.array(v, dtype=np.int64),
     "torch-int64": lambda v: torch.tensor(v, dtype=torch.int64),
+    # list(np_array): NumPy integer scalars, read through __index__
+    "numpy-int64-items": lambda v: list(np.array(v, dtype=np.int64)),
+    "numpy-uint64-items": lambda v: list(np.array(v, dtype=np.uint64)),
     "cuda-int64": lambda v: torch.tensor(v, dtype=torch.int64, device="cuda"),
 }
 HOST_ADDRESS_FORMS = [f for f in ADDRESS_FORMS if f != "cuda-int64"]
@@ -188,8 +191,9 @@ def _one_int(v):
     return int(v[0])
 
 
-SIZE_FORMS = {"int": _one_int, **ADDRESS_FORMS}
+SIZE_FORMS = {"int": _one_int, "numpy-int64-scalar": lambda v: np.int64(_one_int(v)), **ADDRESS_FORMS}
 HOST_SIZE_FORMS = [f for f in SIZE_FORMS if f != "cuda-int64"]
+ONE_SIZE_FORMS = ["int", "numpy-int64-scalar"]  # one size for every pair
 
 
 def pair_args(src, dst, plan, src_form="list", dst_form="list", sizes_form="list"):
@@ -389,13 +393,15 @@ def test_is_memcpy_batch_available_is_a_bool():
     [("vectorized_copy", {})] + [("memcpy_batch", {"mode": m}) for m in MODES] + [("memcpy_batch", {})],
     ids=["vectorized_copy"] + [f"memcpy_batch-{m}" for m in MODES] + ["memcpy_batch-default"],
 )
-@pytest.mark.parametrize("forms", [("list", "list", "int"), ("numpy-uint64", "torch-int64", "numpy-int64")],
-                         ids=["lists", "arrays"])
+@pytest.mark.parametrize("forms", [("list", "list", "int"), ("numpy-uint64", "torch-int64", "numpy-int64"),
+                                   ("numpy-int64-items", "numpy-uint64-items", "numpy-int64-scalar")],
+                         ids=["lists", "arrays", "numpy-scalars"])
 def test_without_gpu_valid_looking_calls_raise_runtime_error(fn, kwargs, forms, gen):
     plan = make_plan([64, 64, 64], gen)
     src, snapshot, dst = setup_copy("pageable", "pageable", plan, gen)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=f"^{fn} needs a CUDA device") as info:
         copy_fn(fn)(*pair_args(src, dst, plan, *forms), **kwargs)
+    assert "cannot query" not in str(info.value)
     assert_poisoned(dst)  # no silent CPU fallback
     assert_unchanged(src, snapshot)
 
@@ -432,7 +438,7 @@ def test_vectorized_copy_size_forms(sizes_form, gen):
         forms = ("cuda-int64", "cuda-int64", "numpy-uint64")
     else:
         forms = ("list", "numpy-uint64", sizes_form)
-    sizes = [3000] * 50 if sizes_form == "int" else random_sizes(50, gen, 1, 5000)
+    sizes = [3000] * 50 if sizes_form in ONE_SIZE_FORMS else random_sizes(50, gen, 1, 5000)
     plan = make_plan(sizes, gen)
     copy_and_check("vectorized_copy", "device", "device", plan, gen, forms)
 
@@ -856,7 +862,8 @@ def test_memcpy_batch_default_mode(placement, gen):
 @requires_cuda
 @pytest.mark.parametrize(
     "forms",
-    [(f, f, "list") for f in HOST_ADDRESS_FORMS] + [("list", "numpy-uint64", f) for f in HOST_SIZE_FORMS if f != "int"],
+    [(f, f, "list") for f in HOST_ADDRESS_FORMS]
+    + [("list", "numpy-uint64", f) for f in HOST_SIZE_FORMS if f not in ONE_SIZE_FORMS],
     ids=lambda f: "-".join(f),
 )
 def test_memcpy_batch_argument_forms(forms, gen):

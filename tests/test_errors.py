@@ -17,14 +17,17 @@ import kvbm_ext
 from reference import (
     ArrayInterfaceOnly,
     assert_poisoned,
+    b2u_and_check,
     call,
     check_rejected,
     chunk_shape,
+    expect_rejected,
     make_case,
     path_regex,
     poison_,
     poison_even_if_read_only,
     random_tensor,
+    u2b_and_check,
 )
 
 DIRECTIONS = ["b2u", "u2b"]
@@ -395,3 +398,230 @@ def test_stream_is_keyword_only(direction, gen):
         with pytest.raises(TypeError):
             kvbm_ext.universal_to_block(universals, blocks, "NHD", None)
         assert_poisoned(blocks)
+
+
+# --------------------------------------------------------------------------
+# Universals as one [nb, nh, nl, no, nt, hd] array: its leading dimension is nb.
+# --------------------------------------------------------------------------
+
+
+def stacked_case(gen, layout="NHD", dtype=torch.float32):
+    blocks, universals = case(gen, layout, dtype)
+    return blocks, torch.stack(universals)
+
+
+@pytest.mark.parametrize("leading", [NB - 1, NB + 1, 0])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_universals_leading_dimension_not_nb(direction, leading, gen):
+    blocks, stack = stacked_case(gen)
+    wrong = torch.cat([stack, stack])[:leading]
+    msg = check_rejected(direction, blocks, wrong, ValueError, "universals", "leading dimension")
+    assert f"has {leading} blocks" in msg and f"blocks has {NB}" in msg, msg
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_universals_of_seven_dimensions(direction, gen):
+    blocks, stack = stacked_case(gen)
+    check_rejected(direction, blocks, stack.unsqueeze(0), ValueError, "universals", "6-D", "[nb, nh, nl, no, nt, hd]")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_universals_blocks_not_contiguous(direction, gen):
+    blocks, stack = stacked_case(gen)
+    swapped = stack.transpose(4, 5).contiguous().transpose(4, 5)
+    assert not swapped[0].is_contiguous()
+    check_rejected(direction, blocks, swapped, ValueError, "universals", "C-contiguous")
+
+
+@pytest.mark.parametrize(
+    "kind", ["repeated", "half-overlap", "numpy-backwards"],
+)
+def test_stacked_destination_blocks_overlap_or_run_backwards(kind, gen):
+    blocks, stack = stacked_case(gen)
+    block = stack[0].numel()
+    if kind == "repeated":
+        dst, word = stack[0].unsqueeze(0).expand(stack.shape), "overlap"
+    elif kind == "half-overlap":
+        room = torch.empty(block * NB)
+        dst, word = room.as_strided(stack.shape, (block // 2,) + stack[0].stride()), "overlap"
+    else:
+        dst, word = stack.numpy()[::-1], "run backwards"
+    check_rejected("b2u", blocks, dst, ValueError, "universals", word)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_universals_of_another_element_type(direction, gen):
+    blocks, stack = stacked_case(gen)
+    check_rejected(direction, blocks, stack.to(torch.int32), TypeError, r"blocks\[0\]\[0\]", "differs")
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stacked_universals_overlapping_a_chunk(direction, gen):
+    blocks, stack = stacked_case(gen)
+    blocks[1][2] = stack[2].reshape(-1)[: blocks[1][2].numel()].view(blocks[1][2].shape)
+    check_rejected(direction, blocks, stack, ValueError, "(universals|blocks\\[1\\]\\[2\\])", "shares memory")
+
+
+# --------------------------------------------------------------------------
+# Devices that cannot be read, named with their argument.
+# --------------------------------------------------------------------------
+
+
+class OtherDevice:
+    """A DLPack producer on a device kvbm_ext cannot read (DLPack device type `type`)."""
+
+    def __init__(self, t, type):
+        self.t, self.type = t, type
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("__dlpack__ of an unreadable device called")
+
+    def __dlpack_device__(self):
+        return (self.type, 0)
+
+
+@pytest.mark.parametrize("where", ["blocks", "universals"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_meta_tensor_named_with_its_argument(direction, where, gen):
+    blocks, universals = case(gen)
+    args_blocks, args_universals = [list(chunks) for chunks in blocks], list(universals)
+    if where == "blocks":
+        args_blocks[1][2] = torch.empty(blocks[1][2].shape, device="meta")
+        path = r"blocks\[1\]\[2\]"
+    else:
+        args_universals[1] = torch.empty(universals[1].shape, device="meta")
+        path = r"universals\[1\]"
+    src, dst = (blocks, universals) if direction == "b2u" else (universals, blocks)
+    msg = expect_rejected(lambda: call(direction, args_blocks, args_universals), src, dst, ValueError, path,
+                          ("on device meta", "cannot read"))
+    assert "Unknown device type" not in msg.split("(")[0], msg
+
+
+def test_meta_stack_and_meta_address_list(gen):
+    blocks, stack = stacked_case(gen)
+    meta = torch.empty(stack.shape, device="meta")
+    expect_rejected(lambda: call("b2u", blocks, meta), blocks, [], ValueError, "universals", ("on device meta",))
+    with pytest.raises(ValueError, match=path_regex("src_ptrs") + ".*on device meta"):
+        kvbm_ext.vectorized_copy(torch.empty(2, dtype=torch.int64, device="meta"), [1, 2], 8)
+
+
+@pytest.mark.parametrize("type,name", [(4, "OpenCL"), (10, "ROCm"), (14, "oneAPI"), (99, "99")])
+def test_other_dlpack_device_named(type, name, gen):
+    blocks, universals = case(gen)
+    universals[2] = OtherDevice(universals[2], type)
+    msg = check_rejected("u2b", blocks, universals, ValueError, r"universals\[2\]", "cannot read")
+    assert name in msg, msg
+
+
+# --------------------------------------------------------------------------
+# Ints: anything with __index__ (np.int64 ...), never a bool.
+# --------------------------------------------------------------------------
+
+
+class Index:
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
+class RaisingIndex:
+    def __index__(self):
+        raise ZeroDivisionError("hostile __index__")
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.uint8(3), np.int32(3), torch.tensor(3), Index(3)],
+                         ids=["np.int64", "np.uint8", "np.int32", "torch-0d", "__index__"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_num_ctas_takes_any_index_int(direction, value, gen):
+    blocks, universals = case(gen)
+    if direction == "b2u":
+        b2u_and_check(blocks, universals, "NHD", NO, num_ctas=value)
+    else:
+        u2b_and_check(universals, blocks, "NHD", num_ctas=value)
+
+
+@pytest.mark.parametrize("bad,exc", [(True, TypeError), (np.True_, TypeError), (2.0, TypeError),
+                                     (np.float32(2), TypeError), (RaisingIndex(), TypeError), (0, ValueError),
+                                     (np.uint64(2**64 - 1), ValueError)],
+                         ids=["True", "np.True_", "float", "np.float32", "raising-index", "zero", "2**64-1"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_num_ctas_rejects_bools_floats_and_out_of_range(direction, bad, exc, gen):
+    blocks, universals = case(gen)
+    msg = check_rejected(direction, blocks, universals, exc, "num_ctas", num_ctas=bad)
+    if isinstance(bad, RaisingIndex):
+        assert "ZeroDivisionError: hostile __index__" in msg, msg
+
+
+def test_raising_index_is_the_cause(gen):
+    blocks, universals = case(gen)
+    with pytest.raises(TypeError, match=path_regex("num_ctas")) as info:
+        kvbm_ext.block_to_universal(blocks, universals, num_ctas=RaisingIndex())
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_staging_settings_take_any_index_int():
+    """Ends on the defaults (96 MiB, 2 lanes), which the other tests assume."""
+    kvbm_ext.set_staging(np.int64(64 << 20), lanes=np.int32(3))
+    kvbm_ext.set_staging(Index(96 << 20), lanes=Index(2))
+    with pytest.raises(TypeError, match=path_regex("lanes")):
+        kvbm_ext.set_staging(lanes=True)
+    with pytest.raises(ValueError, match=path_regex("size_bytes")):
+        kvbm_ext.set_staging(np.int64(1))
+    if kvbm_ext.cuda_devices():
+        info = kvbm_ext.staging_info()
+        assert (info["size_bytes"], info["lanes"]) == (96 << 20, 2)
+
+
+# --------------------------------------------------------------------------
+# Raw copies: the lists' ints, and what happens without a GPU.
+# --------------------------------------------------------------------------
+
+RAW = ["vectorized_copy", "memcpy_batch"]
+
+
+@pytest.mark.parametrize("fn", RAW)
+def test_raw_copy_list_entries_of_the_wrong_kind(fn):
+    a, b = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    f = getattr(kvbm_ext, fn)
+    for bad, exc, path in [(True, TypeError, r"dst_ptrs\[1\]"), (np.True_, TypeError, r"dst_ptrs\[1\]"),
+                           (1.0, TypeError, r"dst_ptrs\[1\]"), (-1, ValueError, r"dst_ptrs\[1\]"),
+                           (np.int64(-8), ValueError, r"dst_ptrs\[1\]"), (2**64, ValueError, r"dst_ptrs\[1\]"),
+                           (RaisingIndex(), TypeError, r"dst_ptrs\[1\]")]:
+        with pytest.raises(exc, match=path_regex(path)):
+            f([a.ctypes.data, a.ctypes.data + 8], [b.ctypes.data, bad], 8)
+    with pytest.raises(TypeError, match=path_regex("sizes")):
+        f([a.ctypes.data], [b.ctypes.data], True)
+    with pytest.raises(TypeError, match=path_regex("sizes")):
+        f([a.ctypes.data], [b.ctypes.data], np.float64(8))
+    with pytest.raises(ValueError, match=path_regex("sizes")):
+        f([a.ctypes.data], [b.ctypes.data], np.int64(-8))
+    with pytest.raises(ValueError, match=path_regex("sizes")):
+        f([a.ctypes.data], [b.ctypes.data], np.array([8, 8], np.int64))
+    assert not b.any()
+
+
+@pytest.mark.skipif(bool(kvbm_ext.cuda_devices()), reason="a GPU is visible")
+@pytest.mark.parametrize(
+    "forms", ["ints", "np.int64 items", "np.uint64 items", "arrays", "np scalar size"],
+)
+@pytest.mark.parametrize("fn", RAW)
+def test_raw_copy_without_a_gpu_says_a_device_is_needed(fn, forms):
+    a, b = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    src = np.array([a.ctypes.data, a.ctypes.data + 32], np.uint64)
+    dst = np.array([b.ctypes.data, b.ctypes.data + 32], np.uint64)
+    sizes = 16
+    if forms == "ints":
+        src, dst = [int(x) for x in src], [int(x) for x in dst]
+    elif forms == "np.int64 items":
+        src, dst = list(src.astype(np.int64)), list(dst.astype(np.int64))
+    elif forms == "np.uint64 items":
+        src, dst = list(src), list(dst)
+    elif forms == "np scalar size":
+        src, dst, sizes = list(src), list(dst), np.int64(16)
+    with pytest.raises(RuntimeError, match=f"^{fn} needs a CUDA device") as info:
+        getattr(kvbm_ext, fn)(src, dst, sizes)
+    built = "built without CUDA" if kvbm_ext.is_using_stubs() else "none is visible"
+    assert built in str(info.value) and "cannot query" not in str(info.value)
+    assert not b.any()

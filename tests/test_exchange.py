@@ -31,6 +31,10 @@ from reference import (
     arrays_in,
     assert_all_bitwise_equal,
     assert_bitwise_equal,
+    assert_message_has,
+    assert_poisoned,
+    expected_op,
+    path_regex,
     b2u_and_check,
     call,
     clone_all,
@@ -414,3 +418,206 @@ def test_gpu_stream_none_runs_on_the_current_torch_stream_paged(where, gen):
               ids, list(range(case.nl)))
     for i, (got, w) in enumerate(zip(U.bases, want)):
         assert_bitwise_equal(got.view(torch.int16), w, f"universals #{i}")
+
+
+# ==========================================================================
+# What torch's __dlpack__ refuses (or would export wrongly), the fast path refuses
+# too: conjugate and negative views, whose bytes are not their values, and
+# destinations that require grad.  Destinations written are bumped like an
+# in-place op's.
+# ==========================================================================
+
+SHAPE = (3, 2, 2, 3, 4, 5)  # nb, nl, no, nh, nt, hd
+
+
+def refused(invoke, written, read, exc, path, *words):
+    """invoke() must raise `exc` with a message starting with `path` and holding `words`;
+    the plain tensors `written` (poisoned first) keep the poison and `read` is unchanged."""
+    poison_(written)
+    before = clone_all(read)
+    with pytest.raises(exc, match=path_regex(path)) as info:
+        invoke()
+    sync()
+    assert_message_has(str(info.value), words)
+    assert_poisoned(written, "destinations")
+    assert_all_bitwise_equal(read, before, "sources")
+    return info.value
+
+
+def flagged(t, flag):
+    """A view of plain tensor t (same memory) with `flag` set: "conj" (complex only),
+    "neg" (the negative bit)."""
+    return t.conj() if flag == "conj" else t._neg_view()
+
+
+FLAG_DTYPES = {"conj": torch.complex64, "neg": torch.float32}
+
+
+def flag_case(flag, gen, device="cpu"):
+    blocks, universals = make_case(*SHAPE, FLAG_DTYPES[flag], "NHD", generator=gen, device=device)
+    return blocks, universals
+
+
+@pytest.mark.parametrize("where", ["blocks", "universals"])
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+@pytest.mark.parametrize("flag", ["conj", "neg"])
+def test_conjugate_and_negative_views_refused(flag, direction, where, gen):
+    blocks, universals = flag_case(flag, gen)
+    assert flagged(universals[0], flag).data_ptr() == universals[0].data_ptr()
+    args_blocks = [list(chunks) for chunks in blocks]
+    args_universals = list(universals)
+    if where == "blocks":
+        args_blocks[1][2] = flagged(blocks[1][2], flag)
+        path = r"blocks\[1\]\[2\]"
+    else:
+        args_universals[1] = flagged(universals[1], flag)
+        path = r"universals\[1\]"
+    written, read = (universals, blocks) if direction == "b2u" else (blocks, universals)
+    word = "conjugate" if flag == "conj" else "negative"
+    refused(lambda: call(direction, args_blocks, args_universals), written, read, ValueError, path, word,
+            "resolve_" + flag)
+
+
+@pytest.mark.parametrize("flag", ["conj", "neg"])
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_flagged_stack_of_universals_refused(direction, flag, gen):
+    blocks, universals = flag_case(flag, gen)
+    stack = torch.stack(universals)
+    written, read = (stack, blocks) if direction == "b2u" else (blocks, stack)
+    refused(lambda: call(direction, blocks, flagged(stack, flag)), written, read, ValueError, "universals",
+            "conjugate" if flag == "conj" else "negative")
+
+
+def test_imaginary_part_of_a_conjugate_view_refused(gen):
+    """x.conj().imag has the negative bit: its bytes are x.imag's, its values their negation."""
+    blocks, universals = make_case(1, 1, 1, 1, 1, 1, torch.complex64, "NHD", generator=gen)
+    dst = [[torch.empty(1, 1, 1)]]
+    imag = universals[0].conj().imag
+    assert imag.is_neg()
+    refused(lambda: kvbm_ext.universal_to_block(imag, dst), dst, [universals[0]], ValueError, "universals",
+            "negative")
+
+
+@pytest.mark.parametrize("flag", ["conj", "neg"])
+@pytest.mark.parametrize("direction", ["b2o", "o2b", "u2o", "o2u"])
+def test_flagged_operationals_refused(direction, flag, gen):
+    blocks, universals, ops = make_op_case(*SHAPE, FLAG_DTYPES[flag], "NHD", generator=gen)
+    plain = {"b2o": (blocks, ops), "o2b": (ops, blocks), "u2o": (universals, ops), "o2u": (ops, universals)}[direction]
+    args = [list(ops) if x is ops else x for x in plain]
+    which = 1 if direction in ("b2o", "u2o") else 0
+    args[which][2] = flagged(ops[2], flag)
+    layout = ("NHD",) if direction in ("u2o", "o2u") else ()
+    refused(lambda: getattr(kvbm_ext, OP_NAMES[direction])(*args, *layout), plain[1], plain[0], ValueError,
+            r"operationals\[2\]", "conjugate" if flag == "conj" else "negative")
+
+
+OP_NAMES = {"b2o": "block_to_operational", "o2b": "operational_to_block", "u2o": "universal_to_operational",
+            "o2u": "operational_to_universal"}
+
+
+def test_flagged_tensor_through_python_dlpack_refused(gen):
+    """A producer's __dlpack__ that refuses (torch: BufferError for a conjugate view) is a
+    ValueError naming the argument, with the producer's error as its cause."""
+    blocks, universals = flag_case("conj", gen)
+    args = [DLPackOnly(u) for u in universals]
+    args[1] = DLPackOnly(universals[1].conj())
+    error = refused(lambda: kvbm_ext.universal_to_block(args, blocks), blocks, universals, ValueError,
+                    r"universals\[1\]", "refused to export", "conjugate bit")
+    assert isinstance(error.__cause__, BufferError)
+
+
+@pytest.mark.parametrize("form", ["list", "stack"])
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+def test_destination_that_requires_grad_refused(leaf, form, gen):
+    blocks, universals = make_case(*SHAPE, torch.float32, "HND", generator=gen)
+    plain = torch.stack(universals) if form == "stack" else universals
+    base = torch.zeros(plain.shape if form == "stack" else universals[1].shape, requires_grad=True)
+    grad = base if leaf else base * 1
+    assert grad.requires_grad and grad.is_leaf == leaf
+    if form == "stack":
+        args, path, written = grad, "universals", [base]
+    else:
+        args, path, written = [universals[0], grad, universals[2]], r"universals\[1\]", [base]
+    with torch.no_grad():
+        poison_(base)
+    before = clone_all(blocks)
+    with pytest.raises(ValueError, match=path_regex(path)) as info:
+        kvbm_ext.block_to_universal(blocks, args, "HND")
+    assert "requires grad" in str(info.value) and "detach()" in str(info.value)
+    assert_poisoned([b.detach() for b in written], "destination")
+    assert_all_bitwise_equal(blocks, before, "blocks (source)")
+    # its detached alias, same memory, is written as asked
+    if form == "stack":
+        kvbm_ext.block_to_universal(blocks, base.detach(), "HND")
+        assert_all_bitwise_equal(list(base.detach()), expected_universals(blocks, 2, "HND"), "universals")
+
+
+def test_source_that_requires_grad_is_read(gen):
+    """Reading needs no autograd: a source that requires grad is read as its detach() would be."""
+    blocks, universals = make_case(*SHAPE, torch.float32, "NHD", generator=gen)
+    sources = [u.clone().requires_grad_() for u in universals]
+    poison_(blocks)
+    kvbm_ext.universal_to_block(sources, blocks)
+    assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
+
+
+@pytest.mark.parametrize("form", ["list", "stack"])
+@pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2b"])
+def test_written_tensors_get_their_version_counter_bumped(direction, form, gen):
+    """As an in-place op of torch would: each destination's _version grows, the
+    sources' stays (views share their base's counter, so the base's grows too)."""
+    blocks, universals, ops = make_op_case(*SHAPE, torch.bfloat16, "NHD", generator=gen)
+    if form == "stack":
+        universals, ops = torch.stack(universals), torch.stack(ops)
+    src, dst = {"b2u": (blocks, universals), "u2b": (universals, blocks), "u2o": (universals, ops),
+                "o2b": (ops, blocks)}[direction]
+    dst_tensors = [dst] if isinstance(dst, torch.Tensor) else list(arrays_in(dst))
+    src_tensors = [src] if isinstance(src, torch.Tensor) else list(arrays_in(src))
+    before_dst = [t._version for t in dst_tensors]
+    before_src = [t._version for t in src_tensors]
+    if direction in ("b2u", "u2b"):
+        call(direction, *((src, dst) if direction == "b2u" else (dst, src)))
+    else:
+        getattr(kvbm_ext, OP_NAMES[direction])(src, dst, *(("NHD",) if direction == "u2o" else ()))
+    assert all(t._version > v for t, v in zip(dst_tensors, before_dst)), "a destination's version did not grow"
+    assert [t._version for t in src_tensors] == before_src, "a source's version changed"
+
+
+def test_version_bump_makes_autograd_notice_an_overwritten_saved_tensor(gen):
+    """The point of the bump: a tensor saved for backward and then overwritten by a
+    conversion makes backward raise instead of using the new values silently."""
+    blocks, universals = make_case(1, 1, 1, 1, 2, 4, torch.float32, "NHD", generator=gen)
+    w = torch.ones(1, 1, 1, 2, 4, requires_grad=True)
+    saved = universals[0]
+    loss = (w * saved).sum()  # saves `saved` for the gradient of w
+    kvbm_ext.block_to_universal(blocks, [saved])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@requires_cuda
+@pytest.mark.parametrize("flag", ["conj", "neg"])
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_gpu_flagged_views_refused(direction, flag, gen):
+    blocks, universals = flag_case(flag, gen, device="cuda")
+    args_universals = [universals[0], flagged(universals[1], flag), universals[2]]
+    written, read = (universals, blocks) if direction == "b2u" else (blocks, universals)
+    refused(lambda: call(direction, blocks, args_universals), written, read, ValueError, r"universals\[1\]",
+            "conjugate" if flag == "conj" else "negative")
+
+
+@requires_cuda
+@pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
+def test_gpu_requires_grad_destination_refused_and_versions_bumped(pin, gen):
+    blocks, universals = make_case(*SHAPE, torch.bfloat16, "NHD", generator=gen, device="cuda")
+    stack = torch.stack(universals)
+    stack = stack.cpu().pin_memory() if pin else stack
+    grad = torch.zeros_like(stack).requires_grad_()
+    with pytest.raises(ValueError, match=path_regex("universals")):
+        kvbm_ext.block_to_universal(blocks, grad)
+    poison_(stack)
+    version = stack._version
+    kvbm_ext.block_to_universal(blocks, stack)
+    sync()
+    assert stack._version > version
+    assert_all_bitwise_equal(list(stack), expected_universals(blocks, 2, "NHD"), "universals")

@@ -700,6 +700,51 @@ def scn_paged_huge_empty(n):
         outcome("P-from", lambda: cache.from_universal(np.empty((1, 1, n, 1, 1, 0), np.uint8), [0]))
 
 
+def scn_stack_dict_rewrite(direction, role, key):
+    """Section 3, one stacked array: the universals (or operationals) side of `direction`
+    given as ONE [nb, ...] array whose interface dict's `key` entry rewrites itself while
+    read."""
+    src_raw, dst_raw = list_case(direction)
+    save("X~src", src_raw)
+    args = {"src": [list(v) if isinstance(v, list) else v for v in src_raw],
+            "dst": [list(v) if isinstance(v, list) else v for v in dst_raw]}
+    stack = np.stack(args[role])
+    if role == "dst":
+        dst_raw = list(stack)  # the call writes the stack: its blocks are the destinations
+    args[role] = DictRewritingAI(stack, key)
+    outcome("X", lambda: convert(direction, args["src"], args["dst"]))
+    save("X~dst", dst_raw)
+
+
+class ListClearingIndex:
+    """An address whose __index__ empties the caller's address lists and allocates junk
+    of their size (to reuse what a reader holding borrowed items would still read)."""
+
+    def __init__(self, value, lists):
+        self.value, self.lists = value, lists
+
+    def __index__(self):
+        lists, self.lists = self.lists, None
+        for lst in lists or ():
+            lst[:] = [object() for _ in lst]
+            lst.clear()
+        JUNK.extend(np.full(64, JUNK_BYTE, np.uint8) for _ in range(8))
+        return self.value
+
+
+def scn_address_list_mutation(fn):
+    """Section 1, raw copies: an entry of dst_ptrs empties both address lists when its
+    __index__ runs (np.int64 entries around it)."""
+    a = rnd((64,), np.uint8)
+    b = poisoned((64,), np.uint8)
+    src = [np.int64(a.ctypes.data + 16 * i) for i in range(4)]
+    dst = [np.uint64(b.ctypes.data + 16 * i) for i in range(4)]
+    dst[1] = ListClearingIndex(b.ctypes.data + 16, [src, dst])
+    save("X~src", a)
+    outcome("X", lambda: getattr(kvbm_ext, fn)(src, dst, np.int64(8)))
+    save("X~dst", b)
+
+
 def scn_thread_mutation(seconds):
     """Section 11: a thread pops and re-inserts entries of blocks, blocks[k] and universals
     while the main thread calls block_to_universal in a loop. Every array is an AI wrapper,
@@ -1487,3 +1532,38 @@ def test_thread_mutating_lists_during_calls(tmp_path):
     bad = [e for e in errors if not e.startswith(CLEAN)]
     assert not bad, f"exceptions other than ValueError / TypeError: {bad}"
     assert counts["ok"] > 0, f"no call succeeded in 3 s: {counts} {errors}"
+
+
+# ==========================================================================
+# One stacked array instead of a list, and raw copies' address lists, under the
+# same hostility.
+# ==========================================================================
+
+
+@pytest.mark.parametrize("key", ["shape", "strides", "data"])
+@pytest.mark.parametrize("direction,role", [("b2u", "dst"), ("u2b", "src"), ("u2o", "dst"), ("o2u", "src"),
+                                            ("b2o", "dst"), ("o2b", "src")])
+def test_stacked_array_whose_interface_rewrites_itself(direction, role, key, tmp_path):
+    child = run_child(tmp_path, "stack_dict_rewrite", direction=direction, role=role, key=key)
+    check_list(child, direction)
+
+
+@pytest.mark.parametrize("fn", ["vectorized_copy", "memcpy_batch"])
+def test_address_list_emptied_by_an_entrys_index(fn, tmp_path):
+    """No crash; without a GPU a RuntimeError (a device is needed) with nothing written,
+    else the four pairs as listed when the call started (or vectorized_copy's ValueError
+    for pageable memory)."""
+    child = run_child(tmp_path, "address_list_mutation", fn=fn)
+    kind, msg = child.outcome("X")
+    src, dst = child.tree("X~src"), child.tree("X~dst")
+    if kind == "ok":
+        want = np.full(64, POISON, np.uint8)
+        for i in range(4):
+            want[16 * i:16 * i + 8] = src[16 * i:16 * i + 8]
+        assert np.array_equal(dst, want), "the copies are not those listed at the call"
+        return
+    if kind == "RuntimeError":
+        assert msg.startswith(f"{fn} needs a CUDA device"), msg
+    else:
+        assert_clean_error(kind, msg, ("ValueError",), r"(src|dst)_ptrs\[\d+\]", fn)
+    assert_poisoned(dst, "dst")

@@ -5,8 +5,10 @@ Each case draws, from its own seed, an entry point and its arguments: valid
 small arrays (NumPy), hostile objects (array getters that clear, rewrite or
 shorten the caller's lists; interface dicts whose entries' __index__ rewrites
 the dict; lying extents, strides, data pointers and typestrs), odd strings
-(embedded NUL, non-ASCII, surrogates), odd ints (huge, negative, bool) and
-odd streams.  A case passes when the call returns, or raises ValueError,
+(embedded NUL, non-ASCII, surrogates), odd ints (huge, negative, bool, NumPy
+scalars), odd streams, universals and operationals as one stacked [nb, ...]
+array (wrong leading dimension, blocks read backwards), and devices DLPack
+cannot describe.  A case passes when the call returns, or raises ValueError,
 TypeError or RuntimeError (the CPU build, or no GPU, for device work); any
 other exception fails it, and so does a destination written by a call that
 raised.  Valid block <-> universal calls are also checked bit for bit against
@@ -76,7 +78,8 @@ class Interface:
 
 
 class BadDevice:
-    """A DLPack producer whose __dlpack_device__ returns `device`."""
+    """A DLPack producer whose __dlpack_device__ returns `device`, or raises it when it is
+    an exception (as torch does for a meta tensor)."""
 
     def __init__(self, device):
         self.device = device
@@ -85,6 +88,8 @@ class BadDevice:
         raise TypeError("no capsule")
 
     def __dlpack_device__(self):
+        if isinstance(self.device, BaseException):
+            raise self.device
         return self.device
 
 
@@ -101,7 +106,8 @@ def odd_string(rng, good):
 
 
 def odd_int(rng, good):
-    return rng.choice([good, 0, -1, 1, 2**31, 2**63, 2**64, -2**70, True, 1.5, "1", None, Raises(), Index(good)])
+    return rng.choice([good, 0, -1, 1, 2**31, 2**63, 2**64, -2**70, True, 1.5, "1", None, Raises(), Index(good),
+                       np.int64(good), np.uint64(good), np.int32(-1), np.True_, np.float64(good)])
 
 
 def odd_stream(rng):
@@ -180,7 +186,20 @@ def case_list_api(rng, kvbm_ext):
         for group in ([src] if src_kind != "block" else src) + ([dst] if dst_kind != "block" else dst):
             for i in range(len(group)):
                 group[i] = mangle(rng, group[i], group)
-    flat_dst = [a for a in (dst if dst_kind != "block" else [x for b in dst for x in b]) if isinstance(a, np.ndarray)]
+    # a flat side (universals, operationals) as one [nb, ...] array, as PagedKVCache takes it
+    stack = {}
+    for role, kind, side in (("src", src_kind, src), ("dst", dst_kind, dst)):
+        if kind != "block" and all(isinstance(a, np.ndarray) for a in side) and rng.random() < 0.3:
+            stack[role] = np.stack(side)
+            if rng.random() < 0.2:  # a leading dimension that is not nb
+                stack[role] = stack[role][: rng.randint(0, len(side) + 1)]
+            if role == "src" and rng.random() < 0.2:  # blocks read backwards
+                stack[role] = stack[role][::-1]
+    src, dst = stack.get("src", src), stack.get("dst", dst)
+    if isinstance(dst, np.ndarray):
+        flat_dst = [dst]
+    else:
+        flat_dst = [a for a in (dst if dst_kind != "block" else [x for b in dst for x in b]) if isinstance(a, np.ndarray)]
     c.written = [(a, a.copy()) for a in flat_dst]
     kwargs = {}
     if rng.random() < 0.3:
@@ -195,14 +214,14 @@ def case_list_api(rng, kvbm_ext):
             args.append(odd_string(rng, layout) if hostile else layout)
     fn = getattr(kvbm_ext, name)
     c.run = lambda: fn(*args, **kwargs)
-    if not hostile and name == "block_to_universal" and kwargs.get("stream") is None and len(args) == 3:
+    if not hostile and name == "block_to_universal" and kwargs.get("stream") is None and len(args) == 3 and len(dst) == nb:
         def check():
             for b in range(nb):
                 for l in range(nl):
                     for o in range(no):
                         ch = blocks[b][l * no + o]
                         want = ch.transpose(1, 0, 2) if layout == "NHD" else ch
-                        assert np.array_equal(universals[b][:, l, o].view(np.uint8), want.view(np.uint8)), "wrong bytes"
+                        assert np.array_equal(dst[b][:, l, o].view(np.uint8), want.view(np.uint8)), "wrong bytes"
         c.check = check
     return c
 
@@ -261,14 +280,18 @@ def case_other(rng, kvbm_ext):
         n = rng.randint(0, 3)
         sp = [odd_int(rng, src.ctypes.data + 8 * i) for i in range(n)]
         dp = [odd_int(rng, dst.ctypes.data + 8 * i) for i in range(n)]
-        sizes = odd_int(rng, 8)
+        if rng.random() < 0.3 and all(type(v) is int and 0 <= v < 2**64 for v in sp):
+            sp = list(np.array(sp, np.uint64))  # list(np_array): NumPy integer scalars
+        sizes = odd_int(rng, 8) if rng.random() < 0.7 else [odd_int(rng, 8) for _ in range(n)]
         c.written = [(dst, dst.copy())]
         c.run = lambda: getattr(kvbm_ext, name)(sp, dp, sizes, stream=odd_stream(rng))
     elif name == "set_staging":
         size, lanes = odd_int(rng, 1 << 20), odd_int(rng, 2)
         c.run = lambda: kvbm_ext.set_staging(size, lanes=lanes)
     elif name == "bad_device":
-        device = rng.choice([(1, Raises()), (Raises(), 0), (2**64, 0), (1,), "cpu", (1, 2**64), None])
+        device = rng.choice([(1, Raises()), (Raises(), 0), (2**64, 0), (1,), "cpu", (1, 2**64), None, (14, 0),
+                             (np.int64(1), np.int64(0)), ValueError("Unknown device type meta for Dlpack"),
+                             BufferError("cannot export")])
         arrays = [[BadDevice(device)]]
         universals = [poisoned((1, 1, 1, 1, 1), np.float16)]
         c.written = [(universals[0], universals[0].copy())]
