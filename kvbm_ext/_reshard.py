@@ -351,7 +351,14 @@ class Resharder:
     collective): a rank holding a source position passes its `PagedKVCache` and the
     batch's block ids on that side, a rank holding a destination position likewise,
     a rank holding both passes both, and the other arguments are None.  Every
-    source rank passes the same number of ids as every destination rank.
+    source rank passes the same number of ids as every destination rank.  (With
+    `check=False` the call communicates only between the ranks that share data, and
+    a rank of the group that holds no position need not call.)
+
+    Staging: each call packs this rank's outgoing share into buffers of the caches'
+    device (one per message or local copy, `[nb, heads, layers, no, nt, hd]`), and
+    receives into one per incoming message.  They are allocated by the first call,
+    grown when a call moves more blocks, and otherwise reused (`staging_nbytes`).
     """
 
     def __init__(self, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout, *,
@@ -428,37 +435,42 @@ class Resharder:
         try:
             description = (self._describe("src", self._src_share, src_cache, src_block_ids),
                            self._describe("dst", self._dst_share, dst_cache, dst_block_ids))
+            if description[0] and description[1] and description[0][0] != description[1][0]:
+                raise _CallError(ValueError, f"rank {self.rank}: src_block_ids has {description[0][0]} ids and "
+                                             f"dst_block_ids {description[1][0]}: one id per moved block on each side")
             device = self._device(src_cache, dst_cache)
-            cuda_stream = self._stream(stream, device)
+            cuda_stream = self._stream(stream, device, description != (None, None))
         except _CallError as error:
             problem = error
         nb = next((desc[0] for desc in description if desc is not None), 0)
         with _on_stream(device, cuda_stream):
             if cuda_stream is not None and self._done is not None:
                 cuda_stream.wait_event(self._done)      # the previous call's use of the staging, on any stream
-            packed = None
-            if problem is None and nb > 0:
-                # Packing only writes this rank's staging buffers, so it runs before the
-                # check: an argument the kernel call refuses is reported on every rank too.
-                try:
-                    packed = self._pack(src_cache, src_block_ids, nb, device, cuda_stream)
-                except (TypeError, ValueError) as error:
-                    problem = _CallError(type(error), f"rank {self.rank}: {error}")
-            if problem is not None and not check:
-                raise problem.kind(str(problem))
-            if check:
-                # Every rank's description meets every other before anything is sent or
-                # written: all ranks see the same list, so all raise alike.
-                error_info = None if problem is None else (problem.kind.__name__, str(problem))
-                self._validate(self.transport.all_gather_object((self._fingerprint, error_info, description)))
-            if packed is None:
-                return ReshardStats()
-            stats = self._transfer(packed, dst_cache, dst_block_ids, nb, device, cuda_stream)
-            if cuda_stream is not None:
-                if self._done is None:
-                    self._done = torch.cuda.Event()
-                self._done.record(cuda_stream)
-        return stats
+            try:
+                packed = None
+                if problem is None and nb > 0:
+                    # Packing only writes this rank's staging buffers, so it runs before the
+                    # check: an argument the kernel call refuses is reported on every rank too.
+                    try:
+                        packed = self._pack(src_cache, src_block_ids, nb, device, cuda_stream)
+                    except (TypeError, ValueError) as error:
+                        problem = _CallError(type(error), f"rank {self.rank}: {error}")
+                if problem is not None and not check:
+                    raise problem.kind(str(problem))
+                if check:
+                    # Every rank's description meets every other before anything is sent or
+                    # written: all ranks see the same list, so all raise alike.
+                    error_info = None if problem is None else (problem.kind.__name__, str(problem))
+                    self._validate(self.transport.all_gather_object((self._fingerprint, error_info, description)))
+                if packed is None:
+                    return ReshardStats()
+                return self._transfer(packed, dst_cache, dst_block_ids, nb, device, cuda_stream)
+            finally:
+                if cuda_stream is not None:
+                    # Also after an error: the next call must not touch staging a pack still writes.
+                    if self._done is None:
+                        self._done = torch.cuda.Event()
+                    self._done.record(cuda_stream)
 
     # ---------------------------------------------------------------- checks
 
@@ -491,10 +503,12 @@ class Resharder:
                                          f"{dst_cache.device}; a rank's caches must share one device")
         return devices.pop() if devices else "cpu"
 
-    def _stream(self, stream: Any, device: str) -> Any:
-        """The torch stream of a call on `device` (None on the host)."""
+    def _stream(self, stream: Any, device: str, has_caches: bool) -> Any:
+        """The torch stream of a call on `device` (None on the host, or when this rank has nothing to move)."""
         import torch
 
+        if not has_caches:
+            return None
         if not device.startswith("cuda"):
             if stream is not None:
                 raise _CallError(ValueError, f"stream: rank {self.rank}'s caches are in host memory; "
@@ -605,10 +619,11 @@ class Resharder:
             cache.from_universal(buffer, dst_ids, layers=layers, heads=_whole_or(t.dst_heads, cache.num_heads),
                                  stream=stream)
 
-        sends = [(t.dst_rank, buffer) for t, buffer in packed if not t.is_local]
+        # The transport sees bytes: any element type travels (fp8 included) whatever the transport supports.
+        sends = [(t.dst_rank, _bytes_of(buffer)) for t, buffer in packed if not t.is_local]
         local = [(t, buffer) for t, buffer in packed if t.is_local]
         received = [(t, self._buffer(("recv", i), dst_cache, nb, t, device)) for i, t in enumerate(self._recvs)]
-        wait = self.transport.start(sends, [(t.src_rank, buffer) for t, buffer in received])
+        wait = self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received])
         # Unpacked after the messages were posted, so that they run while the messages travel.
         for t, buffer in local:
             unpack(t, buffer)
@@ -632,6 +647,13 @@ def _on_stream(device: str, stream: Any) -> Any:
     stack.enter_context(torch.cuda.device(device))
     stack.enter_context(torch.cuda.stream(stream))
     return stack
+
+
+def _bytes_of(buffer: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer as a 1-D uint8 tensor over the same memory."""
+    import torch
+
+    return buffer.reshape(-1).view(torch.uint8)
 
 
 def _torch_dtype(cache: PagedKVCache, where: str) -> torch.dtype:

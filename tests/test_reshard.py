@@ -202,6 +202,8 @@ GLOO_ERRORS = {
     "dtype": (0, "src_dtype", ValueError, r"dtype differs across the ranks: float16 \(src_cache on rank 0\), bfloat16"),
     "block count": (2, "dst_ids_short", ValueError, r"number of block ids differs across the ranks: 5 \(.*\), 4 "
                                                      r"\(dst_block_ids on rank 2\)"),
+    "block count on one rank": (1, "dst_ids_short", ValueError, "rank 1: src_block_ids has 5 ids and dst_block_ids 4"),
+    "stream for host caches": (0, "host_stream", ValueError, "stream: rank 0's caches are in host memory"),
     "cache heads": (0, "src_all_heads", ValueError, r"src_cache on rank 0: holds 4 heads x 4 layers, but its "
                                                      r"position holds heads \[0, 2\)"),
     "plan": (3, "other_plan", ValueError, "rank 3 built its Resharder for"),
@@ -377,9 +379,10 @@ def _run_error(name, rank, device):
             src_cache = list(src.arrays)
         elif how == "bystander_cache":
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
+    stream = 1 if rank == bad_rank and how == "host_stream" else None
     resharder = Resharder(case.heads, case.layers, case.src, dst_layout)
     try:
-        resharder(src_cache, src_ids, dst_cache, dst_ids)
+        resharder(src_cache, src_ids, dst_cache, dst_ids, stream=stream)
         error = None
     except (TypeError, ValueError) as caught:
         error = [type(caught).__name__, str(caught)]
