@@ -64,7 +64,7 @@ def block_to_universal(
     layout: str = "NHD",
     *,
     backend: _Backend | str = "auto",
-    num_ctas: int | None = None,
+    num_ctas: SupportsIndex | None = None,
     stream: _Stream = None,
 ) -> None: ...
 def universal_to_block(
@@ -74,7 +74,7 @@ def universal_to_block(
     layout: str = "NHD",
     *,
     backend: _Backend | str = "auto",
-    num_ctas: int | None = None,
+    num_ctas: SupportsIndex | None = None,
     stream: _Stream = None,
 ) -> None: ...
 
@@ -84,7 +84,7 @@ def block_to_operational(
     /,
     *,
     backend: _Backend | str = "auto",
-    num_ctas: int | None = None,
+    num_ctas: SupportsIndex | None = None,
     stream: _Stream = None,
 ) -> None: ...
 def operational_to_block(
@@ -93,7 +93,7 @@ def operational_to_block(
     /,
     *,
     backend: _Backend | str = "auto",
-    num_ctas: int | None = None,
+    num_ctas: SupportsIndex | None = None,
     stream: _Stream = None,
 ) -> None: ...
 def universal_to_operational(
@@ -103,7 +103,7 @@ def universal_to_operational(
     layout: str = "NHD",
     *,
     backend: _Backend | str = "auto",
-    num_ctas: int | None = None,
+    num_ctas: SupportsIndex | None = None,
     stream: _Stream = None,
 ) -> None: ...
 def operational_to_universal(
@@ -113,24 +113,25 @@ def operational_to_universal(
     layout: str = "NHD",
     *,
     backend: _Backend | str = "auto",
-    num_ctas: int | None = None,
+    num_ctas: SupportsIndex | None = None,
     stream: _Stream = None,
 ) -> None: ...
 
-# A sequence of int addresses (or sizes), or a 1-D int64/uint64 array.
-_Addresses = Sequence[int] | _Array
+# A sequence of int addresses (or sizes), or a 1-D int64/uint64 array; an int is anything
+# with __index__ (np.int64 too) but a bool.
+_Addresses = Sequence[SupportsIndex] | _Array
 
 def vectorized_copy(
     src_ptrs: _Addresses,
     dst_ptrs: _Addresses,
-    sizes: int | _Addresses,
+    sizes: SupportsIndex | _Addresses,
     *,
     stream: _Stream = None,
 ) -> None: ...
 def memcpy_batch(
     src_ptrs: _Addresses,
     dst_ptrs: _Addresses,
-    sizes: int | _Addresses,
+    sizes: SupportsIndex | _Addresses,
     *,
     mode: Literal["batched_with_fallback", "fallback_only", "batch_without_fallback"] | str = "batched_with_fallback",
     stream: _Stream = None,
@@ -226,9 +227,9 @@ class _StagingInfo(TypedDict):
     allocated: bool
     capture_reserved: bool
 
-def set_staging(size_bytes: int | None = None, *, lanes: int | None = None) -> None: ...
-def reserve_staging(device: int | None = None) -> None: ...
-def staging_info(device: int | None = None) -> _StagingInfo: ...
+def set_staging(size_bytes: SupportsIndex | None = None, *, lanes: SupportsIndex | None = None) -> None: ...
+def reserve_staging(device: SupportsIndex | None = None) -> None: ...
+def staging_info(device: SupportsIndex | None = None) -> _StagingInfo: ...
 def is_using_stubs() -> bool: ...
 def build_info() -> _BuildInfo: ...
 def cuda_devices() -> list[_CudaDevice]: ...
