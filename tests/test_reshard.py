@@ -151,6 +151,29 @@ def test_resharder_needs_an_initialized_group():
         Resharder(8, 4, L(1), L(2))
 
 
+def test_example_runs_on_the_cpu():
+    script = os.path.join(REPO_ROOT, "examples", "disagg_reshard.py")
+    run = subprocess.run([sys.executable, script, "--device", "cpu", "--prefill-tp", "1", "--decode-tp", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "check OK" in run.stdout and "per call: 2 messages" in run.stdout, run.stdout
+
+
+def test_benchmark_runs_on_the_cpu(tmp_path):
+    script = os.path.join(REPO_ROOT, "benchmarks", "reshard.py")
+    run = subprocess.run([sys.executable, script, "--device", "cpu", "--nb", "2", "--calls", "2", "--repeats", "2",
+                          "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    [csv_path] = tmp_path.glob("reshard-*.csv")
+    [log_path] = tmp_path.glob("reshard-*.log")
+    lines = csv_path.read_text().splitlines()
+    assert len(lines) == 1 + 2 * 5, lines          # a header, then 5 methods for each direction
+    assert "1to2,2,fragments,16," in csv_path.read_text()   # 4 layers x K/V x 2 blocks: one send per chunk
+    for direction in ("1to2", "2to1"):
+        assert f"{direction} nb=2: 1 messages + 1 local copies per call, pairs sharing data 1 + 1: PASS" in run.stdout
+    assert "targets" in log_path.read_text()
+
+
 # --------------------------------------------------------------------------
 # Cases run by groups of processes.
 # --------------------------------------------------------------------------
