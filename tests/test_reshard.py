@@ -194,6 +194,8 @@ class Case:
     dst_dims: str = "kbthd"
     ids: str = "list"       # "list", "int64", "int32" (on the caches' device), "host-int64"
     nb: int = 5
+    group: list | None = None   # world ranks of a subgroup the layouts' ranks are ranks of (None: the world)
+    one_shot: bool = False  # kvbm_ext.reshard() for each call instead of one Resharder
 
 
 NB_SRC, NB_DST = 12, 10
@@ -214,6 +216,8 @@ GLOO_CASES = {
     "tp2pp2->tp4": Case(L(2, 2), L(4), 6, 2),
     "tp2pp2->tp1pp2 uneven layers": Case(L(2, 2), L(1, 2, ranks=[1, 2], layer_ranges=[(0, 1), (1, 4)]), 4, 2),
     "tp2->tp2 same ranks": Case(L(2), L(2), 0, 2, ids="int64"),
+    "tp1->tp2 in a subgroup": Case(L(1), L(2, ranks=[1, 2]), 2, 0, group=[3, 1, 2]),
+    "tp2->tp1 one-shot reshard()": Case(L(2, ranks=[2, 0]), L(1, ranks=[0]), 1, 1, one_shot=True),
     "tp1pp2->tp2pp2 six layers": Case(L(1, 2, ranks=[3, 1]), L(2, 2, ranks=[0, 1, 2, 3]), 4, 0, layers=6),
 }
 
@@ -355,25 +359,36 @@ def _setup(name, case, rank, device):
 
 
 def _run_case(name, case, rank, device, stream=None):
+    group = None
+    if case.group is not None:
+        group = dist.new_group(case.group)          # every rank of the world takes part in creating it
+        if rank not in case.group:
+            return {"involved": False, "me": None, "posted": [], "staging": [0, 0], "stats": [dataclasses.asdict(
+                    kvbm_ext.ReshardStats())] * 2, "dst_ok": True, "src_ok": True, "plan_messages": case.messages}
+        rank = dist.get_rank(group)                 # the layouts name ranks of the group
     src_model, dst_model, ids, src, dst = _setup(name, case, rank, device)
-    transport = Recording(kvbm_ext.TorchTransport())
+    transport = Recording(kvbm_ext.TorchTransport(group))
     resharder = Resharder(case.heads, case.layers, case.src, case.dst, transport=transport)
     expected = [t.clone() for t in dst_model]
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())     # the caches' writers, as a server orders them
     stats, staging = [], []
     for call, (src_ids, dst_ids) in enumerate(ids):
-        result = resharder(src and src.cache, src and _ids_arg(src_ids, case.ids, device),
-                           dst and dst.cache, dst and _ids_arg(dst_ids, case.ids, device),
-                           stream=stream, check=call == 0)
+        arguments = (src and src.cache, src and _ids_arg(src_ids, case.ids, device),
+                     dst and dst.cache, dst and _ids_arg(dst_ids, case.ids, device))
+        if case.one_shot:
+            result = kvbm_ext.reshard(*arguments, num_heads=case.heads, num_layers=case.layers, src=case.src,
+                                      dst=case.dst, transport=transport, stream=stream)
+        else:
+            result = resharder(*arguments, stream=stream, check=call == 0)
         stats.append(dataclasses.asdict(result))
         staging.append(resharder.staging_nbytes)
         for l in range(case.layers):
             expected[l][:, dst_ids] = src_model[l][:, src_ids]
     if device != "cpu":
         torch.cuda.synchronize()
-    return {"stats": stats, "staging": staging, "posted": transport.calls,
-            "dst_ok": dst is None or dst.matches(expected), "src_ok": src is None or src.matches(src_model),
+    return {"involved": src is not None or dst is not None, "me": transport.rank, "posted": transport.calls, "staging": staging,
+            "stats": stats, "dst_ok": dst is None or dst.matches(expected), "src_ok": src is None or src.matches(src_model),
             "plan_messages": resharder.num_messages}
 
 
@@ -526,13 +541,12 @@ def _check_case(case, results):
         replicas = max(1, case.dst.tp_size // case.heads)
         assert moved == nb * block * replicas, (moved, nb * block * replicas)
     for r, result in enumerate(results):
-        involved = case.src.position_of(r) is not None or case.dst.position_of(r) is not None
-        assert len(result["posted"]) == (2 if involved else 0), result["posted"]
+        assert len(result["posted"]) == (2 if result["involved"] else 0), result["posted"]
         for posted, stats in zip(result["posted"], result["stats"]):
             peers_out = [p for p, _ in posted["sends"]]
             peers_in = [p for p, _ in posted["recvs"]]
             assert len(peers_out) == len(set(peers_out)) and len(peers_in) == len(set(peers_in)), posted
-            assert r not in peers_out + peers_in, "a rank never messages itself"
+            assert result["me"] not in peers_out + peers_in, "a rank never messages itself"
             assert sum(n for _, n in posted["sends"]) == stats["bytes_sent"]
             assert sum(n for _, n in posted["recvs"]) == stats["bytes_received"]
     for result in results:
