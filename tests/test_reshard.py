@@ -221,8 +221,8 @@ GLOO_CASES = {
     "tp1pp2->tp2pp2 six layers": Case(L(1, 2, ranks=[3, 1]), L(2, 2, ranks=[0, 1, 2, 3]), 4, 0, layers=6),
 }
 
-ERROR_BASE = Case(L(2), L(2, ranks=[1, 2]), 2, 1)      # rank 1: source and destination; rank 3: neither
-# name: (rank whose arguments are wrong, how, error type, part of the message)
+GLOO_ERROR_BASE = Case(L(2), L(2, ranks=[1, 2]), 2, 1)      # rank 1: source and destination; rank 3: neither
+# name: (rank whose arguments are wrong, how, error type, part of the message); the cases of GLOO_ERROR_BASE
 GLOO_ERRORS = {
     "head_dim": (2, "dst_hd", ValueError, r"head_dim differs across the ranks: 8 \(src_cache on rank 0, src_cache on "
                                           r"rank 1, dst_cache on rank 1\), 16 \(dst_cache on rank 2\)"),
@@ -249,6 +249,15 @@ NCCL_CASES = {
     "gqa 1 head tp1->tp2": Case(L(1), L(2), 1, 1, heads=1, hd=128, nt=16, dst_dims="kbhtd"),
     "gqa 1 head tp2->tp1": Case(L(2), L(1), 0, 1, heads=1, hd=128, nt=16, ids="host-int64"),
 }
+NCCL_ERROR_BASE = Case(L(2), L(1, ranks=[1]), 1, 1)        # rank 1: source and destination
+NCCL_ERRORS = {
+    "dtype": (0, "src_dtype", ValueError, r"dtype differs across the ranks: float16 \(src_cache on rank 0\), "
+                                          r"bfloat16 \(src_cache on rank 1, dst_cache on rank 1\)"),
+    "id out of range": (1, "dst_ids_range", ValueError, r"dst_block_ids\[4\] on rank 1: block id 10 is out of range"),
+    "block count": (0, "src_ids_short", ValueError, r"number of block ids differs across the ranks: 4 \(src_block_ids "
+                                                     r"on rank 0\), 5"),
+}
+ERRORS = {"gloo": (GLOO_ERROR_BASE, GLOO_ERRORS), "nccl": (NCCL_ERROR_BASE, NCCL_ERRORS)}
 
 
 def _random_bits(shape, dtype, gen):
@@ -392,9 +401,9 @@ def _run_case(name, case, rank, device, stream=None):
             "plan_messages": resharder.num_messages}
 
 
-def _run_error(name, rank, device):
-    bad_rank, how, _, _ = GLOO_ERRORS[name]
-    case = ERROR_BASE
+def _run_error(backend, name, rank, device):
+    case, errors = ERRORS[backend]
+    bad_rank, how, _, _ = errors[name]
     if rank == bad_rank and how == "dst_hd":
         case = dataclasses.replace(case, hd=2 * case.hd)
     if rank == bad_rank and how == "src_dtype":
@@ -405,6 +414,8 @@ def _run_error(name, rank, device):
     if rank == bad_rank:
         if how == "dst_ids_short":
             dst_ids = dst_ids[:-1]
+        elif how == "src_ids_short":
+            src_ids = src_ids[:-1]
         elif how == "dst_ids_range":
             dst_ids[4] = NB_DST
         elif how == "dst_ids_repeat":
@@ -433,17 +444,17 @@ def _worker(rank, world, backend, store_path, out_dir, names):
         torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
                             store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+                            timeout=datetime.timedelta(seconds=60 if backend == "nccl" else 20))
     stream = None
     if backend == "nccl":
-        # NCCL: the first operation on the group involves every rank; kernels load before any timing.
+        # NCCL: the group's first operation must involve every rank (batch_isend_irecv's rule).
         dist.all_reduce(torch.ones(1, device=device))
         stream = torch.cuda.Stream()
     results = {}
     for name in names:
         try:
-            if name in GLOO_ERRORS:
-                results[name] = {"ok": True, **_run_error(name, rank, device)}
+            if name in ERRORS[backend][1]:
+                results[name] = {"ok": True, **_run_error(backend, name, rank, device)}
             else:
                 case = (NCCL_CASES if backend == "nccl" else GLOO_CASES)[name]
                 results[name] = {"ok": True, **_run_case(name, case, rank, device, stream)}
@@ -478,7 +489,7 @@ def _run_async(rank, device):
         torch.cuda._sleep(500_000_000)      # ~0.25 s on the current stream, which the call's stream waits for
         stream.wait_stream(torch.cuda.current_stream())
         start = time.perf_counter()
-        resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream, check=False)
+        resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream)   # checked: over gloo
         host_s = time.perf_counter() - start
         pending = not stream.query()
         stream.synchronize()
@@ -566,11 +577,14 @@ def test_gloo_reshard(gloo_results, name):
 
 @pytest.mark.parametrize("name", GLOO_ERRORS)
 def test_gloo_errors_raise_on_every_rank_and_write_nothing(gloo_results, name):
-    results = gloo_results[name]
+    _check_error(GLOO_ERRORS[name], gloo_results[name])
+
+
+def _check_error(error, results):
     assert all(r["ok"] for r in results), _failures(results)
-    _, _, error_type, match = GLOO_ERRORS[name]
+    _, _, error_type, match = error
     errors = [r["error"] for r in results]
-    assert errors[0] is not None, f"no error raised for {name}"
+    assert errors[0] is not None, "no error raised"
     assert all(e == errors[0] for e in errors), f"the ranks raised different errors: {errors}"
     kind, message = errors[0]
     assert kind == error_type.__name__, errors[0]
@@ -580,13 +594,19 @@ def test_gloo_errors_raise_on_every_rank_and_write_nothing(gloo_results, name):
 
 @pytest.fixture(scope="module")
 def nccl_results(tmp_path_factory):
-    return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES), tmp_path_factory.mktemp("nccl"))
+    return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES) + list(NCCL_ERRORS), tmp_path_factory.mktemp("nccl"))
 
 
 @requires_two_gpus
 @pytest.mark.parametrize("name", NCCL_CASES)
 def test_nccl_reshard(nccl_results, name):
     _check_case(NCCL_CASES[name], nccl_results[name])
+
+
+@requires_two_gpus
+@pytest.mark.parametrize("name", NCCL_ERRORS)
+def test_nccl_errors_raise_on_every_rank_and_write_nothing(nccl_results, name):
+    _check_error(NCCL_ERRORS[name], nccl_results[name])
 
 
 @requires_two_gpus
