@@ -178,7 +178,8 @@ class ReshardTransfer:
 
 @dataclasses.dataclass(frozen=True)
 class ReshardStats:
-    """What one `Resharder` call moved on this rank (bytes of KV data, excluding nothing)."""
+    """What one `Resharder` call moved on this rank: the messages it sent and received and
+    the local copies it made, each with its bytes of KV data."""
 
     messages_sent: int = 0
     messages_received: int = 0
@@ -285,7 +286,7 @@ class TorchTransport:
     call's check exchanges its description over gloo without touching the GPU; with
     an NCCL-only group that exchange goes through the GPU and waits for it.  With
     NCCL, as for any `batch_isend_irecv`, the first NCCL operation on the group must
-    involve all its ranks (e.g. a warm-up `all_reduce`, or `device_id=` at init).
+    involve all its ranks (e.g. a warm-up `all_reduce`).
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -295,7 +296,7 @@ class TorchTransport:
             raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group "
                                "first (or pass transport=)")
         self.group = group
-        self._global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self._global_ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
         self._rank = dist.get_rank(group)
 
     @property
@@ -557,7 +558,7 @@ class Resharder:
                 device: str) -> torch.Tensor:
         """The staging buffer `key` as [nb, nh_sel, nl_sel, no, nt, hd] of the cache's element type.
 
-        Buffers are kept across calls and only reallocated to grow."""
+        Buffers are kept across calls and reallocated only to grow or to follow the caches to another device."""
         import torch
 
         shape = (nb, len(transfer.heads), len(transfer.layers), cache.num_outer, cache.tokens_per_block,
@@ -566,7 +567,7 @@ class Resharder:
         for extent in shape:
             nbytes *= extent
         buffer = self._staging.get(key)
-        if buffer is None or buffer.numel() < nbytes:
+        if buffer is None or buffer.numel() < nbytes or buffer.device != torch.device(device):
             if buffer is not None and buffer.is_cuda:
                 # Freed now, reused by the allocator only after the work queued so far on this stream,
                 # which waits for every earlier use of it.
