@@ -20,7 +20,7 @@ flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fr
 (cd "$work" && PATH=/usr/bin:/bin CUDA_HOME=/nonexistent CUDA_PATH=/nonexistent CFLAGS="$flags" LDFLAGS="$flags" \
     python3 setup.py build_ext --inplace > build.log 2>&1) || { tail -30 "$work/build.log"; exit 1; }
 cd "$work"
-cp -r "$root/tests" "$root/tools" "$work/"
+cp -r "$root/tests" "$root/tools" "$root/benchmarks" "$root/examples" "$work/"
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
