@@ -41,7 +41,13 @@ PyObject *kv_as_sequence(PyObject *obj, const kv_path *path, const char *expecte
         kv_path_error(PyExc_TypeError, path, "expected %s, got %s", expected, Py_TYPE(obj)->tp_name);
         return NULL;
     }
-    return PySequence_Tuple(obj);
+    PyObject *items = PySequence_Tuple(obj);
+    /* A copy lives only as long as the call that made it and nothing refers
+     * to it, so it cannot be part of a cycle: the garbage collector need not
+     * walk the copies (a call may make one per block). */
+    if (items != NULL && items != obj)
+        PyObject_GC_UnTrack(items);
+    return items;
 }
 
 void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size)

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "dlpack.h"
-#include "gpu.h"
+#include "state.h"
 
 static const char CAPSULE_VERSIONED[] = "dltensor_versioned";
 static const char CAPSULE_LEGACY[] = "dltensor";
@@ -990,15 +990,24 @@ int kv_array_keep(const kv_reader *reader, PyObject *obj, const kv_path *path, k
     return rc;
 }
 
+/* A reader for callers without the module's state: the state found in
+ * sys.modules, else none (names made per array). */
+static kv_reader reader_alone(PyObject *dlpack_stream)
+{
+    kv_state *state = kv_find_state();
+    const kv_reader reader = {state != NULL ? &state->protocols : NULL, dlpack_stream};
+    return reader;
+}
+
 int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
 {
-    const kv_reader reader = {NULL, dlpack_stream};
+    const kv_reader reader = reader_alone(dlpack_stream);
     return kv_array_read(&reader, obj, path, 0, out);
 }
 
 int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out)
 {
-    const kv_reader reader = {NULL, dlpack_stream};
+    const kv_reader reader = reader_alone(dlpack_stream);
     return kv_array_keep(&reader, obj, path, out);
 }
 

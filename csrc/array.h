@@ -149,8 +149,8 @@ int kv_array_read(const kv_reader *reader, PyObject *obj, const kv_path *path, i
  * original.  Other producers cannot re-point an array. */
 int kv_array_keep(const kv_reader *reader, PyObject *obj, const kv_path *path, kv_array *out);
 
-/* kv_array_read (for reading) and kv_array_keep with a reader without
- * protocols. */
+/* kv_array_read (for reading) and kv_array_keep for callers not handed the
+ * module's state: the state is looked up in sys.modules (kv_find_state). */
 int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out);
 int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out);
 
