@@ -212,7 +212,7 @@ PyDoc_STRVAR(memcpy_batch_doc,
              "themselves must be in host memory (sequences or host arrays).\n\n" PAIRS_DOC
              "mode: \"batched_with_fallback\" (batch, else the loop), \"fallback_only\" (the\n"
              "loop), \"batch_without_fallback\" (RuntimeError naming the CUDA error instead of\n"
-             "falling back).  KVBM_EXT_DEBUG=1 logs what ran, and why, to stderr.");
+             "falling back).  KVBM_EXT_DEBUG=1 logs what ran, and why (logger \"kvbm_ext\").");
 
 static PyObject *memcpy_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
