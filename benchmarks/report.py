@@ -4,8 +4,10 @@ and the PNG.  Plain Python: it reads and writes rows, it times nothing."""
 
 import csv
 import math
+import os
 import operator
 import statistics
+import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -440,13 +442,27 @@ def write_csv(path, rows):
         writer.writerows(csv_cells(row) for row in rows)
 
 
+INT_COLUMNS = {"nt", "nb", "pairs", "bytes", "reps", "sets", "uncovered_reps", "sms", "num_ctas"}
+
+
+def cell_value(column, text):
+    """A CSV cell as the run had it: ints, floats (nan too), else the text ("" stays "")."""
+    if column in INT_COLUMNS and text.isdigit():
+        return int(text)
+    try:
+        return float(text) if column not in INT_COLUMNS else text
+    except ValueError:
+        return text
+
+
 def read_csv(path):
-    """The rows of a kvbench CSV as text (an older run's CSV, with fewer columns, reads too)."""
+    """The rows of a kvbench CSV, with the values a run has (an older run's CSV, with fewer
+    columns and status "ok", reads too)."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames or not {"gbps", "status"} <= set(reader.fieldnames):
             raise ValueError(f"{path} is not a kvbench CSV: it has no gbps and status columns")
-        return list(reader)
+        return [{column: cell_value(column, text) for column, text in row.items()} for row in reader]
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -620,3 +636,22 @@ def plot(rows, path, title):
     figure_.savefig(path, dpi=100)
     plt.close(figure_)
     return None
+
+
+def main(argv):
+    """python3 benchmarks/report.py plot RUN.csv: the PNG of a run, next to its CSV (for a
+    run made where matplotlib was missing)."""
+    if len(argv) != 2 or argv[0] != "plot":
+        sys.exit("usage: python3 benchmarks/report.py plot RUN.csv")
+    rows = [dict({column: "" for column in COLUMNS}, **row) for row in read_csv(argv[1])]
+    where = rows[0]["gpu_name"] if rows and rows[0]["gpu_name"] != "none" else "CPU"
+    png = os.path.splitext(argv[1])[0] + ".png"
+    why_not = plot(rows, png, f"{where}, {rows[0]['date'] if rows else ''}: Llama-3.1-70B KV cache "
+                              "(nl=80 no=2 nh=8 hd=128 bf16), GB/s against blocks per call")
+    if why_not:
+        sys.exit(f"report: {why_not}")
+    print(f"PNG: {png}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -81,6 +81,22 @@ def test_png_of_the_run(list_run):
     assert os.path.getsize(png) > 10_000
 
 
+def test_png_from_a_csv(list_run, tmp_path):
+    """report.py draws the PNG of an earlier run from its CSV (for a run made without
+    matplotlib): the same picture the run drew."""
+    pytest.importorskip("matplotlib", reason="kvbench draws its PNG with matplotlib")
+    run, _ = list_run
+    csv_copy = tmp_path / "run.csv"
+    csv_copy.write_bytes(open(printed_path(run.stdout, "CSV"), "rb").read())
+    replot = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), "plot", str(csv_copy)],
+                            capture_output=True, text=True, timeout=300)
+    assert replot.returncode == 0 and replot.stdout == f"PNG: {tmp_path / 'run.png'}\n", replot.stdout + replot.stderr
+    with open(tmp_path / "run.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    original = os.path.getsize(printed_path(run.stdout, "PNG"))
+    assert abs(os.path.getsize(tmp_path / "run.png") - original) < original // 5
+
+
 def test_without_matplotlib_the_run_says_so(tmp_path):
     run = kvbench(*TINY, "--cpu-nb", "1", "--out", str(tmp_path), cwd=tmp_path,
                   preamble="import sys; sys.modules['matplotlib'] = None  # import matplotlib fails")
