@@ -313,6 +313,14 @@ def test_gpu_raw_copy_address_lists_via_the_c_api(fn, where, gen):
     assert_bitwise_equal(dst, want, "dst")
 
 
+def assert_list_call_result(direction, blocks, universals):
+    """The destination of a "b2u" or "u2b" NHD call equals the reference of its source."""
+    if direction == "b2u":
+        assert_all_bitwise_equal(universals, expected_universals(blocks, 2, "NHD"), "universals")
+    else:
+        assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
+
+
 @requires_cuda
 @pytest.mark.parametrize("kind", ["plain", "subclass"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
@@ -332,10 +340,7 @@ def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, 
     fresh = rewrite_sources_behind_sleep(
         source_list, gen, lambda stream: call(direction, blocks, universals, "NHD", stream=stream))
     assert_all_bitwise_equal(source_list, fresh, "sources")
-    if direction == "b2u":
-        assert_all_bitwise_equal(universals, expected_universals(blocks, 2, "NHD"), "universals")
-    else:
-        assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
+    assert_list_call_result(direction, blocks, universals)
 
 
 @requires_cuda
@@ -391,10 +396,7 @@ def test_gpu_stream_none_runs_on_the_current_torch_stream_list(direction, gen):
     poison_(dests)
     clones = run_in_stream_context_behind_a_legacy_sleep(lambda: call(direction, blocks, universals, "NHD"), dests)
     assert_all_bitwise_equal(clones, dests, "destinations cloned on the current stream right after the call")
-    if direction == "b2u":
-        assert_all_bitwise_equal(universals, expected_universals(blocks, 2, "NHD"), "universals")
-    else:
-        assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
+    assert_list_call_result(direction, blocks, universals)
 
 
 @requires_cuda

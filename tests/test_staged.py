@@ -370,20 +370,14 @@ def test_host_cache_every_backend_value(direction, backend, gen):
                 backend=backend, **kwargs)
 
 
-@pytest.mark.parametrize("bad,exc", BAD_BACKENDS, ids=bad_id)
+@pytest.mark.parametrize("argument,bad,exc",
+                         [("backend", *b) for b in BAD_BACKENDS] + [("num_ctas", *b) for b in BAD_NUM_CTAS],
+                         ids=bad_id)
 @pytest.mark.parametrize("method", METHODS)
-def test_host_cache_bad_backend(method, bad, exc, gen):
+def test_host_cache_bad_backend_or_num_ctas(method, argument, bad, exc, gen):
     case, cache = host_cache(gen)
     other = paged_other(case, method, 3, gen, where="host", form="list").arg
-    paged_reject(case, cache, method, [4, 0, 7], other, exc, "backend", backend=bad)
-
-
-@pytest.mark.parametrize("bad,exc", BAD_NUM_CTAS, ids=bad_id)
-@pytest.mark.parametrize("method", METHODS)
-def test_host_cache_bad_num_ctas(method, bad, exc, gen):
-    case, cache = host_cache(gen)
-    other = paged_other(case, method, 3, gen, where="host", form="list").arg
-    paged_reject(case, cache, method, [4, 0, 7], other, exc, "num_ctas", num_ctas=bad)
+    paged_reject(case, cache, method, [4, 0, 7], other, exc, argument, **{argument: bad})
 
 
 # set_staging(size_bytes=None, *, lanes=None): (args, kwargs, exception, argument named)
