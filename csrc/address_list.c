@@ -5,7 +5,7 @@
 
 #include "args.h"
 #include "dlpack.h"
-#include "state.h"
+#include "gpu.h"
 
 /* Names entry `index` of a list in errors, e.g. src_ptrs[3]. */
 static kv_path entry_path(const char *name, Py_ssize_t index)
@@ -161,15 +161,6 @@ int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *nam
     if (kind == KV_LIST_SIZES && PyIndex_Check(obj))
         return one_value(obj, name, out);
     return from_sequence(obj, name, kind, out);
-}
-
-int kv_address_list_from_object(PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
-                                PyObject *dlpack_stream, kv_address_list *out)
-{
-    /* Lists and tuples need no reader: the state is looked for only for arrays. */
-    kv_state *state = PyList_Check(obj) || PyTuple_Check(obj) ? NULL : kv_find_state();
-    const kv_reader reader = {state != NULL ? &state->protocols : NULL, dlpack_stream};
-    return kv_address_list_read(&reader, obj, name, kind, allow_device, out);
 }
 
 void kv_address_list_release(kv_address_list *list)

@@ -33,10 +33,6 @@ typedef struct {
 int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind,
                          int allow_device, kv_address_list *out);
 
-/* The same for callers not handed the module's state (kv_find_state). */
-int kv_address_list_from_object(PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
-                                PyObject *dlpack_stream, kv_address_list *out);
-
 void kv_address_list_release(kv_address_list *list);
 
 #endif /* KVBM_ADDRESS_LIST_H */

@@ -50,6 +50,17 @@ PyObject *kv_as_sequence(PyObject *obj, const kv_path *path, const char *expecte
     return items;
 }
 
+PyObject *kv_array_items(PyObject *obj, const kv_path *path, const char *expected, int *single)
+{
+    *single = kv_is_array(obj);
+    if (!*single)
+        return kv_as_sequence(obj, path, expected);
+    PyObject *items = PyTuple_Pack(1, obj);
+    if (items != NULL)
+        PyObject_GC_UnTrack(items); /* as kv_as_sequence's copies */
+    return items;
+}
+
 void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size)
 {
     size_t n = (size_t)snprintf(buf, size, "(");

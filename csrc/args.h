@@ -55,6 +55,11 @@ int kv_parse_arguments(const kv_signature *signature, PyObject *const *args, Py_
  * `path`, saying what was `expected`. */
 PyObject *kv_as_sequence(PyObject *obj, const kv_path *path, const char *expected);
 
+/* An argument that is one array or a sequence of arrays, snapshotted as
+ * kv_as_sequence does: a tuple of the items, or of the one array, when
+ * *single is set.  New reference, or NULL with TypeError naming `path`. */
+PyObject *kv_array_items(PyObject *obj, const kv_path *path, const char *expected, int *single);
+
 /* "(16, 8, 128)", or "(5,)" for one dimension. */
 void kv_format_shape(const int64_t *shape, int ndim, char *buf, size_t size);
 

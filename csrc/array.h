@@ -4,9 +4,10 @@
 #ifndef KVBM_ARRAY_H
 #define KVBM_ARRAY_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdint.h>
+
+#include "errors.h"
+#include "protocols.h"
 
 #define KV_MAX_NDIM 8
 
@@ -46,86 +47,13 @@ typedef struct {
     int has_view;
 } kv_array;
 
-/* Where an array sits in the call's arguments, e.g. blocks[3][17]; formatted
- * only when an error is raised. */
-typedef struct {
-    const char *name;
-    Py_ssize_t index[2];
-    int depth;
-} kv_path;
-
-/* Writes "name[i][j]" into buf. */
-void kv_path_format(const kv_path *path, char *buf, size_t size);
-
-/* Raises `type` with the message prefixed by "path: ". Returns -1. */
-int kv_path_error(PyObject *type, const kv_path *path, const char *format, ...);
-
-/* The same in place of the exception being raised by Python code the
- * argument ran (an __index__, a producer's __dlpack_device__): its type
- * and message are appended, and it becomes the new one's __cause__.
- * MemoryError and exceptions that are not Exceptions (KeyboardInterrupt)
- * are left as they are.  Returns -1. */
-int kv_path_error_from(PyObject *type, const kv_path *path, const char *format, ...);
-
 /* True when obj offers one of the array protocols above (lists and tuples
  * never do). */
 int kv_is_array(PyObject *obj);
 
-/* The names and per-type facts that reading arrays needs, made once per
- * module (they live in its state, state.h), not once per array. */
-enum {
-    KV_NAME_DLPACK,
-    KV_NAME_DLPACK_DEVICE,
-    KV_NAME_CUDA_ARRAY_INTERFACE,
-    KV_NAME_ARRAY_INTERFACE,
-    KV_NAME_EXCHANGE_API,
-    KV_NAME_DEVICE,
-    KV_NAME_IS_NEG,
-    KV_NAME_IS_CONJ,
-    KV_NAME_REQUIRES_GRAD,
-    KV_NAME_TYPESTR,
-    KV_NAME_SHAPE,
-    KV_NAME_STRIDES,
-    KV_NAME_DATA,
-    KV_NAME_MASK,
-    KV_NAME_STREAM,
-    KV_NAME_TORCH,
-    KV_NAME_TENSOR,
-    KV_NAME_COUNT
-};
-
-/* What is known of a type whose instances were read: checked once, since
- * asking a type costs attribute lookups (an AttributeError for most), far
- * more than reading an array. */
-typedef struct {
-    PyTypeObject *type; /* strong reference, so that its address is not reused while cached; NULL: free */
-    const struct DLPackExchangeAPI *exchange; /* its DLPack C exchange API, or NULL */
-    /* For torch.Tensor and its subclasses, what the type has as is_neg and
-     * is_conj (strong references, called with the tensor), else NULL. */
-    PyObject *is_neg, *is_conj;
-} kv_type_facts;
-
-#define KV_TYPES_CACHED 8
-
-typedef struct {
-    PyObject *names[KV_NAME_COUNT]; /* interned */
-    PyObject *dlpack_keywords;      /* ("stream", "max_version") */
-    PyObject *stream_keyword;       /* ("stream",) */
-    PyObject *max_version;          /* (1, 3) */
-    PyObject *increment_version;    /* torch.autograd.graph.increment_version, found on first need (None: absent) */
-    kv_type_facts types[KV_TYPES_CACHED]; /* recently seen types, recycled in turn */
-    int next_type;
-} kv_protocols;
-
-int kv_protocols_init(kv_protocols *p);   /* 0, or -1 with an exception */
-int kv_protocols_traverse(kv_protocols *p, visitproc visit, void *arg);
-void kv_protocols_clear(kv_protocols *p);
-
-/* How one call reads its arrays: the module's names and the value passed as
- * the stream argument of __dlpack__ for CUDA arrays (the consumer's stream,
- * in DLPack's encoding).  `protocols` NULL (a caller without the module
- * state) makes the names for each array, which costs about a microsecond
- * more. */
+/* How one call reads its arrays: the module's names (its state's) and the
+ * value passed as the stream argument of __dlpack__ for CUDA arrays (the
+ * consumer's stream, in DLPack's encoding). */
 typedef struct {
     kv_protocols *protocols;
     PyObject *dlpack_stream;
@@ -148,11 +76,6 @@ int kv_array_read(const kv_reader *reader, PyObject *obj, const kv_path *path, i
  * shares the storage and keeps it when set_ or resize_ re-point the
  * original.  Other producers cannot re-point an array. */
 int kv_array_keep(const kv_reader *reader, PyObject *obj, const kv_path *path, kv_array *out);
-
-/* kv_array_read (for reading) and kv_array_keep for callers not handed the
- * module's state: the state is looked up in sys.modules (kv_find_state). */
-int kv_array_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out);
-int kv_array_keep_from_object(PyObject *obj, const kv_path *path, PyObject *dlpack_stream, kv_array *out);
 
 /* Block `b` of a stack (an array whose leading dimension counts blocks): a
  * view holding no reference, valid while `stack` is borrowed. */
@@ -179,18 +102,6 @@ int64_t kv_array_elements(const kv_array *a);
 /* The same for dimensions first .. ndim - 1 only (a stack of contiguous
  * arrays along the leading dimensions). */
 int kv_array_is_contiguous_from(const kv_array *a, int first);
-
-/* Lists a's producer stream (CAI v3, or the DLPack C exchange API's current
- * stream) in streams[0 .. *count) unless it is there already. */
-void kv_array_add_producer(const kv_array *a, intptr_t *streams, Py_ssize_t *count);
-
-/* The stream a GPU call given stream=None runs on, as an operation of the
- * arrays' own framework would: the current stream on `device` of the first
- * array read through a C exchange API (torch: torch.cuda.current_stream(),
- * which `with torch.cuda.stream(s)` sets), else the stream the first device
- * array's producer named (CAI v3), else the legacy default stream (0).
- * Returns 0, or -1 with an exception. */
-int kv_arrays_default_stream(const kv_array *arrays, Py_ssize_t count, int device, intptr_t *stream);
 
 /* A readable name for an element type, e.g. "bfloat16", "raw2". */
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size);

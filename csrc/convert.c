@@ -1,71 +1,14 @@
-/* The layout conversions: block stack, universal and operational blocks.  See
- * convert.h. */
-#include "convert.h"
+/* The layout conversions between block stacks, universal and operational
+ * blocks: reading and checking a call's arguments.  See convert.h;
+ * convert_run.c runs the call. */
+#include "convert_internal.h"
 
-#include <stdio.h>
 #include <string.h>
 
 #include "args.h"
-#include "cpu_copy.h"
-#include "debug.h"
-#include "overlap.h"
 #include "stream.h"
 
-/* One side of a call as given: a sequence of arrays, one per block, or one
- * array, either a single block (a 5-D universal, a 3-D operational) or a
- * stack whose leading dimension counts the blocks (6-D, 4-D), as
- * PagedKVCache takes them. */
-typedef struct {
-    const char *name;
-    PyObject *items;  /* the sequence, snapshotted as a tuple; NULL for one array */
-    kv_array whole;   /* the one array, borrowed (has_whole) */
-    int has_whole;
-    int stacked;      /* whole has a leading block dimension */
-    Py_ssize_t nb;
-} kv_side;
-
-/* One call's arguments as they are walked and checked.  Two sides: `flat`,
- * whose first block fixes the dimensions (universals, or operationals when
- * the other side is a block stack), and `other` (a block stack, or
- * operationals).  `arrays` holds flat's nb blocks, then other's (nb *
- * nchunks chunks, block-major, or nb operationals): the order of the
- * kernels' pointer table.  The blocks of a side given as one array are
- * views of it (kv_array_block), holding no reference. */
-typedef struct {
-    kv_conversion conversion;
-    int to_flat; /* the bytes move into the flat side */
-    kvbm_layout layout;
-    kv_backend backend;
-    uint32_t num_ctas; /* 0: not given */
-    const char *function;
-    intptr_t stream;
-    int stream_none; /* stream=None: the arrays' framework's current stream (kv_arrays_default_stream) */
-    kv_state *state;
-    kv_reader reader;
-    kv_side flat, other;
-    int other_is_blocks;
-    int empty;       /* flat[0] has no element: the call moves nothing */
-    Py_ssize_t nb;
-    int64_t nchunks;
-    int64_t flat_shape[5];
-    int flat_ndim;
-    int64_t other_shape[3]; /* of every chunk, or of every operational */
-    kv_array *arrays;
-    Py_ssize_t parsed; /* arrays[0 .. parsed) hold borrows to release */
-} kv_call;
-
 static const char *const LAYOUT_NAMES[] = {"NHD", "HND"};
-
-static Py_ssize_t array_count(const kv_call *call)
-{
-    return call->nb * (1 + (call->other_is_blocks ? call->nchunks : 1));
-}
-
-/* Whether arrays[i] is written by the call. */
-static int is_destination(const kv_call *call, Py_ssize_t i)
-{
-    return (i < call->nb) == call->to_flat;
-}
 
 /* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
 static const kv_side *side_of(const kv_call *call, Py_ssize_t i)
@@ -73,7 +16,7 @@ static const kv_side *side_of(const kv_call *call, Py_ssize_t i)
     return i < call->nb ? &call->flat : call->other_is_blocks ? NULL : &call->other;
 }
 
-static kv_path path_of(const kv_call *call, Py_ssize_t i)
+kv_path kv_call_path(const kv_call *call, Py_ssize_t i)
 {
     const kv_side *side = side_of(call, i);
     if (side == NULL) {
@@ -81,7 +24,7 @@ static kv_path path_of(const kv_call *call, Py_ssize_t i)
         return path;
     }
     /* A block of one array is named by the array. */
-    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, side->items != NULL};
+    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, !side->has_whole};
     return path;
 }
 
@@ -112,7 +55,7 @@ static void format_expected(const kv_side *side, const int64_t *expected, int nd
 static int check_array(const kv_call *call, Py_ssize_t i)
 {
     const kv_array *a = &call->arrays[i];
-    const kv_path path = path_of(call, i);
+    const kv_path path = kv_call_path(call, i);
     const kv_side *side = side_of(call, i);
     const int is_flat = i < call->nb;
     const int ndim = is_flat ? call->flat_ndim : 3;
@@ -138,7 +81,7 @@ static int check_array(const kv_call *call, Py_ssize_t i)
     }
     const kv_array *first = &call->arrays[0];
     if (a->dtype.code != first->dtype.code || a->dtype.bits != first->dtype.bits) {
-        kv_path first_path = path_of(call, 0);
+        kv_path first_path = kv_call_path(call, 0);
         char first_where[96];
         kv_path_format(&first_path, first_where, sizeof first_where);
         return kv_path_error(PyExc_TypeError, &path, "element type %s differs from %s of %s",
@@ -167,8 +110,8 @@ static int borrow_block(kv_call *call, const kv_side *side, Py_ssize_t b, Py_ssi
         call->parsed = i + 1;
         return 0;
     }
-    const kv_path path = path_of(call, i);
-    if (kv_array_read(&call->reader, PyTuple_GET_ITEM(side->items, b), &path, is_destination(call, i), a) < 0)
+    const kv_path path = kv_call_path(call, i);
+    if (kv_array_read(&call->reader, PyTuple_GET_ITEM(side->items, b), &path, kv_call_writes(call, i), a) < 0)
         return -1;
     call->parsed = i + 1;
     return 0;
@@ -177,8 +120,8 @@ static int borrow_block(kv_call *call, const kv_side *side, Py_ssize_t b, Py_ssi
 /* Borrows chunk `obj` into arrays[i]. */
 static int borrow_chunk(kv_call *call, PyObject *obj, Py_ssize_t i)
 {
-    const kv_path path = path_of(call, i);
-    if (kv_array_read(&call->reader, obj, &path, is_destination(call, i), &call->arrays[i]) < 0)
+    const kv_path path = kv_call_path(call, i);
+    if (kv_array_read(&call->reader, obj, &path, kv_call_writes(call, i), &call->arrays[i]) < 0)
         return -1;
     call->parsed = i + 1;
     return 0;
@@ -193,7 +136,7 @@ static int read_first_chunk(kv_call *call, PyObject *chunk)
     if (borrow_chunk(call, chunk, i) < 0)
         return -1;
     const kv_array *a = &call->arrays[i];
-    const kv_path path = path_of(call, i);
+    const kv_path path = kv_call_path(call, i);
     const int64_t inner = call->flat_shape[2];
     char got[96];
     kv_format_shape(a->shape, a->ndim, got, sizeof got);
@@ -208,7 +151,7 @@ static int read_first_chunk(kv_call *call, PyObject *chunk)
 static int read_dimensions(kv_call *call)
 {
     kv_array *f = &call->arrays[0];
-    const kv_path path = path_of(call, 0);
+    const kv_path path = kv_call_path(call, 0);
     if (borrow_block(call, &call->flat, 0, 0) < 0)
         return -1;
     const int is_universal = call->conversion != KV_BLOCK_OPERATIONAL;
@@ -300,291 +243,22 @@ static int walk_arguments(kv_call *call)
     return 0;
 }
 
-/* The widest vector (16, 8, 4, 2 or 1 bytes) that every address and row allows. */
-static int vector_bytes(const void *const *table, Py_ssize_t count, int64_t row_bytes)
-{
-    uintptr_t bits = (uintptr_t)row_bytes | 16;
-    for (Py_ssize_t i = 0; i < count; i++)
-        bits |= (uintptr_t)table[i];
-    return (int)(bits & (~bits + 1));
-}
-
-/* A destination sharing memory with a source or another destination is
- * refused: the result would depend on the order of the copies. */
-static int check_aliasing(const kv_call *call)
-{
-    const Py_ssize_t count = array_count(call);
-    kv_span *spans = PyMem_Malloc((size_t)count * sizeof *spans);
-    if (spans == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < count; i++)
-        spans[i] = kv_span_of(&call->arrays[i], i, is_destination(call, i));
-    Py_ssize_t first, second;
-    int rc = kv_find_overlap(spans, count, &first, &second);
-    PyMem_Free(spans);
-    if (rc > 0) {
-        const kv_path path = path_of(call, first), other = path_of(call, second);
-        char where[96];
-        kv_path_format(&other, where, sizeof where);
-        return kv_path_error(PyExc_ValueError, &path, "destination shares memory with %s; a destination may not "
-                             "overlap a source or another destination", where);
-    }
-    return rc;
-}
-
-/* Checks that every array can take part in a GPU call, and finds its device. */
-static int place_on_gpu(kv_call *call, Py_ssize_t count, int *device)
-{
-    Py_ssize_t reference = -1;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        kv_array *a = &call->arrays[i];
-        const kv_path path = path_of(call, i);
-        if (kv_gpu_locate(a, &path) < 0)
-            return -1;
-        if (a->place != KV_DEVICE)
-            continue;
-        if (reference < 0) {
-            reference = i;
-            *device = a->device_id;
-        }
-        else if (a->device_id != *device) {
-            kv_path first = path_of(call, reference);
-            char where[96];
-            kv_path_format(&first, where, sizeof where);
-            return kv_path_error(PyExc_ValueError, &path, "on device cuda:%d, but %s is on cuda:%d; all device arrays "
-                                 "of a call must be on one device", a->device_id, where, *device);
-        }
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (call->arrays[i].place == KV_HOST) {
-            const kv_path path = path_of(call, i);
-            return kv_path_error(PyExc_ValueError, &path, "in pageable host memory, but the call uses device cuda:%d, "
-                                 "which needs pinned (page-locked) host memory: pin it (e.g. torch's "
-                                 "tensor.pin_memory()) or move it to the device",
-                                 *device);
-        }
-    }
-    return 0;
-}
-
-/* Block <-> operational: every chunk is one copy of chunk_bytes. */
-static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target, int on_gpu)
-{
-    const int64_t chunk_bytes = call->flat_shape[2] * call->arrays[0].itemsize;
-    const Py_ssize_t count = call->nb * call->nchunks;
-    kv_pairs pairs;
-    memset(&pairs, 0, sizeof pairs);
-    pairs.count = count;
-    pairs.uniform_size = (uint64_t)chunk_bytes;
-    pairs.src = PyMem_Malloc((size_t)count * sizeof(uint64_t));
-    pairs.dst = PyMem_Malloc((size_t)count * sizeof(uint64_t));
-    if (pairs.src == NULL || pairs.dst == NULL) {
-        PyMem_Free(pairs.src);
-        PyMem_Free(pairs.dst);
-        PyErr_NoMemory();
-        return -1;
-    }
-    uint64_t *chunks = call->to_flat ? pairs.src : pairs.dst;
-    uint64_t *operational = call->to_flat ? pairs.dst : pairs.src;
-    for (Py_ssize_t b = 0; b < call->nb; b++) {
-        for (int64_t c = 0; c < call->nchunks; c++) {
-            const Py_ssize_t k = b * call->nchunks + c;
-            chunks[k] = (uint64_t)(uintptr_t)call->arrays[call->nb + k].data;
-            operational[k] = (uint64_t)(uintptr_t)call->arrays[b].data + (uint64_t)(c * chunk_bytes);
-        }
-    }
-    int rc = 0, over_pcie = 0;
-    for (Py_ssize_t i = 0; i < array_count(call) && !over_pcie; i++)
-        over_pcie = call->arrays[i].place == KV_HOST_PINNED;
-    if (on_gpu) {
-        rc = kv_copy_with_backend(gpu, target, &pairs, call->backend, over_pcie, call->num_ctas, call->function);
-    }
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        kv_cpu_copy_pairs(&pairs);
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_Free(pairs.src);
-    PyMem_Free(pairs.dst);
-    return rc;
-}
-
-/* Whether every array of the flat side (`flat`) or of the other side is in
- * pinned host memory. */
-static int side_is(const kv_call *call, int flat, kv_place place)
-{
-    const Py_ssize_t first = flat ? 0 : call->nb, end = flat ? call->nb : array_count(call);
-    for (Py_ssize_t i = first; i < end; i++)
-        if (call->arrays[i].place != place)
-            return 0;
-    return 1;
-}
-
-/* Describes the pinned side of a block stack (or operational) <-> universal
- * move for the staged path (gpu.h), its unit addresses in `addresses` (room
- * for every array of the call).  Returns NULL, or why it cannot be staged. */
-static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims, uint64_t *addresses,
-                                kv_staged *staged)
-{
-    const int flat_pinned = side_is(call, 1, KV_HOST_PINNED), other_pinned = side_is(call, 0, KV_HOST_PINNED);
-    if (!(flat_pinned && side_is(call, 0, KV_DEVICE)) && !(other_pinned && side_is(call, 1, KV_DEVICE)))
-        return "pinned host memory and device memory are mixed on one side of the call";
-    for (Py_ssize_t i = 0; i < array_count(call); i++)
-        addresses[i] = (uint64_t)(uintptr_t)call->arrays[i].data;
-    memset(staged, 0, sizeof *staged);
-    staged->nb = call->nb;
-    staged->flat_side = flat_pinned;
-    staged->to_host = flat_pinned == call->to_flat;
-    const int64_t rb = dims->row_bytes, chunk_bytes = dims->nh * dims->nt * rb;
-    if (flat_pinned) {
-        /* Universals: [nh][nchunks] units of nt rows. */
-        staged->mid = dims->nh;
-        staged->inner = dims->nchunks;
-        staged->unit_bytes = dims->nt * rb;
-        staged->block_address = addresses;
-        staged->mid_stride = dims->nchunks * dims->nt * rb;
-        staged->inner_stride = dims->nt * rb;
-        return NULL;
-    }
-    /* Chunks, each its own allocation, or operationals of nchunks chunks. */
-    staged->mid = 1;
-    staged->inner = dims->nchunks;
-    staged->unit_bytes = chunk_bytes;
-    if (call->other_is_blocks) {
-        staged->unit_address = addresses + call->nb;
-    }
-    else {
-        staged->block_address = addresses + call->nb;
-        staged->inner_stride = chunk_bytes;
-    }
-    return NULL;
-}
-
-/* The layout kernel on the GPU, alone or staged through device memory when
- * pinned host memory takes part. */
-static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target,
-                                const kvbm_block_dims *dims, void **table)
-{
-    const Py_ssize_t count = array_count(call);
-    int pinned = 0;
-    for (Py_ssize_t i = 0; i < count && !pinned; i++)
-        pinned = call->arrays[i].place == KV_HOST_PINNED;
-    /* The staged path alone needs the arrays' addresses as integers. */
-    uint64_t *addresses = NULL;
-    if (pinned && (addresses = PyMem_Malloc((size_t)count * sizeof *addresses)) == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    kv_staged staged;
-    const char *unstageable = pinned ? plan_staging(call, dims, addresses, &staged) : NULL;
-    const kv_route route = kv_route_move(call->backend, pinned, unstageable, call->num_ctas);
-    staged.async_copies = route.async_copies;
-    kv_gpu_report report;
-    memset(&report, 0, sizeof report);
-    const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
-    const int rc = kv_gpu_block_universal(gpu, target, dims, direction, table,
-                                          vector_bytes((const void *const *)table, count, dims->row_bytes), route.ctas,
-                                          route.staged ? &staged : NULL, &report);
-    if (rc == 0)
-        kv_debug_move(call->function, &route, &report, target->device);
-    PyMem_Free(addresses);
-    return rc;
-}
-
-/* Block stack or operational <-> universal: the layout kernel, or the CPU. */
-static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_gpu_target *target, int on_gpu)
-{
-    const Py_ssize_t count = array_count(call);
-    const kv_array *u = &call->arrays[0];
-    kvbm_block_dims dims;
-    dims.nb = call->nb;
-    dims.nchunks = call->nchunks;
-    dims.nh = u->shape[0];
-    dims.nt = u->shape[3];
-    dims.row_bytes = u->shape[4] * u->itemsize;
-    dims.layout = call->layout;
-    dims.nh_divisor = kvbm_divisor_make((uint32_t)dims.nh);
-    dims.chunk_stride = call->other_is_blocks ? 0 : dims.nh * dims.nt * dims.row_bytes;
-    dims.universal_chunks = dims.nchunks;
-    dims.chunk_heads = dims.nh;
-
-    void **table = PyMem_Malloc((size_t)count * sizeof *table);
-    if (table == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < count; i++)
-        table[i] = call->arrays[i].data;
-    int rc = 0;
-    if (on_gpu)
-        rc = run_universal_on_gpu(gpu, call, target, &dims, table);
-    else {
-        const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
-        Py_BEGIN_ALLOW_THREADS
-        kv_cpu_block_universal(&dims, table, direction);
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_Free(table);
-    return rc;
-}
-
-/* Tells the destinations' frameworks that they are about to be written
- * (kv_arrays_written): the destination side's one array, or its arrays. */
-static int mark_written(kv_call *call)
-{
-    const kv_side *side = call->to_flat ? &call->flat : &call->other;
-    if (side->has_whole)
-        return kv_arrays_written(&call->state->protocols, &side->whole, 1);
-    const Py_ssize_t first = call->to_flat ? 0 : call->nb, end = call->to_flat ? call->nb : array_count(call);
-    return kv_arrays_written(&call->state->protocols, call->arrays + first, end - first);
-}
-
-static int run(kv_call *call)
-{
-    kv_gpu *gpu = call->state->gpu;
-    const Py_ssize_t count = array_count(call);
-    int on_gpu = 0;
-    for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
-        on_gpu = call->arrays[i].place == KV_DEVICE;
-    kv_gpu_target target = {-1, call->stream, NULL, 0};
-    intptr_t *producers = NULL;
-    if (on_gpu && (place_on_gpu(call, count, &target.device) < 0
-                   || (call->stream_none
-                       && kv_arrays_default_stream(call->arrays, count, target.device, &target.stream) < 0)))
-        return -1;
-    if (check_aliasing(call) < 0 || mark_written(call) < 0)
-        return -1;
-    if (on_gpu) {
-        producers = PyMem_Malloc((size_t)count * sizeof *producers);
-        if (producers == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < count; i++)
-            kv_array_add_producer(&call->arrays[i], producers, &target.producer_count);
-        target.producers = producers;
-    }
-    const int rc = call->conversion == KV_BLOCK_OPERATIONAL ? run_block_operational(gpu, call, &target, on_gpu)
-                                                            : run_universal(gpu, call, &target, on_gpu);
-    PyMem_Free(producers);
-    return rc;
-}
-
 /* Reads one side's argument (`block_ndim`: a block's dimensions, 5 for
  * universals, 3 for operationals): a sequence is snapshotted; one array is
  * borrowed now, to tell a single block from a stack. */
 static int read_side(kv_call *call, kv_side *side, PyObject *obj, int block_ndim, int write)
 {
     const kv_path path = {side->name, {0, 0}, 0};
-    if (!kv_is_array(obj)) {
-        side->items = kv_as_sequence(obj, &path, "an array or a sequence of arrays");
-        side->nb = side->items == NULL ? 0 : PyTuple_GET_SIZE(side->items);
-        return side->items == NULL ? -1 : 0;
+    int single;
+    side->items = kv_array_items(obj, &path, "an array or a sequence of arrays", &single);
+    if (side->items == NULL)
+        return -1;
+    if (!single) {
+        side->nb = PyTuple_GET_SIZE(side->items);
+        return 0;
     }
     kv_array *a = &side->whole;
-    if (kv_array_read(&call->reader, obj, &path, write, a) < 0)
+    if (kv_array_read(&call->reader, PyTuple_GET_ITEM(side->items, 0), &path, write, a) < 0)
         return -1;
     side->has_whole = 1;
     if (a->ndim == block_ndim) {
@@ -703,14 +377,14 @@ int kv_convert(kv_state *state, kv_conversion conversion, int to_flat, PyObject 
         goto done;
     }
     {
-        kv_array *grown = PyMem_Realloc(call.arrays, (size_t)array_count(&call) * sizeof(kv_array));
+        kv_array *grown = PyMem_Realloc(call.arrays, (size_t)kv_call_count(&call) * sizeof(kv_array));
         if (grown == NULL) {
             PyErr_NoMemory();
             goto done;
         }
         call.arrays = grown;
     }
-    if (walk_arguments(&call) < 0 || run(&call) < 0)
+    if (walk_arguments(&call) < 0 || kv_convert_run(&call) < 0)
         goto done;
     rc = 0;
 done:

@@ -9,6 +9,7 @@
 #include "debug.h"
 #include "overlap.h"
 #include "stream.h"
+#include "target.h"
 
 const char *const KV_BACKEND_NAMES[KV_BACKEND_COUNT] = {"kernel", "async", "batch", "auto", "copy_engines"};
 
@@ -164,31 +165,26 @@ static kv_pairs pairs_of(const kv_copy_call *call)
     return pairs;
 }
 
-/* The device of the call: that of the device memory the addresses point
- * into, which must be that of any device-resident list, else the current
- * one.  Collects the lists' producer streams into target. */
-static int resolve_target(const kv_copy_call *call, int found, kv_gpu_target *target, intptr_t *producers)
+/* Where the call runs: on the device of the device memory the addresses
+ * point into, which must be that of any device-resident list, else on the
+ * current device; after the device lists' producers. */
+static int resolve_target(kv_copy_call *call, int found, kv_target *target)
 {
-    const kv_address_list *lists[3] = {&call->src, &call->dst, &call->sizes};
+    kv_address_list *lists[3] = {&call->src, &call->dst, &call->sizes};
     const char *names[3] = {LIST_NAMES[0], LIST_NAMES[1], "sizes"};
-    target->device = found;
-    target->stream = call->stream;
-    target->producers = producers;
-    target->producer_count = 0;
+    kv_target_init(target, call->stream, found, "the copies are");
     for (int i = 0; i < call->parsed; i++) {
         if (!lists[i]->on_device)
             continue;
-        if (target->device >= 0 && lists[i]->device_id != target->device) {
-            PyErr_Format(PyExc_ValueError, "%s: on device cuda:%d, but the copies are on cuda:%d", names[i],
-                         lists[i]->device_id, target->device);
+        kv_array *list = &lists[i]->array;
+        const kv_path path = {names[i], {0, 0}, 0};
+        if ((target->gpu.device < 0 && kv_target_fix_device(target, list, &path) < 0)
+            || kv_target_add(target, list, &path) < 0)
             return -1;
-        }
-        target->device = lists[i]->device_id;
-        kv_array_add_producer(&lists[i]->array, producers, &target->producer_count);
     }
-    if (target->device < 0)
-        target->device = kv_gpu_current_device();
-    return target->device < 0 ? -1 : 0;
+    if (target->gpu.device < 0)
+        target->gpu.device = kv_gpu_current_device();
+    return target->gpu.device < 0 ? -1 : 0;
 }
 
 /* A destination range sharing memory with a source range or another
@@ -251,6 +247,8 @@ static int copy_pairs(kv_state *state, PyObject *src, PyObject *dst, PyObject *s
 {
     const int kernel = engine == KV_ENGINE_KERNEL;
     kv_copy_call call;
+    kv_target target;
+    kv_target_init(&target, 0, -1, NULL);
     int rc = -1, device;
     if (read_call(state, src, dst, sizes, stream, kernel, &call) < 0)
         goto done;
@@ -266,13 +264,11 @@ static int copy_pairs(kv_state *state, PyObject *src, PyObject *dst, PyObject *s
     }
     if (check_pair_aliasing(&pairs) < 0 || need_a_device(function) < 0)
         goto done;
-    kv_gpu_target target;
-    intptr_t producers[3];
-    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0
-        || resolve_target(&call, device, &target, producers) < 0)
+    if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0 || resolve_target(&call, device, &target) < 0)
         goto done;
-    rc = copy_and_log(state->gpu, &target, &pairs, engine, fallback, function, reason);
+    rc = copy_and_log(state->gpu, &target.gpu, &pairs, engine, fallback, function, reason);
 done:
+    kv_target_release(&target);
     release_call(&call);
     return rc;
 }

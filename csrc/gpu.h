@@ -1,6 +1,6 @@
-/* Everything that calls the CUDA runtime.  Built from gpu.c when nvcc is
- * available, from gpu_stub.c otherwise; the rest of csrc/ needs no CUDA
- * header. */
+/* Everything that calls the CUDA runtime.  Built from the gpu_*.c files,
+ * moves.c and staging.c when nvcc is available, from gpu_stub.c otherwise;
+ * the rest of csrc/ needs no CUDA header. */
 #ifndef KVBM_GPU_H
 #define KVBM_GPU_H
 

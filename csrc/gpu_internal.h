@@ -1,6 +1,7 @@
-/* What the files behind gpu.h share: the per-device resources, the way a
- * failed CUDA step is carried back to Python, and the runner every GPU entry
- * point goes through.  Only files built with the CUDA toolkit include it. */
+/* What the files behind gpu.h share: the per-device resources and their
+ * table ring (gpu_ring.c), the way a failed CUDA step is carried back to
+ * Python and the runner every GPU entry point goes through (gpu_launch.c).
+ * Only files built with the CUDA toolkit include it. */
 #ifndef KVBM_GPU_INTERNAL_H
 #define KVBM_GPU_INTERNAL_H
 
@@ -79,6 +80,19 @@ cudaError_t kv_select_device(int device, int *previous);
 
 /* The ring of `device`, created on first use (without table buffers). */
 kv_ring *kv_ring_for(kv_gpu *gpu, int device, kv_failure *f);
+
+/* Copies the `nparts` parts of a table (host memory) into the ring one
+ * after another and uploads them on the copy stream, which `stream` then
+ * waits for; refused while `stream` is captured into a CUDA graph.
+ * *device_copy receives the device address, *offset and *bytes the region,
+ * which kv_ring_commit must mark busy after the launch that reads it.
+ * Returns 0 or -1. */
+int kv_stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts, const size_t *part_bytes, int nparts,
+                   char **device_copy, size_t *offset, size_t *bytes, kv_failure *f);
+
+/* Marks [offset, offset + bytes) of the ring busy until the work now on
+ * `stream` is done.  Returns 0 or -1. */
+int kv_ring_commit(kv_ring *ring, size_t offset, size_t bytes, cudaStream_t stream, kv_failure *f);
 
 /* The work of one call, run by kv_run_on_device without the GIL, under
  * gpu->lock, on the target's device, after the producers' streams. */

@@ -446,18 +446,4 @@ static struct PyModuleDef module_def = {
     .m_free = module_free,
 };
 
-kv_state *kv_find_state(void)
-{
-    /* PyState_FindModule does not serve modules with an exec slot. */
-    PyObject *name = PyUnicode_FromString("kvbm_ext._C");
-    PyObject *module = name == NULL ? NULL : PyImport_GetModule(name);
-    Py_XDECREF(name);
-    kv_state *state = module != NULL && PyModule_GetDef(module) == &module_def ? state_of(module) : NULL;
-    /* The module outlives the call: its types and functions, which the
-     * caller runs in, hold it. */
-    Py_XDECREF(module);
-    PyErr_Clear();
-    return state;
-}
-
 PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

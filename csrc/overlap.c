@@ -8,7 +8,7 @@ kv_span kv_span_of(const kv_array *a, Py_ssize_t index, int destination)
     kv_span s = {0, 0, index, destination};
     if (kv_array_elements(a) == 0)
         return s;
-    /* Extents and strides were checked to fit in int64 (kv_array_from_object). */
+    /* Extents and strides were checked to fit in int64 (kv_array_read). */
     int64_t low = 0, high = a->itemsize;
     for (int i = 0; i < a->ndim; i++) {
         const int64_t reach = a->strides[i] * (a->shape[i] - 1);

@@ -1,0 +1,251 @@
+/* Running a conversion whose arguments are read and checked: placement,
+ * aliasing, and the move (the layout kernel, the copy backends, or the
+ * CPU).  See convert_internal.h. */
+#include "convert_internal.h"
+
+#include <string.h>
+
+#include "cpu_copy.h"
+#include "overlap.h"
+#include "target.h"
+
+/* A destination sharing memory with a source or another destination is
+ * refused: the result would depend on the order of the copies. */
+static int check_aliasing(const kv_call *call)
+{
+    const Py_ssize_t count = kv_call_count(call);
+    kv_span *spans = PyMem_Malloc((size_t)count * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        spans[i] = kv_span_of(&call->arrays[i], i, kv_call_writes(call, i));
+    Py_ssize_t first, second;
+    int rc = kv_find_overlap(spans, count, &first, &second);
+    PyMem_Free(spans);
+    if (rc > 0) {
+        const kv_path path = kv_call_path(call, first), other = kv_call_path(call, second);
+        char where[96];
+        kv_path_format(&other, where, sizeof where);
+        return kv_path_error(PyExc_ValueError, &path, "destination shares memory with %s; a destination may not "
+                             "overlap a source or another destination", where);
+    }
+    return rc;
+}
+
+/* Places every array of a call that uses device memory: the first array on
+ * a device fixes the device (the current one when every such array turns
+ * out to be pinned host memory). */
+static int place_on_gpu(kv_call *call, kv_target *target)
+{
+    const Py_ssize_t count = kv_call_count(call);
+    for (Py_ssize_t i = 0; i < count && target->gpu.device < 0; i++) {
+        if (call->arrays[i].place != KV_DEVICE)
+            continue;
+        const kv_path path = kv_call_path(call, i);
+        if (kv_target_fix_device(target, &call->arrays[i], &path) < 0)
+            return -1;
+    }
+    if (target->gpu.device < 0 && (target->gpu.device = kv_gpu_current_device()) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const kv_path path = kv_call_path(call, i);
+        if (kv_target_add(target, &call->arrays[i], &path) < 0)
+            return -1;
+    }
+    return call->stream_none ? kv_target_default_stream(target, call->arrays, count) : 0;
+}
+
+/* Block <-> operational: every chunk is one copy of chunk_bytes.  `target`
+ * NULL: on the CPU. */
+static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_target *target)
+{
+    const int64_t chunk_bytes = call->flat_shape[2] * call->arrays[0].itemsize;
+    const Py_ssize_t count = call->nb * call->nchunks;
+    kv_pairs pairs;
+    memset(&pairs, 0, sizeof pairs);
+    pairs.count = count;
+    pairs.uniform_size = (uint64_t)chunk_bytes;
+    pairs.src = PyMem_Malloc((size_t)count * sizeof(uint64_t));
+    pairs.dst = PyMem_Malloc((size_t)count * sizeof(uint64_t));
+    if (pairs.src == NULL || pairs.dst == NULL) {
+        PyMem_Free(pairs.src);
+        PyMem_Free(pairs.dst);
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *chunks = call->to_flat ? pairs.src : pairs.dst;
+    uint64_t *operational = call->to_flat ? pairs.dst : pairs.src;
+    for (Py_ssize_t b = 0; b < call->nb; b++) {
+        for (int64_t c = 0; c < call->nchunks; c++) {
+            const Py_ssize_t k = b * call->nchunks + c;
+            chunks[k] = (uint64_t)(uintptr_t)call->arrays[call->nb + k].data;
+            operational[k] = (uint64_t)(uintptr_t)call->arrays[b].data + (uint64_t)(c * chunk_bytes);
+        }
+    }
+    int rc = 0;
+    if (target != NULL) {
+        rc = kv_copy_with_backend(gpu, &target->gpu, &pairs, call->backend, target->pinned, call->num_ctas,
+                                  call->function);
+    }
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        kv_cpu_copy_pairs(&pairs);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(pairs.src);
+    PyMem_Free(pairs.dst);
+    return rc;
+}
+
+/* Whether every array of the flat side (`flat`) or of the other side is in
+ * pinned host memory. */
+static int side_is(const kv_call *call, int flat, kv_place place)
+{
+    const Py_ssize_t first = flat ? 0 : call->nb, end = flat ? call->nb : kv_call_count(call);
+    for (Py_ssize_t i = first; i < end; i++)
+        if (call->arrays[i].place != place)
+            return 0;
+    return 1;
+}
+
+/* Describes the pinned side of a block stack (or operational) <-> universal
+ * move for the staged path (gpu.h), its unit addresses in `addresses` (room
+ * for every array of the call).  Returns NULL, or why it cannot be staged. */
+static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims, uint64_t *addresses,
+                                kv_staged *staged)
+{
+    const int flat_pinned = side_is(call, 1, KV_HOST_PINNED), other_pinned = side_is(call, 0, KV_HOST_PINNED);
+    if (!(flat_pinned && side_is(call, 0, KV_DEVICE)) && !(other_pinned && side_is(call, 1, KV_DEVICE)))
+        return "pinned host memory and device memory are mixed on one side of the call";
+    for (Py_ssize_t i = 0; i < kv_call_count(call); i++)
+        addresses[i] = (uint64_t)(uintptr_t)call->arrays[i].data;
+    memset(staged, 0, sizeof *staged);
+    staged->nb = call->nb;
+    staged->flat_side = flat_pinned;
+    staged->to_host = flat_pinned == call->to_flat;
+    const int64_t rb = dims->row_bytes, chunk_bytes = dims->nh * dims->nt * rb;
+    if (flat_pinned) {
+        /* Universals: [nh][nchunks] units of nt rows. */
+        staged->mid = dims->nh;
+        staged->inner = dims->nchunks;
+        staged->unit_bytes = dims->nt * rb;
+        staged->block_address = addresses;
+        staged->mid_stride = dims->nchunks * dims->nt * rb;
+        staged->inner_stride = dims->nt * rb;
+        return NULL;
+    }
+    /* Chunks, each its own allocation, or operationals of nchunks chunks. */
+    staged->mid = 1;
+    staged->inner = dims->nchunks;
+    staged->unit_bytes = chunk_bytes;
+    if (call->other_is_blocks) {
+        staged->unit_address = addresses + call->nb;
+    }
+    else {
+        staged->block_address = addresses + call->nb;
+        staged->inner_stride = chunk_bytes;
+    }
+    return NULL;
+}
+
+
+/* The layout kernel on the GPU, alone or staged through device memory when
+ * pinned host memory takes part. */
+static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_target *target,
+                                const kvbm_block_dims *dims, void **table)
+{
+    const Py_ssize_t count = kv_call_count(call);
+    /* The staged path alone needs the arrays' addresses as integers. */
+    uint64_t *addresses = NULL;
+    if (target->pinned && (addresses = PyMem_Malloc((size_t)count * sizeof *addresses)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv_staged staged;
+    const char *unstageable = target->pinned ? plan_staging(call, dims, addresses, &staged) : NULL;
+    const kv_route route = kv_route_move(call->backend, target->pinned, unstageable, call->num_ctas);
+    staged.async_copies = route.async_copies;
+    kv_gpu_report report;
+    memset(&report, 0, sizeof report);
+    uint64_t bits = (uint64_t)dims->row_bytes;
+    for (Py_ssize_t i = 0; i < count; i++)
+        bits |= (uint64_t)(uintptr_t)table[i];
+    const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
+    const int rc = kv_gpu_block_universal(gpu, &target->gpu, dims, direction, table, kv_vector_bytes(bits),
+                                          route.ctas, route.staged ? &staged : NULL, &report);
+    if (rc == 0)
+        kv_debug_move(call->function, &route, &report, target->gpu.device);
+    PyMem_Free(addresses);
+    return rc;
+}
+
+/* Block stack or operational <-> universal: the layout kernel, or the CPU
+ * (`target` NULL). */
+static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_target *target)
+{
+    const Py_ssize_t count = kv_call_count(call);
+    const kv_array *u = &call->arrays[0];
+    kvbm_block_dims dims;
+    dims.nb = call->nb;
+    dims.nchunks = call->nchunks;
+    dims.nh = u->shape[0];
+    dims.nt = u->shape[3];
+    dims.row_bytes = u->shape[4] * u->itemsize;
+    dims.layout = call->layout;
+    dims.nh_divisor = kvbm_divisor_make((uint32_t)dims.nh);
+    dims.chunk_stride = call->other_is_blocks ? 0 : dims.nh * dims.nt * dims.row_bytes;
+    dims.universal_chunks = dims.nchunks;
+    dims.chunk_heads = dims.nh;
+
+    void **table = PyMem_Malloc((size_t)count * sizeof *table);
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        table[i] = call->arrays[i].data;
+    int rc = 0;
+    if (target != NULL)
+        rc = run_universal_on_gpu(gpu, call, target, &dims, table);
+    else {
+        const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
+        Py_BEGIN_ALLOW_THREADS
+        kv_cpu_block_universal(&dims, table, direction);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(table);
+    return rc;
+}
+
+/* Tells the destinations' frameworks that they are about to be written
+ * (kv_arrays_written): the destination side's one array, or its arrays. */
+static int mark_written(kv_call *call)
+{
+    const kv_side *side = call->to_flat ? &call->flat : &call->other;
+    if (side->has_whole)
+        return kv_arrays_written(&call->state->protocols, &side->whole, 1);
+    const Py_ssize_t first = call->to_flat ? 0 : call->nb, end = call->to_flat ? call->nb : kv_call_count(call);
+    return kv_arrays_written(&call->state->protocols, call->arrays + first, end - first);
+}
+
+int kv_convert_run(kv_call *call)
+{
+    const Py_ssize_t count = kv_call_count(call);
+    int on_gpu = 0;
+    for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
+        on_gpu = call->arrays[i].place == KV_DEVICE;
+    kv_target target;
+    kv_target_init(&target, call->stream, -1, NULL);
+    int rc = -1;
+    if ((on_gpu && place_on_gpu(call, &target) < 0) || check_aliasing(call) < 0 || mark_written(call) < 0)
+        goto done;
+    kv_gpu *gpu = call->state->gpu;
+    const kv_target *where = on_gpu ? &target : NULL;
+    rc = call->conversion == KV_BLOCK_OPERATIONAL ? run_block_operational(gpu, call, where)
+                                                  : run_universal(gpu, call, where);
+done:
+    kv_target_release(&target);
+    return rc;
+}

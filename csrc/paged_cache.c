@@ -1,0 +1,304 @@
+/* kvbm_ext.PagedKVCache: construction and lifetime.  See paged.h.
+ *
+ * Everything that does not change between calls is worked out once, here:
+ * the dimensions and strides named by `dims`, the base address of every
+ * layer and the alignment they allow, the arrays' sorted byte spans (for
+ * the aliasing check).  A call then reads its block ids and its one (or
+ * nb) flat arrays, checks them, and launches one kernel whose parameters
+ * carry everything else: its host cost does not depend on nl or the chunk
+ * count.
+ */
+#include "paged_internal.h"
+
+#include <string.h>
+
+#include "args.h"
+#include "state.h"
+
+static const char DIM_LETTERS[] = "lkbthd";
+static const char *const DIM_NAMES[DIM_COUNT] = {"layer", "K/V", "block", "token", "head", "head dim"};
+
+/* Fills position[letter] with the letter's index in dims, or -1. */
+static int parse_dims(PyObject *dims, int position[DIM_COUNT])
+{
+    if (!PyUnicode_Check(dims))
+        return kv_error(PyExc_TypeError, "dims: expected a str such as \"kbthd\", got %s", Py_TYPE(dims)->tp_name);
+    for (int i = 0; i < DIM_COUNT; i++)
+        position[i] = -1;
+    const Py_ssize_t n = PyUnicode_GET_LENGTH(dims);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_UCS4 read = PyUnicode_READ_CHAR(dims, i);
+        /* Letters in either case, as `layout` and `inner` take any case. */
+        const Py_UCS4 c = read >= 'A' && read <= 'Z' ? read - 'A' + 'a' : read;
+        const char *found = c != 0 && c < 128 ? strchr(DIM_LETTERS, (int)c) : NULL;
+        if (found == NULL) {
+            PyObject *letter = PyUnicode_FromOrdinal((int)read);
+            if (letter != NULL)
+                kv_error(PyExc_ValueError, "dims: %R at position %zd of %R is not one of l (layer), k (K/V), b (block), "
+                     "t (token), h (head), d (head dim)", letter, i, dims);
+            Py_XDECREF(letter);
+            return -1;
+        }
+        const int letter = (int)(found - DIM_LETTERS);
+        if (position[letter] >= 0)
+            return kv_error(PyExc_ValueError, "dims: letter '%c' (%s) appears twice in %R", DIM_LETTERS[letter],
+                        DIM_NAMES[letter], dims);
+        position[letter] = (int)i;
+    }
+    const int required[] = {DIM_B, DIM_T, DIM_D};
+    for (int i = 0; i < 3; i++)
+        if (position[required[i]] < 0)
+            return kv_error(PyExc_ValueError, "dims: %R has no '%c' (%s); every cache has b, t and d", dims,
+                        DIM_LETTERS[required[i]], DIM_NAMES[required[i]]);
+    return 0;
+}
+
+kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i)
+{
+    const kv_path path = {"layers", {i, 0}, PyList_Check(self->layers) || PyTuple_Check(self->layers) ? 1 : 0};
+    return path;
+}
+
+/* Checks arrays[i] against arrays[0]: dimensions, element type, strides, place. */
+static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, Py_ssize_t ndim)
+{
+    kv_array *a = &self->arrays[i];
+    const kv_array *first = &self->arrays[0];
+    const kv_path path = kv_paged_layer_path(self, i);
+    char got[96], want[96];
+    kv_format_shape(a->shape, a->ndim, got, sizeof got); /* once per array, at construction */
+    if (a->ndim != ndim)
+        return kv_path_error(PyExc_ValueError, &path, "dims %R names %zd dimensions, but the array has shape %s",
+                             self->dims, ndim, got);
+    if (a->place == KV_DEVICE && kv_gpu_locate(a, &path) < 0)
+        return -1;
+    if (i == 0)
+        return 0;
+    if (memcmp(a->shape, first->shape, (size_t)ndim * sizeof(int64_t)) != 0) {
+        kv_format_shape(first->shape, first->ndim, want, sizeof want);
+        return kv_path_error(PyExc_ValueError, &path, "shape %s differs from layers[0]'s %s", got, want);
+    }
+    if (a->dtype.code != first->dtype.code || a->dtype.bits != first->dtype.bits)
+        return kv_path_error(PyExc_TypeError, &path, "element type %s differs from layers[0]'s %s",
+                             kv_dtype_name(a->dtype, got, sizeof got), kv_dtype_name(first->dtype, want, sizeof want));
+    for (int d = 0; d < ndim; d++)
+        if (a->shape[d] != 1 && a->strides[d] != first->strides[d])
+            return kv_path_error(PyExc_ValueError, &path, "dimension '%c' has stride %lld bytes, but layers[0]'s has "
+                                 "%lld; the layers must share one memory layout",
+                                 PyUnicode_AsUTF8(self->dims)[d], (long long)a->strides[d],
+                                 (long long)first->strides[d]);
+    if ((a->place == KV_DEVICE) != (first->place == KV_DEVICE) || a->device_id != first->device_id) {
+        const int on_device = a->place == KV_DEVICE;
+        return kv_path_error(PyExc_ValueError, &path, "%s %s, but layers[0] is %s %s; a cache lives on one device or "
+                             "in host memory", on_device ? "on" : "in", on_device ? "a CUDA device" : "host memory",
+                             first->place == KV_DEVICE ? "on" : "in",
+                             first->place == KV_DEVICE ? "a CUDA device" : "host memory");
+    }
+    return 0;
+}
+
+/* Reads dimensions and strides from arrays[0] and checks the strides. */
+static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
+{
+    const kv_array *a = &self->arrays[0];
+    const kv_path path = kv_paged_layer_path(self, 0);
+    char name[48];
+    if (kv_array_elements(a) == 0) {
+        char shape[192];
+        kv_format_shape(a->shape, a->ndim, shape, sizeof shape);
+        return kv_path_error(PyExc_ValueError, &path, "has shape %s: a cache needs at least one element", shape);
+    }
+    if (a->itemsize != 1 && a->itemsize != 2 && a->itemsize != 4 && a->itemsize != 8)
+        return kv_path_error(PyExc_TypeError, &path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
+                             kv_dtype_name(a->dtype, name, sizeof name), (long long)a->itemsize);
+    int64_t size[DIM_COUNT];
+    for (int letter = 0; letter < DIM_COUNT; letter++) {
+        const int d = position[letter];
+        size[letter] = d < 0 ? 1 : a->shape[d];
+        self->stride[letter] = d < 0 ? 0 : a->strides[d];
+        if (d < 0)
+            continue;
+        if (self->stride[letter] < 0)
+            return kv_path_error(PyExc_ValueError, &path, "dimension '%c' (%s) has a negative stride (%lld bytes)",
+                                 DIM_LETTERS[letter], DIM_NAMES[letter], (long long)self->stride[letter]);
+        if (self->stride[letter] == 0 && size[letter] > 1)
+            return kv_path_error(PyExc_ValueError, &path, "dimension '%c' (%s) has stride 0 and size %lld: its "
+                                 "entries would share memory", DIM_LETTERS[letter], DIM_NAMES[letter],
+                                 (long long)size[letter]);
+    }
+    if (size[DIM_D] > 1 && self->stride[DIM_D] != a->itemsize)
+        return kv_path_error(PyExc_ValueError, &path, "dimension 'd' (head dim) must have stride 1 element, got %lld "
+                             "bytes for %lld-byte elements", (long long)self->stride[DIM_D], (long long)a->itemsize);
+    self->nl = position[DIM_L] >= 0 ? size[DIM_L] : self->narrays;
+    self->no = size[DIM_K];
+    self->num_blocks = size[DIM_B];
+    self->nt = size[DIM_T];
+    self->nh = size[DIM_H];
+    self->hd = size[DIM_D];
+    self->itemsize = a->itemsize;
+    self->dtype = a->dtype;
+    if (self->nh * self->nt * self->hd * self->itemsize > (int64_t)UINT32_MAX)
+        return kv_path_error(PyExc_ValueError, &path, "a chunk of %lld heads x %lld tokens x %lld elements exceeds "
+                             "4 GiB", (long long)self->nh, (long long)self->nt, (long long)self->hd);
+    return 0;
+}
+
+/* Base address of every layer, their alignment, the arrays' sorted spans
+ * and the scratch of the repeated-id check.  Nothing is allocated on a device, and so nothing is
+ * freed there when the cache is collected (which may happen during another
+ * thread's graph capture). */
+static int build_tables(kv_paged_cache *self)
+{
+    const size_t count = self->nl > 0 ? (size_t)self->nl : 1;
+    self->layer_addresses = PyMem_Malloc(count * sizeof(uint64_t));
+    self->seen = PyMem_Calloc((size_t)(self->num_blocks + 7) / 8 + 1, 1);
+    self->spans = PyMem_Malloc((size_t)self->narrays * sizeof(kv_span));
+    self->reach = PyMem_Malloc((size_t)self->narrays * sizeof(uint64_t));
+    if (self->layer_addresses == NULL || self->seen == NULL || self->spans == NULL || self->reach == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < self->narrays; i++)
+        self->spans[i] = kv_span_of(&self->arrays[i], i, 0);
+    if (kv_sort_spans(self->spans, self->narrays, self->reach) < 0)
+        return -1;
+    /* Rows move whole (d has stride 1 element): the other strides and the
+     * layers' addresses bound the vector width. */
+    self->alignment = 0;
+    for (int letter = DIM_L; letter < DIM_D; letter++)
+        self->alignment |= (uint64_t)self->stride[letter];
+    for (int64_t l = 0; l < self->nl; l++) {
+        /* Per-layer arrays, or one array with an 'l' dimension. */
+        const uint64_t base = self->narrays == self->nl
+                                  ? (uint64_t)(uintptr_t)self->arrays[l].data
+                                  : (uint64_t)(uintptr_t)self->arrays[0].data + (uint64_t)(l * self->stride[DIM_L]);
+        self->layer_addresses[l] = base;
+        self->alignment |= base;
+    }
+    return 0;
+}
+
+/* An 'l' in dims goes with one array holding every layer, and only with it. */
+static int check_layer_letter(PyObject *dims, int single, const int position[DIM_COUNT])
+{
+    if (single && position[DIM_L] < 0)
+        return kv_error(PyExc_ValueError, "dims: %R has no 'l' (layer), but layers is one array; name its layer "
+                    "dimension, or pass a sequence of per-layer arrays", dims);
+    if (!single && position[DIM_L] >= 0)
+        return kv_error(PyExc_ValueError, "dims: %R has an 'l' (layer), which is only for one array holding every layer; "
+                    "layers is a sequence of per-layer arrays", dims);
+    return 0;
+}
+
+static int describe(kv_paged_cache *self, kv_state *state)
+{
+    int position[DIM_COUNT];
+    if (parse_dims(self->dims, position) < 0)
+        return -1;
+    /* Keep dims in lower case: letters are distinct, so at most DIM_COUNT. */
+    const Py_ssize_t ndim = PyUnicode_GetLength(self->dims);
+    char lower[DIM_COUNT];
+    for (int letter = 0; letter < DIM_COUNT; letter++)
+        if (position[letter] >= 0)
+            lower[position[letter]] = DIM_LETTERS[letter];
+    PyObject *normalized = PyUnicode_FromStringAndSize(lower, ndim);
+    if (normalized == NULL)
+        return -1;
+    Py_SETREF(self->dims, normalized);
+    const kv_path whole = {"layers", {0, 0}, 0};
+    int single;
+    PyObject *seq = kv_array_items(self->layers, &whole, "a sequence of per-layer arrays, or one array", &single);
+    if (seq == NULL)
+        return -1;
+    /* Keep the arrays as read, not the caller's (mutable) list. */
+    if (!single)
+        Py_SETREF(self->layers, Py_NewRef(seq));
+    if (check_layer_letter(self->dims, single, position) < 0) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    int rc = -1;
+    const Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    /* __dlpack__(stream=-1): only addresses are taken here. */
+    const kv_reader reader = {&state->protocols, PyLong_FromLong(-1)};
+    if (n == 0)
+        PyErr_SetString(PyExc_ValueError, "layers: no arrays; expected one per layer");
+    else if (reader.dlpack_stream != NULL && (self->arrays = PyMem_Calloc((size_t)n, sizeof(kv_array))) == NULL)
+        PyErr_NoMemory();
+    else if (reader.dlpack_stream != NULL) {
+        rc = 0;
+        for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+            const kv_path path = kv_paged_layer_path(self, i);
+            rc = kv_array_keep(&reader, PyTuple_GET_ITEM(seq, i), &path, &self->arrays[i]);
+            if (rc == 0) {
+                self->narrays = i + 1;
+                rc = check_layer_array(self, i, ndim);
+            }
+        }
+    }
+    Py_XDECREF(reader.dlpack_stream);
+    Py_DECREF(seq);
+    if (rc < 0)
+        return -1;
+    const kv_array *first = &self->arrays[0];
+    self->device = first->place == KV_DEVICE ? first->device_id : -1;
+    for (Py_ssize_t i = 0; i < self->narrays; i++)
+        self->readonly |= self->arrays[i].readonly;
+    if (read_geometry(self, position) < 0)
+        return -1;
+    return build_tables(self);
+}
+
+PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"layers", "dims", NULL};
+    PyObject *layers, *dims;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:PagedKVCache", keywords, &layers, &dims))
+        return NULL;
+    kv_paged_cache *self = (kv_paged_cache *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->device = -1;
+    self->layers = Py_NewRef(layers);
+    self->dims = Py_NewRef(dims);
+    /* The type is not subclassable: `type` is the module's own. */
+    if (describe(self, PyType_GetModuleState(type)) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->layers);
+    Py_VISIT(self->dims);
+    for (Py_ssize_t i = 0; i < self->narrays; i++)
+        Py_VISIT(self->arrays[i].owner);
+    return 0;
+}
+
+int kv_paged_clear(kv_paged_cache *self)
+{
+    for (Py_ssize_t i = 0; i < self->narrays; i++)
+        kv_array_release(&self->arrays[i]);
+    self->narrays = 0;
+    Py_CLEAR(self->layers);
+    Py_CLEAR(self->dims);
+    return 0;
+}
+
+void kv_paged_dealloc(kv_paged_cache *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    kv_paged_clear(self);
+    PyMem_Free(self->arrays);
+    PyMem_Free(self->layer_addresses);
+    PyMem_Free(self->spans);
+    PyMem_Free(self->reach);
+    PyMem_Free(self->seen);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}

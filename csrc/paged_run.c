@@ -1,0 +1,163 @@
+/* kvbm_ext.PagedKVCache: planning and running a checked call, on the GPU
+ * (the kernel alone, or staged through device memory) or the CPU.  See
+ * paged_internal.h. */
+#include "paged_internal.h"
+
+#include <string.h>
+
+#include "cpu_copy.h"
+#include "state.h"
+
+/* The kernel's description of the call. */
+static kvbm_paged plan(const kv_paged_call *call)
+{
+    const kv_paged_cache *c = call->cache;
+    const kv_paged_options *o = &call->options;
+    kvbm_paged p;
+    memset(&p, 0, sizeof p);
+    p.nb = call->ids.count;
+    p.nl = o->layers.count;
+    p.no = c->no, p.nh = o->heads.count, p.nt = c->nt;
+    p.row_bytes = c->hd * c->itemsize;
+    p.num_blocks = c->num_blocks;
+    p.cache_outer = c->stride[DIM_K];
+    p.cache_block = c->stride[DIM_B];
+    /* The kernel counts moved heads: fold the first head and the step in. */
+    p.cache_shift = o->heads.first * c->stride[DIM_H];
+    p.cache_head = c->stride[DIM_H] * o->heads.step;
+    p.cache_token = c->stride[DIM_T];
+    const int64_t rb = p.row_bytes;
+    if (call->form->universal) {
+        /* [NH, NL, no, nt, hd] */
+        p.flat_token = rb;
+        p.flat_outer = p.nt * rb;
+        p.flat_layer = p.no * p.flat_outer;
+        p.flat_head = call->flat_shape[1] * p.flat_layer;
+        p.flat_shift = o->head_offset * p.flat_head + o->layer_offset * p.flat_layer;
+    }
+    else {
+        /* [nl, no, nt*nh*hd], each chunk in the inner order */
+        p.flat_outer = p.nt * p.nh * rb;
+        p.flat_layer = p.no * p.flat_outer;
+        p.flat_token = o->inner == KVBM_NHD ? p.nh * rb : rb;
+        p.flat_head = o->inner == KVBM_NHD ? rb : p.nt * rb;
+    }
+    /* The kernel counts moved layers: fold the first layer and the step in. */
+    p.flat_shift += o->layers.first * p.flat_layer;
+    p.flat_layer *= o->layers.step;
+    p.to_flat = call->form->to_flat;
+    kvbm_paged_plan(&p);
+    return p;
+}
+
+/* Describes the flat blocks for the staged path (gpu.h) when they are all in
+ * pinned memory, their addresses in `addresses` (nb entries): universals
+ * are [heads][moved layers] of units (no, nt, hd), operationals [1][moved
+ * layers] of units (no, nt*nh*hd).  Returns NULL, or why they cannot be
+ * staged. */
+static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
+                                uint64_t *addresses, kv_staged *staged)
+{
+    for (Py_ssize_t i = 0; i < call->nflats; i++)
+        if (call->flats[i].place != KV_HOST_PINNED)
+            return "the flat blocks are partly on the device, partly in pinned host memory";
+    memset(staged, 0, sizeof *staged);
+    staged->nb = p->nb;
+    staged->inner = p->nl;
+    staged->inner_stride = p->flat_layer;
+    staged->block_address = addresses;
+    staged->to_host = p->to_flat;
+    staged->flat_side = 1;
+    staged->one_allocation = call->single;
+    if (call->form->universal) {
+        staged->mid = p->nh;
+        staged->mid_stride = p->flat_head;
+        staged->unit_bytes = p->no * p->nt * p->row_bytes;
+    }
+    else {
+        staged->mid = 1;
+        staged->unit_bytes = p->no * p->nt * p->nh * p->row_bytes;
+    }
+    for (int64_t b = 0; b < p->nb; b++)
+        addresses[b] = (a->flat_base ? a->flat_base + (uint64_t)(b * a->flat_block)
+                                     : (uint64_t)(uintptr_t)call->flats[b].data) + (uint64_t)p->flat_shift;
+    return NULL;
+}
+
+/* The GPU side of kv_paged_run(): the stream, the route, the launch. */
+static int run_on_gpu(kv_gpu *gpu, kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
+                      const uint64_t *table, int vector_bytes)
+{
+    kv_target *target = &call->target;
+    /* stream=None: the current stream of the call's arrays' framework, else
+     * of the cache's (read at construction, asked now). */
+    if (call->options.stream_none
+        && (kv_target_default_stream(target, call->flats, call->nflats) < 0
+            || (call->ids.on_device && kv_target_default_stream(target, &call->ids.array, 1) < 0)
+            || kv_target_default_stream(target, call->cache->arrays, 1) < 0))
+        return -1;
+    uint64_t *addresses = PyMem_Malloc((size_t)(p->nb > 0 ? p->nb : 1) * sizeof(uint64_t));
+    if (addresses == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv_staged staged;
+    const char *unstageable = target->pinned ? plan_staging(call, p, a, addresses, &staged) : NULL;
+    const kv_route route = kv_route_move(call->options.backend, target->pinned, unstageable, call->options.max_ctas);
+    staged.async_copies = route.async_copies;
+    kv_gpu_report report;
+    memset(&report, 0, sizeof report);
+    const int rc = kv_gpu_paged(gpu, &target->gpu, p, a, table, vector_bytes, route.ctas,
+                                route.staged ? &staged : NULL, &report);
+    if (rc == 0)
+        kv_debug_move(call->form->name, &route, &report, target->gpu.device);
+    PyMem_Free(addresses);
+    return rc;
+}
+
+/* Moves the bytes: the table holds the base address of every moved layer,
+ * the host ids, then the flat blocks' addresses unless they are one array
+ * (kvbm_paged.h). */
+int kv_paged_run(kv_paged_call *call)
+{
+    kv_paged_cache *cache = call->cache;
+    const Py_ssize_t nb = call->ids.count;
+    kvbm_paged p = plan(call);
+    kvbm_paged_addresses addresses;
+    memset(&addresses, 0, sizeof addresses);
+    addresses.ids = call->ids.on_device ? call->ids.values : NULL;
+    addresses.ids_int32 = call->ids.int32;
+    uint64_t alignment = cache->alignment | (uint64_t)p.row_bytes;
+    if (call->single) {
+        addresses.flat_base = (uint64_t)(uintptr_t)call->flats[0].data;
+        addresses.flat_block = call->flats[0].strides[0];
+        alignment |= addresses.flat_base | (uint64_t)addresses.flat_block;
+    }
+    const int64_t entries = kvbm_paged_table_entries(&addresses, p.nl, nb);
+    uint64_t *table = PyMem_Malloc((size_t)entries * sizeof(uint64_t));
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *slot = table;
+    for (int64_t i = 0; i < p.nl; i++)
+        *slot++ = cache->layer_addresses[call->options.layers.first + i * call->options.layers.step];
+    if (!call->ids.on_device) {
+        memcpy(slot, call->ids.values, (size_t)nb * sizeof(uint64_t));
+        slot += nb;
+    }
+    for (Py_ssize_t b = 0; !call->single && b < nb; b++) {
+        slot[b] = (uint64_t)(uintptr_t)call->flats[b].data;
+        alignment |= slot[b];
+    }
+    int rc = 0;
+    if (cache->device >= 0)
+        rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kv_vector_bytes(alignment));
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        kv_cpu_paged(&p, &addresses, table);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(table);
+    return rc;
+}

@@ -1,0 +1,217 @@
+/* kvbm_ext.PagedKVCache: its methods, attributes and the type.  See
+ * paged.h and paged_internal.h. */
+#include "paged_internal.h"
+
+#include <stddef.h>
+
+#define DEFINE_TRANSFER(name, format, to_flat, universal)                                                              \
+    static PyObject *name(kv_paged_cache *self, PyObject *args, PyObject *kwargs)                                      \
+    {                                                                                                                  \
+        static const kv_paged_form form = {format, "PagedKVCache." #name, to_flat, universal};                       \
+        return kv_paged_transfer(self, args, kwargs, &form);                                                           \
+    }
+
+#define COMMON_DOC                                                                                                     \
+    "block_ids: a sequence of ints, or a 1-D int32/int64 array in host memory or on the\n"                             \
+    "    cache's device (nb = its length; nb = 0 does nothing).  Host ids must lie in\n"                               \
+    "    [0, num_blocks) and, where the cache is written, appear once (ValueError).\n"                                 \
+    "    Device ids are not read on the host (that would need a synchronization): the\n"                               \
+    "    kernel skips a block whose id is outside [0, num_blocks), and repeated ids\n"                                 \
+    "    are not detected.\n"                                                                                          \
+    "layers: None (every layer), an int, a slice (Python's rules) or a range of cache\n"                                \
+    "    layers.\n"                               \
+    "backend: \"auto\" (default): with universal or operational blocks in pinned host\n"                               \
+    "    memory, the copy engines carry the bytes over PCIe and a kernel on a few CTAs\n"                              \
+    "    rearranges them through device staging memory (set_staging(),\n"                                             \
+    "    reserve_staging()), leaving the SMs to the model; device to device, the\n"                                    \
+    "    kernel.  \"copy_engines\" (or \"batch\", or \"async\": one cudaMemcpyAsync per\n"                              \
+    "    run) asks for the copy engines, \"kernel\" for SM kernels reading and writing\n"                               \
+    "    pinned memory directly.  KVBM_EXT_DEBUG=1 logs the path taken and why.\n"                                     \
+    "num_ctas: None or the most CUDA blocks the kernel (or the staged permute) may\n"                                  \
+    "    use, to bound the SMs a transfer takes beside the model; None: no bound\n"                                    \
+    "    device to device, 8 with pinned memory.  The bytes moved are the same.\n"                                     \
+    "stream: None, an int cudaStream_t, or an object with __cuda_stream__() or\n"                                    \
+    "    .cuda_stream.  None runs where an operation of the arrays' framework would:\n"                                  \
+    "    torch's current stream (inside `with torch.cuda.stream(s)`, on s), else the\n"                                 \
+    "    legacy default stream.  The work is enqueued and not waited for;\n"                                            \
+    "    the call's arrays' producers are ordered before it (DLPack, CAI v3).  The\n"                                  \
+    "    cache itself is read at construction: order its writers yourself.\n"                                          \
+    "Universal or operational blocks live on the cache's device or in pinned host\n"                               \
+    "memory (host memory for a host cache).  Everything is checked before anything\n"                                  \
+    "is written.  With device-resident block_ids and one flat array, a call stages\n"                                  \
+    "nothing and synchronizes nothing, so it can be captured in a CUDA graph\n"                                        \
+    "(pass the capturing stream) and replayed with new ids written into block_ids;\n"                                  \
+    "on the staged path, call reserve_staging() before capturing.\n"
+
+#define UNIVERSAL_DOC                                                                                                  \
+    "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
+    "    array [nb, NH, NL, no, nt, hd] whose blocks are C-contiguous, with\n"                                         \
+    "    NH >= head_offset + len(heads), NL >= layer_offset + the highest layer moved.\n"                              \
+    "layer_offset: cache layer l is universal layer l + layer_offset.\n"                                               \
+    "heads: None (every head), an int, a slice or a range of the cache's heads: the\n"                                  \
+    "    heads moved, in that order (a receiver's share when resharding).\n"                                          \
+    "head_offset: the heads moved are universal heads [head_offset, head_offset +\n"                                  \
+    "    len(heads)) (a tensor-parallel rank's slice).  Other heads and layers are not\n"                             \
+    "    touched.\n"
+
+#define OPERATIONAL_BLOCKS_DOC                                                                                         \
+    "operationals: a sequence of nb C-contiguous arrays [nl, no, nt*nh*hd] (every cache\n"                             \
+    "    layer, whatever `layers` selects), or one array [nb, nl, no, nt*nh*hd].\n"                                    \
+    "inner: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]).\n"
+
+PyDoc_STRVAR(to_universal_doc,
+             "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, heads=None, "
+             "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "Copy cache blocks into universal blocks:\n"
+             "universals[b][head_offset + j, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, heads[j])\n"
+             "for every layer l in `layers` and every j < len(heads).\n\n" UNIVERSAL_DOC COMMON_DOC);
+DEFINE_TRANSFER(to_universal, "OO|$OOOOOOO:to_universal", 1, 1)
+
+PyDoc_STRVAR(from_universal_doc,
+             "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, heads=None, "
+             "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
+DEFINE_TRANSFER(from_universal, "OO|$OOOOOOO:from_universal", 0, 1)
+
+PyDoc_STRVAR(to_operational_doc,
+             "to_operational($self, block_ids, operationals, /, *, inner='NHD', layers=None, backend='auto', "
+             "num_ctas=None, stream=None)\n--\n\n"
+             "Copy cache blocks into operational blocks:\n"
+             "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
+             "for inner \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
+DEFINE_TRANSFER(to_operational, "OO|$OOOOO:to_operational", 1, 0)
+
+PyDoc_STRVAR(from_operational_doc,
+             "from_operational($self, operationals, block_ids, /, *, inner='NHD', layers=None, backend='auto', "
+             "num_ctas=None, stream=None)\n--\n\n"
+             "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
+             COMMON_DOC);
+DEFINE_TRANSFER(from_operational, "OO|$OOOOO:from_operational", 0, 0)
+
+static PyMethodDef paged_methods[] = {
+    {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_VARARGS | METH_KEYWORDS, to_universal_doc},
+    {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_VARARGS | METH_KEYWORDS,
+     from_universal_doc},
+    {"to_operational", (PyCFunction)(void (*)(void))to_operational, METH_VARARGS | METH_KEYWORDS,
+     to_operational_doc},
+    {"from_operational", (PyCFunction)(void (*)(void))from_operational, METH_VARARGS | METH_KEYWORDS,
+     from_operational_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ------------------------------------------------------------ attributes */
+
+/* The int64 members, by offset, served by one getter. */
+#define INT_MEMBER(name) (void *)offsetof(kv_paged_cache, name)
+
+static PyObject *get_int(kv_paged_cache *self, void *offset)
+{
+    return PyLong_FromLongLong(*(const int64_t *)((const char *)self + (size_t)offset));
+}
+
+static PyObject *get_dtype(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    char name[48];
+    return PyUnicode_FromString(kv_dtype_name(self->dtype, name, sizeof name));
+}
+
+static PyObject *get_device(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return self->device >= 0 ? PyUnicode_FromFormat("cuda:%d", self->device) : PyUnicode_FromString("cpu");
+}
+
+static PyObject *get_dims(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return Py_NewRef(self->dims);
+}
+
+static PyObject *get_layers(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return Py_NewRef(self->layers);
+}
+
+static PyGetSetDef paged_getset[] = {
+    {"num_layers", (getter)get_int, NULL, "nl: layers in the cache", INT_MEMBER(nl)},
+    {"num_blocks", (getter)get_int, NULL, "blocks per layer (valid ids: 0 .. num_blocks - 1)", INT_MEMBER(num_blocks)},
+    {"num_heads", (getter)get_int, NULL, "nh: KV heads (1 without an 'h' in dims)", INT_MEMBER(nh)},
+    {"tokens_per_block", (getter)get_int, NULL, "nt: tokens per block", INT_MEMBER(nt)},
+    {"head_dim", (getter)get_int, NULL, "hd: elements per head and token", INT_MEMBER(hd)},
+    {"num_outer", (getter)get_int, NULL, "no: 2 for K and V, 1 without a 'k' in dims", INT_MEMBER(no)},
+    {"itemsize", (getter)get_int, NULL, "bytes per element", INT_MEMBER(itemsize)},
+    {"dtype", (getter)get_dtype, NULL, "element type, e.g. 'bfloat16'", NULL},
+    {"device", (getter)get_device, NULL, "'cuda:N', or 'cpu' for a cache in host memory", NULL},
+    {"dims", (getter)get_dims, NULL, "the dims string given at construction, in lower case", NULL},
+    {"layers", (getter)get_layers, NULL, "the arrays given at construction (the cache keeps them alive)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyObject *paged_repr(kv_paged_cache *self)
+{
+    char dtype[48];
+    PyObject *device = get_device(self, NULL);
+    PyObject *repr = device == NULL ? NULL
+        : PyUnicode_FromFormat("PagedKVCache(dims=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, num_heads=%lld, "
+                               "tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')", self->dims,
+                               (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
+                               (long long)self->nh, (long long)self->nt, (long long)self->hd,
+                               kv_dtype_name(self->dtype, dtype, sizeof dtype), device);
+    Py_XDECREF(device);
+    return repr;
+}
+
+PyDoc_STRVAR(paged_doc,
+             "PagedKVCache(layers, dims)\n--\n\n"
+             "A serving worker's KV cache, described once: the blocks of every layer are\n"
+             "addressed by block id, and each call moves nb blocks to or from universal or\n"
+             "operational blocks in one kernel launch, with a host cost that does not grow\n"
+             "with the number of layers or chunks.\n\n"
+             "layers: a sequence of nl per-layer arrays, or one array holding every layer.\n"
+             "dims: one letter per dimension of each array, in its logical order: l layer\n"
+             "    (only for one all-layer array), k K/V (absent: no = 1), b block, t token,\n"
+             "    h head (absent: nh = 1), d head dim.  E.g. \"kbthd\" (vLLM FlashAttention,\n"
+             "    [2, num_blocks, nt, nh, hd]), \"bkthd\" (FlashInfer), \"btd\" (MLA), \"blkthd\"\n"
+             "    (one cross-layer array).\n\n"
+             "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
+             "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
+             "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
+             "and all are on one CUDA device, or all in host memory (then calls run on the\n"
+             "CPU, without the GIL).  The cache keeps the memory of its arrays alive (for\n"
+             "DLPack producers, through the capsules' managed tensors) and always moves\n"
+             "that memory: re-pointing a layer tensor afterwards (torch's set_ or resize_)\n"
+             "does not change what the cache reads or writes.  It holds no device memory\n"
+             "of its own: constructing or collecting it never allocates, frees or\n"
+             "synchronizes on a device.");
+
+static PyType_Slot paged_slots[] = {
+    {Py_tp_doc, (void *)paged_doc},
+    {Py_tp_new, kv_paged_new},
+    {Py_tp_dealloc, kv_paged_dealloc},
+    {Py_tp_traverse, kv_paged_traverse},
+    {Py_tp_clear, kv_paged_clear},
+    {Py_tp_methods, paged_methods},
+    {Py_tp_getset, paged_getset},
+    {Py_tp_repr, paged_repr},
+    {0, NULL},
+};
+
+/* Not subclassable: methods find the module state through their own type. */
+static PyType_Spec paged_spec = {
+    .name = "kvbm_ext.PagedKVCache",
+    .basicsize = sizeof(kv_paged_cache),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = paged_slots,
+};
+
+int kv_paged_add_type(PyObject *module)
+{
+    PyObject *type = PyType_FromModuleAndSpec(module, &paged_spec, NULL);
+    if (type == NULL)
+        return -1;
+    const int rc = PyModule_AddObjectRef(module, "PagedKVCache", type);
+    Py_DECREF(type);
+    return rc;
+}

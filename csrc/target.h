@@ -1,0 +1,54 @@
+/* Where one call's work goes, worked out once from its arrays, by every
+ * entry point that moves arrays (convert.c, paged_call.c, and copy.c for
+ * its device-resident lists): the device every device array is on, with no
+ * pageable host memory beside it; whether pinned host memory takes part;
+ * the stream (for stream=None, the arrays' framework's current one); the
+ * producers' streams the call orders first; the widest vector every
+ * address allows. */
+#ifndef KVBM_TARGET_H
+#define KVBM_TARGET_H
+
+#include "gpu.h"
+
+typedef struct {
+    kv_gpu_target gpu;   /* what the GPU entry points take; producers point into `producers` */
+    intptr_t *producers; /* owned */
+    Py_ssize_t capacity;
+    int pinned;          /* pinned host memory takes part */
+    /* What fixed the device, named in errors about other arrays: a phrase
+     * ("the cache is"), or, when NULL, the array at `first`. */
+    const char *owner;
+    kv_path first;
+} kv_target;
+
+/* A target on `stream` of `device` (-1: fixed later by
+ * kv_target_fix_device), `owner` saying in errors what fixed it. */
+void kv_target_init(kv_target *t, intptr_t stream, int device, const char *owner);
+
+/* Locates `a`, an array whose protocol says it is in device memory, and
+ * fixes the call's device to its device, naming it `path` in errors about
+ * other arrays.  The device stays unfixed when `a` turns out to be pinned
+ * host memory.  Returns 0, or -1 with an exception. */
+int kv_target_fix_device(kv_target *t, kv_array *a, const kv_path *path);
+
+/* Places one array of a call whose device is fixed: locates it
+ * (kv_gpu_locate), refuses device memory of another device and pageable
+ * host memory (ValueError naming `path`), and lists its producer's stream
+ * to be ordered first.  Returns 0, or -1 with an exception. */
+int kv_target_add(kv_target *t, kv_array *a, const kv_path *path);
+
+/* For stream=None, called over groups of arrays in order of preference:
+ * while the target's stream is still the legacy default stream (0), takes
+ * the current stream on the call's device of the first array read through
+ * a C exchange API (torch: torch.cuda.current_stream(), which
+ * `with torch.cuda.stream(s)` sets), else the stream the first device
+ * array's producer named (CAI v3).  Returns 0, or -1 with an exception. */
+int kv_target_default_stream(kv_target *t, const kv_array *arrays, Py_ssize_t count);
+
+void kv_target_release(kv_target *t);
+
+/* The widest vector (16, 8, 4, 2 or 1 bytes) that `bits`, the OR of every
+ * address, stride and row size a kernel moves, allows. */
+int kv_vector_bytes(uint64_t bits);
+
+#endif /* KVBM_TARGET_H */
