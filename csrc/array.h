@@ -89,6 +89,20 @@ void kv_array_block(const kv_array *stack, int64_t b, kv_array *out);
  * the write.  Returns 0, or -1 with an exception. */
 int kv_arrays_written(kv_protocols *protocols, const kv_array *arrays, Py_ssize_t count);
 
+/* For an array read earlier and written now (PagedKVCache's layers, which
+ * from_universal and from_operational write): what kv_array_read checks of
+ * a destination that may have changed since (torch: requires_grad), asked
+ * of `obj` as given (the detached alias kv_array_keep reads never requires
+ * grad).  Returns 1 for a torch tensor, which kv_torch_written must be
+ * given before the write, 0 for another array, or -1 with an exception
+ * naming `path`. */
+int kv_torch_destination(kv_protocols *protocols, PyObject *obj, const kv_path *path);
+
+/* Bumps the version counters of the torch tensors `tensors` holds (a
+ * sequence), as kv_arrays_written does.  Returns 0, or -1 with an
+ * exception. */
+int kv_torch_written(kv_protocols *protocols, PyObject *tensors);
+
 void kv_array_release(kv_array *a);
 
 /* True when the array is C-contiguous (strides of size-1 dimensions ignored;

@@ -315,6 +315,30 @@ static int check_aliasing(const kv_paged_call *call)
     return overlap_error(&a, &b);
 }
 
+/* from_*: the cache's layers are the destination.  A torch layer is
+ * checked as a destination now (requires_grad may have been set since
+ * construction), and the version counters of the torch layers are bumped,
+ * as the list API does for its destinations (kv_arrays_written). */
+static int mark_layers_written(const kv_paged_call *call)
+{
+    const kv_paged_cache *cache = call->cache;
+    kv_protocols *p = &call->state->protocols;
+    PyObject *tensors = NULL;
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < cache->narrays; i++) {
+        /* The layers as given: a tuple of them, or the one array. */
+        PyObject *layer = PyTuple_Check(cache->layers) ? PyTuple_GET_ITEM(cache->layers, i) : cache->layers;
+        const kv_path path = kv_paged_layer_path(cache, i);
+        rc = kv_torch_destination(p, layer, &path);
+        if (rc > 0)
+            rc = (tensors != NULL || (tensors = PyList_New(0)) != NULL) ? PyList_Append(tensors, layer) : -1;
+    }
+    if (rc == 0 && tensors != NULL)
+        rc = kv_torch_written(p, tensors);
+    Py_XDECREF(tensors);
+    return rc;
+}
+
 PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs, const kv_paged_form *form)
 {
     static char *universal_keywords[] = {"", "", "layers", "layer_offset", "heads", "head_offset", "backend",
@@ -363,7 +387,8 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *args, PyObject *kwar
     }
     rc = 0;
     if (call.ids.count > 0 && layers_moved > 0 && self->no * chunk_bytes > 0) {
-        rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats) : 0;
+        rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
+                           : mark_layers_written(&call);
         if (rc == 0)
             rc = kv_paged_run(&call);
     }

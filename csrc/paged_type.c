@@ -184,7 +184,13 @@ PyDoc_STRVAR(paged_doc,
              "that memory: re-pointing a layer tensor afterwards (torch's set_ or resize_)\n"
              "does not change what the cache reads or writes.  It holds no device memory\n"
              "of its own: constructing or collecting it never allocates, frees or\n"
-             "synchronizes on a device.");
+             "synchronizes on a device.\n\n"
+             "torch tensors are written as a torch in-place operation would write them:\n"
+             "from_universal and from_operational refuse a layer tensor that requires grad\n"
+             "(asked at each call: autograd could not see the write; construct the cache\n"
+             "from x.detach(), same memory, to write it anyway), and bump the version\n"
+             "counter of every layer tensor they write; to_universal and to_operational do\n"
+             "the same for their universals or operationals.");
 
 static PyType_Slot paged_slots[] = {
     {Py_tp_doc, (void *)paged_doc},

@@ -21,6 +21,18 @@ static int torch_flag(const kv_protocols *p, PyObject *obj, PyObject *flag)
  * by torch's own operations), and a tensor that requires grad cannot be
  * written behind autograd's back (torch refuses in-place writes to such a
  * leaf; on a non-leaf the graph would silently use the new values). */
+/* A destination that requires grad is refused: 0, or -1 with an
+ * exception naming `path`. */
+static int check_destination(const kv_protocols *p, PyObject *obj, const kv_path *path)
+{
+    const int set = torch_flag(p, obj, NULL);
+    if (set == 0)
+        return 0;
+    return set < 0 ? -1
+                   : kv_path_error(PyExc_ValueError, path, "destination tensor requires grad, and autograd cannot see "
+                                   "this write; pass x.detach() (same memory) to write it anyway");
+}
+
 int kv_check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *facts, const kv_path *path,
                    int write, kv_array *out)
 {
@@ -36,12 +48,20 @@ int kv_check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *fa
                                        "pass x.resolve_neg()");
     if (!write)
         return 0;
-    if ((set = torch_flag(p, obj, NULL)) != 0)
-        return set < 0 ? -1
-                       : kv_path_error(PyExc_ValueError, path, "destination tensor requires grad, and autograd cannot "
-                                       "see this write; pass x.detach() (same memory) to write it anyway");
+    if (check_destination(p, obj, path) < 0)
+        return -1;
     out->torch_written = 1;
     return 0;
+}
+
+int kv_torch_destination(kv_protocols *p, PyObject *obj, const kv_path *path)
+{
+    kv_type_facts facts = kv_type_facts_of(p, Py_TYPE(obj));
+    const int torch = facts.is_neg != NULL;
+    kv_type_facts_release(&facts);
+    if (!torch)
+        return 0;
+    return check_destination(p, obj, path) < 0 ? -1 : 1;
 }
 
 /* torch.autograd.graph.increment_version, found once; None when this torch
@@ -63,6 +83,21 @@ static PyObject *increment_version(kv_protocols *p)
     return p->increment_version;
 }
 
+int kv_torch_written(kv_protocols *p, PyObject *tensors)
+{
+    PyObject *bump = increment_version(p);
+    if (bump == NULL)
+        return -1;
+    if (bump == Py_None)
+        return 0;
+    /* Held by the call: the function may drop p's reference. */
+    Py_INCREF(bump);
+    PyObject *result = PyObject_CallOneArg(bump, tensors);
+    Py_DECREF(bump);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
 int kv_arrays_written(kv_protocols *p, const kv_array *arrays, Py_ssize_t count)
 {
     Py_ssize_t n = 0;
@@ -70,22 +105,13 @@ int kv_arrays_written(kv_protocols *p, const kv_array *arrays, Py_ssize_t count)
         n += arrays[i].torch_written;
     if (n == 0)
         return 0;
-    PyObject *bump = increment_version(p);
-    if (bump == NULL)
-        return -1;
-    if (bump == Py_None)
-        return 0;
     PyObject *tensors = PyTuple_New(n);
     if (tensors == NULL)
         return -1;
     for (Py_ssize_t i = 0, k = 0; i < count; i++)
         if (arrays[i].torch_written)
             PyTuple_SET_ITEM(tensors, k++, Py_NewRef(arrays[i].owner));
-    /* Held by the call: the function may drop p's reference. */
-    Py_INCREF(bump);
-    PyObject *result = PyObject_CallOneArg(bump, tensors);
-    Py_DECREF(bump);
+    const int rc = kv_torch_written(p, tensors);
     Py_DECREF(tensors);
-    Py_XDECREF(result);
-    return result == NULL ? -1 : 0;
+    return rc;
 }

@@ -20,6 +20,7 @@ from paged_reference import (
     CacheCase,
     block_buffers,
     cache_rows,
+    invoke,
     per_block,
     reference,
     run_and_check,
@@ -593,6 +594,86 @@ def test_version_bump_makes_autograd_notice_an_overwritten_saved_tensor(gen):
     saved = universals[0]
     loss = (w * saved).sum()  # saves `saved` for the gradient of w
     kvbm_ext.block_to_universal(blocks, [saved])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+# PagedKVCache writes as the list functions do: from_* writes the cache's layer tensors (as
+# given to the constructor), to_* its universals or operationals.
+
+PAGED_IDS = [8, 0, 5]
+
+
+def paged_case(layout, gen, dtype=torch.float32):
+    """A host cache with 3 layers of 9 blocks (3 tensors for "kbthd", one for "blkthd"), and
+    the layer tensors as the constructor got them."""
+    case = CacheCase(layout, 3, 9, 2, 3, 4, 5, dtype, gen)
+    layers = case.buf.arg if isinstance(case.buf.arg, list) else [case.buf.arg]
+    return case, layers
+
+
+def paged_other(case, method, gen, form="list"):
+    shape = case.universal_shape() if "universal" in method else case.operational_shape()
+    return block_buffers(form, len(PAGED_IDS), shape, case.dtype, gen)
+
+
+@pytest.mark.parametrize("layout,path", [("kbthd", r"layers\[1\]"), ("blkthd", "layers")])
+@pytest.mark.parametrize("method", ["from_universal", "from_operational"])
+def test_paged_layer_that_requires_grad_is_not_written(method, layout, path, gen):
+    """A layer tensor that requires grad is refused as a list function's destination is
+    (ValueError naming it), with no byte of the cache written.  requires_grad is asked at
+    each write: here it is set after construction.  Reading the cache stays allowed."""
+    case, layers = paged_case(layout, gen)
+    cache = case.build()
+    layers[len(layers) // 2].requires_grad_()
+    before = snapshot(case.buf.bases)
+    other = paged_other(case, method, gen)
+    sources = snapshot(other.bases)
+    with pytest.raises(ValueError, match=path_regex(path)) as info:
+        invoke(cache, method, PAGED_IDS, other.arg)
+    assert "requires grad" in str(info.value) and "detach()" in str(info.value)
+    assert_all_bitwise_equal(snapshot(case.buf.bases), before, "cache (destination)")
+    assert_all_bitwise_equal(snapshot(other.bases), sources, "source")
+    versions = [t._version for t in layers]
+    cache.to_universal(PAGED_IDS, paged_other(case, "to_universal", gen).arg)
+    assert [t._version for t in layers] == versions, "reading the cache changed a layer's version"
+
+
+@pytest.mark.parametrize("form,path", [("list", r"universals\[1\]"), ("array", "universals")])
+def test_paged_flat_destination_that_requires_grad_refused(form, path, gen):
+    case, _ = paged_case("kbthd", gen)
+    cache = case.build()
+    other = paged_other(case, "to_universal", gen, form)
+    poison_(other.bases)
+    other.bases[len(other.bases) // 2].requires_grad_()
+    with pytest.raises(ValueError, match=path_regex(path)) as info:
+        cache.to_universal(PAGED_IDS, other.arg)
+    assert "requires grad" in str(info.value)
+    assert_poisoned([b.detach() for b in other.bases], "universals (destination)")
+
+
+@pytest.mark.parametrize("layout", ["kbthd", "blkthd"])
+@pytest.mark.parametrize("method", ["to_universal", "from_universal", "to_operational", "from_operational"])
+def test_paged_written_tensors_get_their_version_counter_bumped(method, layout, gen):
+    """from_* bumps the _version of every layer tensor given to the constructor (the cache
+    reads a detached alias, which shares the counter), to_* that of every universal or
+    operational destination; the sources' stay."""
+    case, layers = paged_case(layout, gen, torch.bfloat16)
+    cache = case.build()
+    other = paged_other(case, method, gen)
+    written, read = (other.arg, layers) if method.startswith("to_") else (layers, other.arg)
+    before_written, before_read = [t._version for t in written], [t._version for t in read]
+    invoke(cache, method, PAGED_IDS, other.arg)
+    assert all(t._version > v for t, v in zip(written, before_written)), "a destination's version did not grow"
+    assert [t._version for t in read] == before_read, "a source's version changed"
+
+
+def test_paged_write_makes_autograd_notice_an_overwritten_saved_layer(gen):
+    case, layers = paged_case("kbthd", gen)
+    cache = case.build()
+    w = torch.ones(layers[0].shape, requires_grad=True)
+    loss = (w * layers[0]).sum()  # saves layers[0] for the gradient of w
+    cache.from_universal(paged_other(case, "from_universal", gen).arg, PAGED_IDS)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
