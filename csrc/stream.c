@@ -1,18 +1,16 @@
 /* The `stream=` argument of every call.  See stream.h. */
 #include "stream.h"
 
+#include "args.h"
+
+/* A handle given as an int or any object with __index__ (numpy.uint64),
+ * never a bool, from 0 to 2**64 - 1, read as every int argument is. */
 static int handle_from_int(PyObject *value, intptr_t *handle)
 {
-    if (PyBool_Check(value) || !PyLong_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "stream: expected an int handle, got %s", Py_TYPE(value)->tp_name);
+    const kv_path path = {"stream", {0, 0}, 0};
+    uint64_t raw;
+    if (kv_uint64(value, &path, &raw) < 0)
         return -1;
-    }
-    unsigned long long raw = PyLong_AsUnsignedLongLong(value);
-    if (raw == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "stream: expected a handle between 0 and 2**64 - 1, got %R", value);
-        return -1;
-    }
     void *pointer = (void *)(uintptr_t)raw;
     *handle = (intptr_t)pointer;
     return 0;
@@ -24,7 +22,7 @@ int kv_stream_from_object(PyObject *obj, intptr_t *handle)
         *handle = 0;
         return 0;
     }
-    if (PyLong_Check(obj))
+    if (PyIndex_Check(obj))
         return handle_from_int(obj, handle);
 
     int rc;

@@ -47,7 +47,8 @@ class _CudaDevice(TypedDict):
 # Arrays: anything exposing DLPack, __cuda_array_interface__,
 # __array_interface__ or the buffer protocol (torch, CuPy, JAX, NumPy).
 _Array = Any
-# None (legacy default stream), an int cudaStream_t handle, or an object
+# None (legacy default stream), an int cudaStream_t handle (an int or any
+# object with __index__, e.g. numpy.uint64), or an object
 # with __cuda_stream__() or .cuda_stream.
 _Stream = Any
 

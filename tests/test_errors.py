@@ -386,6 +386,49 @@ def test_bad_stream_argument(direction, bad, gen):
     check_rejected(direction, blocks, universals, TypeError, "stream", stream=bad)
 
 
+class IndexOnly:
+    """An int-like object: nothing but __index__."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
+STREAM_INTS = {"np.uint64(0)": np.uint64(0), "np.uint64(2**64-1)": np.uint64(2**64 - 1), "np.int64(7)": np.int64(7),
+               "np.int32(1)": np.int32(1), "__index__": IndexOnly(3)}
+
+
+@pytest.mark.parametrize("stream", STREAM_INTS.values(), ids=STREAM_INTS.keys())
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stream_with_index_is_a_handle_like_an_int(direction, stream, gen):
+    """A stream handle given as an object with __index__ (NumPy integer scalars) is taken
+    as the int it stands for; host calls run on the CPU whatever the stream."""
+    blocks, universals = case(gen)
+    if direction == "b2u":
+        b2u_and_check(blocks, universals, "NHD", NO, stream=stream)
+    else:
+        u2b_and_check(universals, blocks, "NHD", stream=stream)
+
+
+def test_paged_stream_with_index_is_a_handle_like_an_int(gen):
+    layers = [torch.randn((2, 4, NT, NH, HD), generator=gen) for _ in range(NL)]
+    cache = kvbm_ext.PagedKVCache(layers, "kbthd")
+    universals = [torch.zeros(NH, NL, 2, NT, HD) for _ in range(2)]
+    cache.to_universal([3, 0], universals, stream=np.uint64(0))
+    assert torch.equal(universals[0][:, 1, 0], layers[1][0, 3].permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("bad,exc", [(IndexOnly(2**64), ValueError), (IndexOnly(-1), ValueError),
+                                     (True, TypeError), (np.float64(1.0), TypeError)],
+                         ids=["2**64", "-1", "bool", "np.float64"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_stream_index_out_of_range_or_not_an_int(direction, bad, exc, gen):
+    blocks, universals = case(gen)
+    check_rejected(direction, blocks, universals, exc, "stream", stream=bad)
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_stream_is_keyword_only(direction, gen):
     blocks, universals = case(gen)
