@@ -3,29 +3,37 @@
 #include "gpu_internal.h"
 
 #include <cuda.h>
+#include <stdatomic.h>
 #include <string.h>
 
 /* cuPointerGetAttributes, reached through the runtime so that the module
  * does not link the driver library. */
 typedef CUresult (*kv_pointer_attributes_fn)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
 
+/* Found once per process and shared by every interpreter that imports the
+ * module, hence atomic: two threads finding it at once store the same
+ * value. */
+static _Atomic(kv_pointer_attributes_fn) found_fn;
+
 static kv_pointer_attributes_fn pointer_attributes_fn(void)
 {
-    static kv_pointer_attributes_fn fn;
-    if (fn == NULL) {
-        void *found = NULL;
-        enum cudaDriverEntryPointQueryResult status;
+    kv_pointer_attributes_fn fn = atomic_load_explicit(&found_fn, memory_order_acquire);
+    if (fn != NULL)
+        return fn;
+    void *found = NULL;
+    enum cudaDriverEntryPointQueryResult status;
 #if CUDART_VERSION >= 12050
-        cudaError_t error = cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &found, 7000, cudaEnableDefault,
-                                                             &status);
+    cudaError_t error = cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &found, 7000, cudaEnableDefault,
+                                                         &status);
 #else
-        cudaError_t error = cudaGetDriverEntryPoint("cuPointerGetAttributes", &found, cudaEnableDefault, &status);
+    cudaError_t error = cudaGetDriverEntryPoint("cuPointerGetAttributes", &found, cudaEnableDefault, &status);
 #endif
-        if (error != cudaSuccess || status != cudaDriverEntryPointSuccess)
-            cudaGetLastError();
-        else
-            fn = (kv_pointer_attributes_fn)found;
+    if (error != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        return NULL;
     }
+    fn = (kv_pointer_attributes_fn)found;
+    atomic_store_explicit(&found_fn, fn, memory_order_release);
     return fn;
 }
 

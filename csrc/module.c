@@ -427,8 +427,24 @@ static void module_free(void *module)
     }
 }
 
+/* Subinterpreters: what the module keeps lives in its state, one per
+ * interpreter (protocol names and type facts, the GPU resources with their
+ * own lock, the PagedKVCache type); the one value shared by the process, the
+ * driver's cuPointerGetAttributes (gpu_ranges.c), is stored atomically, and
+ * the CUDA runtime is thread-safe.  So each interpreter may have its own GIL.
+ *
+ * Free-threaded CPython: no Py_mod_gil slot, so importing the module there
+ * turns the GIL back on.  Safe without it: the GPU resources (per-device
+ * table rings, staging memory, events and streams), behind their lock, and
+ * the driver entry point.  Not guarded, relying on the GIL: the state's
+ * cache of per-type facts (slots recycled in turn) and its increment_version,
+ * and each PagedKVCache's scratch of the repeated-id check, which two threads
+ * writing one cache at once would share. */
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
     {0, NULL},
 };
 

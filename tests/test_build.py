@@ -280,3 +280,45 @@ def test_stubs_match_the_extension():
     result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "kvbm_ext"], capture_output=True, text=True,
                             timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+# One block of bytes through the buffer protocol (NumPy and torch do not load in an
+# interpreter with its own GIL): block -> universal, and a PagedKVCache ("btd", two blocks)
+# written from that universal.
+SUBINTERPRETER_CODE = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {root!r})
+    import kvbm_ext
+
+    chunk = memoryview(bytearray(range(8))).cast("B", (2, 1, 4))
+    universal = bytearray(8)
+    kvbm_ext.block_to_universal([[chunk]], [memoryview(universal).cast("B", (1, 1, 1, 2, 4))])
+    assert universal == bytearray(range(8)), universal
+    layer = bytearray(16)
+    cache = kvbm_ext.PagedKVCache([memoryview(layer).cast("B", (2, 2, 4))], "btd")
+    cache.from_universal([memoryview(universal).cast("B", (1, 1, 1, 2, 4))], [1])
+    assert layer == bytearray(8) + bytearray(range(8)), layer
+    """
+)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="subinterpreters with their own GIL need Python 3.12+")
+def test_imports_and_runs_in_a_subinterpreter_with_its_own_gil():
+    """The module declares per-interpreter GIL support (Py_mod_multiple_interpreters): an
+    isolated subinterpreter imports it and gets a module of its own that works, and this
+    interpreter's module is unaffected."""
+    interpreters = pytest.importorskip("test.support.interpreters")
+    code = SUBINTERPRETER_CODE.format(root=REPO_ROOT)
+    if sys.version_info >= (3, 13):
+        interp = interpreters.create()
+        run = interp.exec
+    else:
+        interp = interpreters.create(isolated=True)
+        run = interp.run
+    try:
+        run(code)
+        run(code)  # the module again, in the same interpreter
+    finally:
+        interp.close()
+    exec(code.replace("sys.path.insert(0", "sys.path.append("), {})
