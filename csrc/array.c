@@ -41,6 +41,15 @@ const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size)
     return buf;
 }
 
+int kv_check_itemsize(const kv_array *a, const kv_path *path)
+{
+    if (a->itemsize == 1 || a->itemsize == 2 || a->itemsize == 4 || a->itemsize == 8)
+        return 0;
+    char name[48];
+    return kv_path_error(PyExc_TypeError, path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
+                         kv_dtype_name(a->dtype, name, sizeof name), (long long)a->itemsize);
+}
+
 int kv_array_is_contiguous(const kv_array *a) { return kv_array_is_contiguous_from(a, 0); }
 
 int kv_array_is_contiguous_from(const kv_array *a, int first)

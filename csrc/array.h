@@ -117,6 +117,10 @@ int64_t kv_array_elements(const kv_array *a);
  * arrays along the leading dimensions). */
 int kv_array_is_contiguous_from(const kv_array *a, int first);
 
+/* The layout moves take elements of 1, 2, 4 or 8 bytes: 0, or -1 with
+ * TypeError naming `path`. */
+int kv_check_itemsize(const kv_array *a, const kv_path *path);
+
 /* A readable name for an element type, e.g. "bfloat16", "raw2". */
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size);
 

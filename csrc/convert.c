@@ -161,11 +161,8 @@ static int read_dimensions(kv_call *call)
         return kv_path_error(PyExc_ValueError, &path, "expected a %d-D %s array, got shape %s", call->flat_ndim,
                              is_universal ? "[nh, nl, no, nt, hd]" : "[nl, no, nt*nh*hd]", got);
     }
-    if (f->itemsize != 1 && f->itemsize != 2 && f->itemsize != 4 && f->itemsize != 8) {
-        char name[48];
-        return kv_path_error(PyExc_TypeError, &path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
-                             kv_dtype_name(f->dtype, name, sizeof name), (long long)f->itemsize);
-    }
+    if (kv_check_itemsize(f, &path) < 0)
+        return -1;
     if (kv_array_elements(f) == 0) {
         /* Nothing to move, and the extents may be anything: allocate and
          * multiply nothing by them. */

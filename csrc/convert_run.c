@@ -26,10 +26,7 @@ static int check_aliasing(const kv_call *call)
     PyMem_Free(spans);
     if (rc > 0) {
         const kv_path path = kv_call_path(call, first), other = kv_call_path(call, second);
-        char where[96];
-        kv_path_format(&other, where, sizeof where);
-        return kv_path_error(PyExc_ValueError, &path, "destination shares memory with %s; a destination may not "
-                             "overlap a source or another destination", where);
+        return kv_overlap_error(&path, &other);
     }
     return rc;
 }
@@ -237,7 +234,7 @@ int kv_convert_run(kv_call *call)
     for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
         on_gpu = call->arrays[i].place == KV_DEVICE;
     kv_target target;
-    kv_target_init(&target, call->stream, -1, NULL);
+    kv_target_init(&target, call->stream, -1, "the call runs");
     int rc = -1;
     if ((on_gpu && place_on_gpu(call, &target) < 0) || check_aliasing(call) < 0 || mark_written(call) < 0)
         goto done;

@@ -140,3 +140,11 @@ Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssiz
             return spans[k].index;
     return -1;
 }
+
+int kv_overlap_error(const kv_path *destination, const kv_path *other)
+{
+    char where[96];
+    kv_path_format(other, where, sizeof where);
+    return kv_path_error(PyExc_ValueError, destination, "destination shares memory with %s; a destination may not "
+                         "overlap a source or another destination", where);
+}

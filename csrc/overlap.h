@@ -36,4 +36,8 @@ int kv_sort_spans(kv_span *spans, Py_ssize_t count, uint64_t *reach);
  * `s`, or -1: a binary search. */
 Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssize_t count, const kv_span *s);
 
+/* Raises ValueError "destination: destination shares memory with other".
+ * Returns -1. */
+int kv_overlap_error(const kv_path *destination, const kv_path *other);
+
 #endif /* KVBM_OVERLAP_H */

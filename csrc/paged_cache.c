@@ -102,15 +102,13 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
 {
     const kv_array *a = &self->arrays[0];
     const kv_path path = kv_paged_layer_path(self, 0);
-    char name[48];
     if (kv_array_elements(a) == 0) {
         char shape[192];
         kv_format_shape(a->shape, a->ndim, shape, sizeof shape);
         return kv_path_error(PyExc_ValueError, &path, "has shape %s: a cache needs at least one element", shape);
     }
-    if (a->itemsize != 1 && a->itemsize != 2 && a->itemsize != 4 && a->itemsize != 8)
-        return kv_path_error(PyExc_TypeError, &path, "element type %s has %lld bytes; supported sizes are 1, 2, 4 and 8",
-                             kv_dtype_name(a->dtype, name, sizeof name), (long long)a->itemsize);
+    if (kv_check_itemsize(a, &path) < 0)
+        return -1;
     int64_t size[DIM_COUNT];
     for (int letter = 0; letter < DIM_COUNT; letter++) {
         const int d = position[letter];

@@ -272,15 +272,6 @@ static int read_flats(kv_paged_call *call, PyObject *obj)
     return rc;
 }
 
-/* Raises "destination shares memory with ..." naming two arguments. */
-static int overlap_error(const kv_path *destination, const kv_path *other)
-{
-    char where[96];
-    kv_path_format(other, where, sizeof where);
-    return kv_path_error(PyExc_ValueError, destination, "destination shares memory with %s; a destination may not "
-                         "overlap a source or another destination", where);
-}
-
 /* A destination sharing memory with a source or another destination is
  * refused: each flat block against the cache's arrays (sorted once, at
  * construction: a binary search a block), and the flat blocks against each
@@ -294,7 +285,7 @@ static int check_aliasing(const kv_paged_call *call)
         const Py_ssize_t hit = kv_span_overlaps(cache->spans, cache->reach, cache->narrays, &s);
         if (hit >= 0) {
             const kv_path flat = flat_path(call, i), layer = kv_paged_layer_path(cache, hit);
-            return to_flat ? overlap_error(&flat, &layer) : overlap_error(&layer, &flat);
+            return to_flat ? kv_overlap_error(&flat, &layer) : kv_overlap_error(&layer, &flat);
         }
     }
     if (!to_flat || call->nflats < 2)
@@ -312,7 +303,7 @@ static int check_aliasing(const kv_paged_call *call)
     if (rc <= 0)
         return rc;
     const kv_path a = flat_path(call, first), b = flat_path(call, second);
-    return overlap_error(&a, &b);
+    return kv_overlap_error(&a, &b);
 }
 
 /* from_*: the cache's layers are the destination.  A torch layer is

@@ -16,7 +16,8 @@ typedef struct {
     Py_ssize_t capacity;
     int pinned;          /* pinned host memory takes part */
     /* What fixed the device, named in errors about other arrays: a phrase
-     * ("the cache is"), or, when NULL, the array at `first`. */
+     * ("the cache is", "the call runs"), or, when NULL, the array at
+     * `first`. */
     const char *owner;
     kv_path first;
 } kv_target;
