@@ -71,6 +71,7 @@ kv_route kv_route_move(kv_backend backend, int pinned, const char *unstageable, 
         route.why = unstageable;
     else {
         route.staged = 1;
+        route.ctas = num_ctas; /* 0: the staging's defaults (gpu.h) */
         route.why = backend == KV_BACKEND_AUTO ? "auto: pinned host memory takes part" : "requested";
     }
     return route;
@@ -80,9 +81,12 @@ void kv_debug_move(const char *function, const kv_route *route, const kv_gpu_rep
 {
     if (!kv_debug_enabled())
         return;
-    char ctas[32];
+    char ctas[80];
     if (report->ctas == 0)
         snprintf(ctas, sizeof ctas, "every CTA it needs");
+    else if (report->staged && report->edge_ctas != report->ctas)
+        snprintf(ctas, sizeof ctas, "at most %u CTAs, %u for the piece no copy overlaps", report->ctas,
+                 report->edge_ctas);
     else
         snprintf(ctas, sizeof ctas, "at most %u CTAs", report->ctas);
     if (report->staged) {

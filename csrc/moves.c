@@ -23,6 +23,8 @@ static int run_move(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const kv_st
         if (rc <= 0)
             return rc;
     }
+    if (staged != NULL && max_ctas == 0)
+        max_ctas = KV_PINNED_CTAS; /* pinned memory read directly: the default bound */
     report->staged = 0;
     report->ctas = max_ctas;
     return kv_launch_with_table(ring, stream, table, entries, whole_launch, args, what, f);
