@@ -22,14 +22,15 @@
  * that last served another stream first waits for that call to finish with
  * the slots.
  *
- * What a call costs beyond its copies, measured on the H200 (nb = 1, trace
- * of back-to-back calls): the hand-off from a copy engine to the permute
- * stream (the previous call's last copy to this call's first permute, or an
- * onload's last copy to its last permute) about 6 to 9 us, from a permute
- * to the copy engine 2 to 4 us, a piece's copy after the previous one 1.3
- * to 2.6 us against about 1 us between plain memcpys, and the permute of
- * the one piece no copy overlaps.  That piece runs on KV_PINNED_EDGE_CTAS
- * when the call leaves num_ctas to the default.
+ * What a call costs beyond its copies, measured on the H200: in a trace of
+ * back-to-back calls at nb = 1, a permute that follows a copy (the previous
+ * call's last copy and this call's first permute, or an onload's last copy
+ * and its last permute) started 6 to 9 us after the copy ended, a copy that
+ * follows a permute 2 to 4 us after it, and a piece's copy 1.3 to 2.6 us
+ * after the previous piece's, against about 1 us between plain memcpys
+ * (benchmarks/probes/copy_engine_handoffs.cu times the bare hand-offs).  To
+ * that adds the permute of the one piece no copy overlaps, which therefore
+ * runs on KV_PINNED_EDGE_CTAS when the call leaves num_ctas to the default.
  *
  * Calls made while the caller's stream is captured into a CUDA graph use a
  * separate capture lane, which reserve_staging() allocates (nothing may be
