@@ -303,13 +303,13 @@ SUBINTERPRETER_CODE = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="subinterpreters with their own GIL need Python 3.12+")
-def test_imports_and_runs_in_a_subinterpreter_with_its_own_gil():
-    """The module declares per-interpreter GIL support (Py_mod_multiple_interpreters): an
-    isolated subinterpreter imports it and gets a module of its own that works, and this
-    interpreter's module is unaffected."""
-    interpreters = pytest.importorskip("test.support.interpreters")
-    code = SUBINTERPRETER_CODE.format(root=REPO_ROOT)
+# Runs SUBINTERPRETER_CODE twice in an isolated subinterpreter, then in the main one.
+SUBINTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from test.support import interpreters
+
+    code = {code!r}
     if sys.version_info >= (3, 13):
         interp = interpreters.create()
         run = interp.exec
@@ -321,4 +321,20 @@ def test_imports_and_runs_in_a_subinterpreter_with_its_own_gil():
         run(code)  # the module again, in the same interpreter
     finally:
         interp.close()
-    exec(code.replace("sys.path.insert(0", "sys.path.append("), {})
+    exec(code, {{}})
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="subinterpreters with their own GIL need Python 3.12+")
+def test_imports_and_runs_in_a_subinterpreter_with_its_own_gil():
+    """The module declares per-interpreter GIL support (Py_mod_multiple_interpreters): an
+    isolated subinterpreter imports it and gets a module of its own that works, and the
+    main interpreter's module is unaffected.  In a fresh process: once a subinterpreter
+    has run, PyGILState_Check() misleads the rest of the process (torch 2.11's autograd
+    then refuses to run, "called while holding the GIL", in later tests)."""
+    pytest.importorskip("test.support.interpreters")
+    script = SUBINTERPRETER_SCRIPT.format(code=SUBINTERPRETER_CODE.format(root=REPO_ROOT))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
