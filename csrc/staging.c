@@ -15,7 +15,9 @@
  * The copies run on the caller's stream itself, back to back: the engines
  * see one queue of copies, as for a plain memcpy, and the call needs no
  * join for an offload (its last copy is the caller's) nor a fork for an
- * onload (its first copy is).  A call takes the lane its stream used last,
+ * onload (its first copy is).  On the legacy default stream, which
+ * cudaMemcpyBatchAsync refuses, they run on the lane's copy stream instead,
+ * forked from and joined back to the caller's.  A call takes the lane its stream used last,
  * else an idle one, else the least recently used, so calls on different
  * streams do not share slots; the call returns at once, and work queued on
  * the caller's stream afterwards sees the finished bytes.  A call on a lane
@@ -60,7 +62,8 @@ typedef struct {
     char *base;
     size_t bytes;
     cudaStream_t permute;
-    cudaEvent_t handoff;    /* an offload's start on the caller's stream, an onload's last permute */
+    cudaStream_t copy;      /* the copies of a call on the legacy default stream */
+    cudaEvent_t handoff;    /* the caller's stream at the start, an onload's last permute */
     cudaEvent_t done;       /* the end of the lane's last call */
     cudaEvent_t ready[KV_LANE_SLOTS]; /* a slot's first stage done */
     cudaEvent_t freed[KV_LANE_SLOTS]; /* a slot's second stage done: it may be written again */
@@ -101,6 +104,8 @@ static void lane_destroy(kv_lane *lane)
     }
     if (lane->permute != NULL)
         cudaStreamDestroy(lane->permute);
+    if (lane->copy != NULL)
+        cudaStreamDestroy(lane->copy);
     memset(lane, 0, sizeof *lane);
 }
 
@@ -113,6 +118,7 @@ static int lane_create(kv_lane *lane, char *base, size_t bytes, kv_failure *f)
     CUDA_STEP(f, cudaDeviceGetStreamPriorityRange(&least, &greatest), "reading the stream priorities");
     CUDA_STEP(f, cudaStreamCreateWithPriority(&lane->permute, cudaStreamNonBlocking, greatest),
               "creating a staging permute stream");
+    CUDA_STEP(f, cudaStreamCreateWithFlags(&lane->copy, cudaStreamNonBlocking), "creating a staging copy stream");
     cudaEvent_t *events[] = {&lane->handoff, &lane->done};
     for (int i = 0; i < 2; i++)
         CUDA_STEP(f, cudaEventCreateWithFlags(events[i], cudaEventDisableTiming), "creating a staging event");
@@ -312,12 +318,18 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
                           size_t slot_bytes, int nslots, kv_box_launch launch, const void *ctx, uint32_t ctas,
                           uint32_t edge_ctas, int capturing, kv_failure *f)
 {
-    if (s->to_host) {
-        /* The permutes follow the work queued on the caller's stream before
-         * the call (an onload's follow its copies, which do). */
-        CUDA_STEP(f, cudaEventRecord(lane->handoff, caller), "forking the staging stream");
-        CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->handoff, 0), "forking the staging stream");
-    }
+    /* The stream the copies run on (see the top of this file). */
+    const int legacy = caller == NULL || caller == cudaStreamLegacy;
+    const cudaStream_t copies = legacy && !capturing ? lane->copy : caller;
+    /* The permutes of an offload, and the copies on the lane's copy stream,
+     * follow the work queued on the caller's stream before the call (an
+     * onload's permutes follow its copies). */
+    if (s->to_host || copies != caller)
+        CUDA_STEP(f, cudaEventRecord(lane->handoff, caller), "forking the staging streams");
+    if (s->to_host)
+        CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->handoff, 0), "forking the staging streams");
+    if (copies != caller)
+        CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->handoff, 0), "forking the staging streams");
     for (int64_t k = 0; k < count; k++) {
         const kv_box *box = &st->boxes[s->to_host ? k : count - 1 - k];
         const int slot = (int)(k % nslots);
@@ -331,28 +343,30 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
             CUDA_STEP(f, launch(ctx, box, memory, edge ? edge_ctas : ctas, lane->permute),
                       "launching the staging permute");
             CUDA_STEP(f, cudaEventRecord(lane->ready[slot], lane->permute), "recording a staged piece");
-            CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->ready[slot], 0), "ordering a staged piece");
-            if (copy_runs(st, caller, runs, memory, s, capturing, f) < 0)
+            CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->ready[slot], 0), "ordering a staged piece");
+            if (copy_runs(st, copies, runs, memory, s, capturing, f) < 0)
                 return -1;
             if (k + nslots < count)
-                CUDA_STEP(f, cudaEventRecord(lane->freed[slot], caller), "recording a free staging slot");
+                CUDA_STEP(f, cudaEventRecord(lane->freed[slot], copies), "recording a free staging slot");
             continue;
         }
         if (k >= nslots)
-            CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->freed[slot], 0), "waiting for a free staging slot");
-        if (copy_runs(st, caller, runs, memory, s, capturing, f) < 0)
+            CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->freed[slot], 0), "waiting for a free staging slot");
+        if (copy_runs(st, copies, runs, memory, s, capturing, f) < 0)
             return -1;
-        CUDA_STEP(f, cudaEventRecord(lane->ready[slot], caller), "recording a staged piece");
+        CUDA_STEP(f, cudaEventRecord(lane->ready[slot], copies), "recording a staged piece");
         CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->ready[slot], 0), "ordering a staged piece");
         CUDA_STEP(f, launch(ctx, box, memory, edge ? edge_ctas : ctas, lane->permute),
                   "launching the staging permute");
         if (k + nslots < count)
             CUDA_STEP(f, cudaEventRecord(lane->freed[slot], lane->permute), "recording a free staging slot");
     }
-    if (!s->to_host) {
-        /* An onload ends with its last permute: join it back. */
-        CUDA_STEP(f, cudaEventRecord(lane->handoff, lane->permute), "joining the staging stream");
-        CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->handoff, 0), "joining the staging stream");
+    /* Join back the stream the call ends on: an onload's last permute, an
+     * offload's last copy when it ran on the lane's copy stream. */
+    const cudaStream_t last = s->to_host ? copies : lane->permute;
+    if (last != caller) {
+        CUDA_STEP(f, cudaEventRecord(lane->handoff, last), "joining the staging streams");
+        CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->handoff, 0), "joining the staging streams");
     }
     CUDA_STEP(f, cudaEventRecord(lane->done, caller), "marking the end of a staged call");
     return 0;
