@@ -330,21 +330,22 @@ static int mark_layers_written(const kv_paged_call *call)
     return rc;
 }
 
-PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs, const kv_paged_form *form)
+PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                            const kv_paged_form *form)
 {
-    static char *universal_keywords[] = {"", "", "layers", "layer_offset", "heads", "head_offset", "backend",
-                                         "num_ctas", "stream", NULL};
-    static char *operational_keywords[] = {"", "", "inner", "layers", "backend", "num_ctas", "stream", NULL};
-    PyObject *first, *second, *layers = NULL, *layer_offset = NULL, *heads = NULL, *head_offset = NULL;
-    PyObject *num_ctas = NULL;
-    PyObject *inner = NULL, *backend = NULL, *stream = Py_None;
-    const int parsed = form->universal
-        ? PyArg_ParseTupleAndKeywords(args, kwargs, form->format, universal_keywords, &first, &second, &layers,
-                                      &layer_offset, &heads, &head_offset, &backend, &num_ctas, &stream)
-        : PyArg_ParseTupleAndKeywords(args, kwargs, form->format, operational_keywords, &first, &second, &inner,
-                                      &layers, &backend, &num_ctas, &stream);
-    if (!parsed)
+    PyObject *v[9];
+    if (kv_parse_arguments(&form->signature, args, nargs, kwnames, v) < 0)
         return NULL;
+    /* The options after the two positional arguments, in each form's order. */
+    PyObject *const *o = v + 2;
+    PyObject *first = v[0], *second = v[1];
+    PyObject *layers = form->universal ? o[0] : o[1], *layer_offset = form->universal ? o[1] : NULL;
+    PyObject *heads = form->universal ? o[2] : NULL, *head_offset = form->universal ? o[3] : NULL;
+    PyObject *inner = form->universal ? NULL : o[0];
+    PyObject *backend = o[form->universal ? 4 : 2], *num_ctas = o[form->universal ? 5 : 3];
+    PyObject *stream = o[form->universal ? 6 : 4];
+    if (stream == NULL)
+        stream = Py_None;
     kv_paged_call call;
     memset(&call, 0, sizeof call);
     call.cache = self;

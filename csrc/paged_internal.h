@@ -8,6 +8,7 @@
 #include "paged.h"
 
 #include "address_list.h"
+#include "args.h"
 #include "copy.h"
 #include "overlap.h"
 #include "target.h"
@@ -44,14 +45,15 @@ void kv_paged_dealloc(kv_paged_cache *self);
 
 /* What distinguishes the four methods. */
 typedef struct {
-    const char *format; /* PyArg format, with the method's name */
+    kv_signature signature; /* its parameters (kv_parse_arguments) */
     const char *name;   /* for the debug log */
     int to_flat;        /* the cache is read and the flat blocks written */
     int universal;      /* universal blocks; else operational */
 } kv_paged_form;
 
 /* paged_call.c: one call of a method (`form`). */
-PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *args, PyObject *kwargs, const kv_paged_form *form);
+PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                            const kv_paged_form *form);
 
 /* Which of the cache's layers or heads a call moves: count of them, from
  * first, step apart (negative steps run backwards). */

@@ -4,11 +4,22 @@
 
 #include <stddef.h>
 
-#define DEFINE_TRANSFER(name, format, to_flat, universal)                                                              \
-    static PyObject *name(kv_paged_cache *self, PyObject *args, PyObject *kwargs)                                      \
+/* The parameters of the four methods: two positional-only, the options
+ * keyword-only. */
+static const char *const TO_UNIVERSAL[] = {"block_ids", "universals", "layers", "layer_offset", "heads",
+                                           "head_offset", "backend", "num_ctas", "stream", NULL};
+static const char *const FROM_UNIVERSAL[] = {"universals", "block_ids", "layers", "layer_offset", "heads",
+                                             "head_offset", "backend", "num_ctas", "stream", NULL};
+static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "inner", "layers", "backend", "num_ctas",
+                                             "stream", NULL};
+static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "inner", "layers", "backend",
+                                               "num_ctas", "stream", NULL};
+
+#define DEFINE_TRANSFER(name, names, to_flat, universal)                                                               \
+    static PyObject *name(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)           \
     {                                                                                                                  \
-        static const kv_paged_form form = {format, "PagedKVCache." #name, to_flat, universal};                       \
-        return kv_paged_transfer(self, args, kwargs, &form);                                                           \
+        static const kv_paged_form form = {{#name, names, 2, 2, 2}, "PagedKVCache." #name, to_flat, universal};      \
+        return kv_paged_transfer(self, args, nargs, kwnames, &form);                                                   \
     }
 
 #define COMMON_DOC                                                                                                     \
@@ -65,13 +76,13 @@ PyDoc_STRVAR(to_universal_doc,
              "Copy cache blocks into universal blocks:\n"
              "universals[b][head_offset + j, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, heads[j])\n"
              "for every layer l in `layers` and every j < len(heads).\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_universal, "OO|$OOOOOOO:to_universal", 1, 1)
+DEFINE_TRANSFER(to_universal, TO_UNIVERSAL, 1, 1)
 
 PyDoc_STRVAR(from_universal_doc,
              "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, heads=None, "
              "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(from_universal, "OO|$OOOOOOO:from_universal", 0, 1)
+DEFINE_TRANSFER(from_universal, FROM_UNIVERSAL, 0, 1)
 
 PyDoc_STRVAR(to_operational_doc,
              "to_operational($self, block_ids, operationals, /, *, inner='NHD', layers=None, backend='auto', "
@@ -79,22 +90,22 @@ PyDoc_STRVAR(to_operational_doc,
              "Copy cache blocks into operational blocks:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
              "for inner \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_operational, "OO|$OOOOO:to_operational", 1, 0)
+DEFINE_TRANSFER(to_operational, TO_OPERATIONAL, 1, 0)
 
 PyDoc_STRVAR(from_operational_doc,
              "from_operational($self, operationals, block_ids, /, *, inner='NHD', layers=None, backend='auto', "
              "num_ctas=None, stream=None)\n--\n\n"
              "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
              COMMON_DOC);
-DEFINE_TRANSFER(from_operational, "OO|$OOOOO:from_operational", 0, 0)
+DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)
 
 static PyMethodDef paged_methods[] = {
-    {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_VARARGS | METH_KEYWORDS, to_universal_doc},
-    {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_VARARGS | METH_KEYWORDS,
+    {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_FASTCALL | METH_KEYWORDS, to_universal_doc},
+    {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_FASTCALL | METH_KEYWORDS,
      from_universal_doc},
-    {"to_operational", (PyCFunction)(void (*)(void))to_operational, METH_VARARGS | METH_KEYWORDS,
+    {"to_operational", (PyCFunction)(void (*)(void))to_operational, METH_FASTCALL | METH_KEYWORDS,
      to_operational_doc},
-    {"from_operational", (PyCFunction)(void (*)(void))from_operational, METH_VARARGS | METH_KEYWORDS,
+    {"from_operational", (PyCFunction)(void (*)(void))from_operational, METH_FASTCALL | METH_KEYWORDS,
      from_operational_doc},
     {NULL, NULL, 0, NULL},
 };
