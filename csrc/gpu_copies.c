@@ -123,7 +123,7 @@ static cudaError_t enqueue_batch(kv_ring *ring, cudaStream_t stream, const kv_pa
     error = cudaSuccess;
     if (n == 0)
         goto done;
-    const int on_default = (intptr_t)stream == 0 || (intptr_t)stream == 1 || (intptr_t)stream == 2;
+    const int on_default = kv_is_default_stream(stream);
     cudaStream_t run = on_default ? ring->batch_stream : stream;
     if (on_default) {
         if ((error = cudaEventRecord(ring->batch_start, stream)) != cudaSuccess

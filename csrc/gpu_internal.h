@@ -71,6 +71,14 @@ typedef struct {
         }                                                                                          \
     } while (0)
 
+/* Whether `stream` is a default stream (the legacy one, 0 or 1, or the
+ * per-thread one, 2), which cudaMemcpyBatchAsync rejects. */
+static inline int kv_is_default_stream(cudaStream_t stream)
+{
+    const intptr_t handle = (intptr_t)stream;
+    return handle == 0 || handle == 1 || handle == 2;
+}
+
 /* Raises RuntimeError naming the failed step (GIL held). */
 void kv_raise_failure(const kv_failure *f);
 

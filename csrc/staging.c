@@ -15,14 +15,14 @@
  * The copies run on the caller's stream itself, back to back: the engines
  * see one queue of copies, as for a plain memcpy, and the call needs no
  * join for an offload (its last copy is the caller's) nor a fork for an
- * onload (its first copy is).  On the legacy default stream, which
+ * onload (its first copy is).  On a default stream, which
  * cudaMemcpyBatchAsync refuses, they run on the lane's copy stream instead,
- * forked from and joined back to the caller's.  A call takes the lane its stream used last,
- * else an idle one, else the least recently used, so calls on different
- * streams do not share slots; the call returns at once, and work queued on
- * the caller's stream afterwards sees the finished bytes.  A call on a lane
- * that last served another stream first waits for that call to finish with
- * the slots.
+ * forked from and joined back to the caller's.  A call takes the lane its
+ * stream used last, else an idle one, else the least recently used, so
+ * calls on different streams do not share slots; the call returns at once,
+ * and work queued on the caller's stream afterwards sees the finished
+ * bytes.  A call on a lane that last served another stream first waits for
+ * that call to finish with the slots.
  *
  * What a call costs beyond its copies, measured on the H200: in a trace of
  * back-to-back calls at nb = 1, a permute that follows a copy (the previous
@@ -62,7 +62,7 @@ typedef struct {
     char *base;
     size_t bytes;
     cudaStream_t permute;
-    cudaStream_t copy;      /* the copies of a call on the legacy default stream */
+    cudaStream_t copy;      /* the copies of a call on a default stream */
     cudaEvent_t handoff;    /* the caller's stream at the start, an onload's last permute */
     cudaEvent_t done;       /* the end of the lane's last call */
     cudaEvent_t ready[KV_LANE_SLOTS]; /* a slot's first stage done */
@@ -319,8 +319,7 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
                           uint32_t edge_ctas, int capturing, kv_failure *f)
 {
     /* The stream the copies run on (see the top of this file). */
-    const int legacy = caller == NULL || caller == cudaStreamLegacy;
-    const cudaStream_t copies = legacy && !capturing ? lane->copy : caller;
+    const cudaStream_t copies = kv_is_default_stream(caller) && !capturing ? lane->copy : caller;
     /* The permutes of an offload, and the copies on the lane's copy stream,
      * follow the work queued on the caller's stream before the call (an
      * onload's permutes follow its copies). */
