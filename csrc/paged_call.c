@@ -336,14 +336,18 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *v[9];
     if (kv_parse_arguments(&form->signature, args, nargs, kwnames, v) < 0)
         return NULL;
-    /* The options after the two positional arguments, in each form's order. */
-    PyObject *const *o = v + 2;
-    PyObject *first = v[0], *second = v[1];
-    PyObject *layers = form->universal ? o[0] : o[1], *layer_offset = form->universal ? o[1] : NULL;
-    PyObject *heads = form->universal ? o[2] : NULL, *head_offset = form->universal ? o[3] : NULL;
-    PyObject *inner = form->universal ? NULL : o[0];
-    PyObject *backend = o[form->universal ? 4 : 2], *num_ctas = o[form->universal ? 5 : 3];
-    PyObject *stream = o[form->universal ? 6 : 4];
+    /* The options after the two positional arguments, in each form's order
+     * (paged_type.c); those a form lacks stay NULL. */
+    PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *inner = NULL;
+    PyObject *layers, *backend, *num_ctas, *stream;
+    if (form->universal) {
+        layers = v[2], layer_offset = v[3], heads = v[4], head_offset = v[5];
+        backend = v[6], num_ctas = v[7], stream = v[8];
+    }
+    else {
+        inner = v[2], layers = v[3];
+        backend = v[4], num_ctas = v[5], stream = v[6];
+    }
     if (stream == NULL)
         stream = Py_None;
     kv_paged_call call;
