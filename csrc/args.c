@@ -4,18 +4,23 @@
 #include <stdio.h>
 #include <string.h>
 
+/* The names a name argument takes, for its errors: "a", "b" or "c". */
+static void format_names(const char *const *names, int count, char *valid, size_t size)
+{
+    size_t n = 0;
+    for (int i = 0; i < count && n < size; i++)
+        n += (size_t)snprintf(valid + n, size - n, "%s\"%s\"", i == 0 ? "" : i == count - 1 ? " or " : ", ", names[i]);
+}
+
 int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, int fallback, int *out)
 {
-    char valid[160];
-    size_t n = 0;
-    for (int i = 0; i < count && n < sizeof valid; i++)
-        n += (size_t)snprintf(valid + n, sizeof valid - n, "%s\"%s\"", i == 0 ? "" : i == count - 1 ? " or " : ", ",
-                              names[i]);
     if (value == NULL) {
         *out = fallback;
         return 0;
     }
+    char valid[160];
     if (!PyUnicode_Check(value)) {
+        format_names(names, count, valid, sizeof valid);
         PyErr_Format(PyExc_TypeError, "%s: expected a str (%s), got %s", argument, valid, Py_TYPE(value)->tp_name);
         return -1;
     }
@@ -31,6 +36,7 @@ int kv_parse_name(PyObject *value, const char *argument, const char *const *name
             }
         }
     }
+    format_names(names, count, valid, sizeof valid);
     PyErr_Format(PyExc_ValueError, "%s: expected %s (any case), got %R", argument, valid, value);
     return -1;
 }

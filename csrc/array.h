@@ -89,14 +89,22 @@ void kv_array_block(const kv_array *stack, int64_t b, kv_array *out);
  * the write.  Returns 0, or -1 with an exception. */
 int kv_arrays_written(kv_protocols *protocols, const kv_array *arrays, Py_ssize_t count);
 
-/* For an array read earlier and written now (PagedKVCache's layers, which
- * from_universal and from_operational write): what kv_array_read checks of
- * a destination that may have changed since (torch: requires_grad), asked
- * of `obj` as given (the detached alias kv_array_keep reads never requires
- * grad).  Returns 1 for a torch tensor, which kv_torch_written must be
- * given before the write, 0 for another array, or -1 with an exception
- * naming `path`. */
-int kv_torch_destination(kv_protocols *protocols, PyObject *obj, const kv_path *path);
+/* For an array kept to be written later (PagedKVCache's layers): the
+ * tensor whose version counter a write of obj's memory must bump, as a new
+ * reference.  A torch view shares its base's counter, so that is the base
+ * (layers that are views of one buffer then need one bump, not one each);
+ * another torch tensor is its own.  Py_None where there is nothing to tell
+ * torch: another framework's array, or an inference tensor, which has no
+ * counter and which autograd can never have saved, so that no write of it
+ * can change a gradient.  NULL with an exception. */
+PyObject *kv_torch_counter_owner(kv_protocols *protocols, PyObject *obj);
+
+/* For a torch tensor kept and written now (a layer whose counter owner is
+ * not None): what kv_array_read checks of a destination that may have
+ * changed since, requires_grad, asked of `obj` as given (the detached alias
+ * kv_array_keep reads never requires grad).  Returns 0, or -1 with an
+ * exception naming `path`. */
+int kv_torch_check_destination(const kv_protocols *protocols, PyObject *obj, const kv_path *path);
 
 /* Bumps the version counters of the torch tensors `tensors` holds (a
  * sequence), as kv_arrays_written does.  Returns 0, or -1 with an

@@ -10,6 +10,7 @@
  */
 #include "paged_internal.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "args.h"
@@ -188,6 +189,48 @@ static int check_layer_letter(PyObject *dims, int single, const int position[DIM
     return 0;
 }
 
+static int compare_addresses(const void *a, const void *b)
+{
+    const uintptr_t x = (uintptr_t)*(PyObject *const *)a, y = (uintptr_t)*(PyObject *const *)b;
+    return (x > y) - (x < y);
+}
+
+/* The version counters from_* must bump: self->counters, one entry per
+ * array, and self->distinct_counters, each owner once (NULL when there is
+ * none), so that a call writing every layer bumps each counter once. */
+static int find_counters(kv_paged_cache *self, kv_protocols *p)
+{
+    PyObject *seq = PyTuple_Check(self->layers) ? self->layers : NULL;
+    if ((self->counters = PyTuple_New(self->narrays)) == NULL)
+        return -1;
+    PyObject **owners = PyMem_Malloc((size_t)self->narrays * sizeof *owners);
+    if (owners == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < self->narrays; i++) {
+        PyObject *owner = kv_torch_counter_owner(p, seq != NULL ? PyTuple_GET_ITEM(seq, i) : self->layers);
+        if (owner == NULL) {
+            PyMem_Free(owners);
+            return -1;
+        }
+        PyTuple_SET_ITEM(self->counters, i, owner);
+        if (owner != Py_None)
+            owners[n++] = owner;
+    }
+    qsort(owners, (size_t)n, sizeof *owners, compare_addresses);
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (distinct == 0 || owners[distinct - 1] != owners[i])
+            owners[distinct++] = owners[i];
+    if (distinct > 0 && (self->distinct_counters = PyTuple_New(distinct)) != NULL)
+        for (Py_ssize_t i = 0; i < distinct; i++)
+            PyTuple_SET_ITEM(self->distinct_counters, i, Py_NewRef(owners[i]));
+    PyMem_Free(owners);
+    return distinct > 0 && self->distinct_counters == NULL ? -1 : 0;
+}
+
 static int describe(kv_paged_cache *self, kv_state *state)
 {
     int position[DIM_COUNT];
@@ -242,7 +285,7 @@ static int describe(kv_paged_cache *self, kv_state *state)
     self->device = first->place == KV_DEVICE ? first->device_id : -1;
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
-    if (read_geometry(self, position) < 0)
+    if (read_geometry(self, position) < 0 || find_counters(self, &state->protocols) < 0)
         return -1;
     return build_tables(self);
 }
@@ -272,6 +315,8 @@ int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->layers);
     Py_VISIT(self->dims);
+    Py_VISIT(self->counters);
+    Py_VISIT(self->distinct_counters);
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         Py_VISIT(self->arrays[i].owner);
     return 0;
@@ -284,6 +329,8 @@ int kv_paged_clear(kv_paged_cache *self)
     self->narrays = 0;
     Py_CLEAR(self->layers);
     Py_CLEAR(self->dims);
+    Py_CLEAR(self->counters);
+    Py_CLEAR(self->distinct_counters);
     return 0;
 }
 

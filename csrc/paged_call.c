@@ -306,27 +306,38 @@ static int check_aliasing(const kv_paged_call *call)
     return kv_overlap_error(&a, &b);
 }
 
-/* from_*: the cache's layers are the destination.  A torch layer is
- * checked as a destination now (requires_grad may have been set since
- * construction), and the version counters of the torch layers are bumped,
- * as the list API does for its destinations (kv_arrays_written). */
+/* from_*: the cache's layers are the destination.  Each torch layer the
+ * call writes is checked as a destination now (requires_grad may have been
+ * set since construction), and their version counters are bumped, as the
+ * list API does for its destinations (kv_arrays_written): all distinct
+ * counters at once when every layer is written, else those of the layers
+ * selected.  Inference tensors need neither (kv_torch_counter_owner). */
 static int mark_layers_written(const kv_paged_call *call)
 {
     const kv_paged_cache *cache = call->cache;
     kv_protocols *p = &call->state->protocols;
-    PyObject *tensors = NULL;
+    /* One array holds every layer, or array i is layer i. */
+    const kv_selection *layers = &call->options.layers;
+    const int every = cache->narrays == 1 || layers->count == cache->narrays;
+    const Py_ssize_t count = cache->narrays == 1 ? 1 : (Py_ssize_t)layers->count;
+    PyObject *bump = NULL;
+    if (!every && cache->distinct_counters != NULL && (bump = PyList_New(0)) == NULL)
+        return -1;
     int rc = 0;
-    for (Py_ssize_t i = 0; rc == 0 && i < cache->narrays; i++) {
-        /* The layers as given: a tuple of them, or the one array. */
+    for (Py_ssize_t k = 0; rc == 0 && k < count; k++) {
+        const Py_ssize_t i = cache->narrays == 1 ? 0 : (Py_ssize_t)(layers->first + k * layers->step);
         PyObject *layer = PyTuple_Check(cache->layers) ? PyTuple_GET_ITEM(cache->layers, i) : cache->layers;
+        PyObject *owner = PyTuple_GET_ITEM(cache->counters, i);
+        if (owner == Py_None)
+            continue;
         const kv_path path = kv_paged_layer_path(cache, i);
-        rc = kv_torch_destination(p, layer, &path);
-        if (rc > 0)
-            rc = (tensors != NULL || (tensors = PyList_New(0)) != NULL) ? PyList_Append(tensors, layer) : -1;
+        rc = kv_torch_check_destination(p, layer, &path);
+        if (rc == 0 && bump != NULL)
+            rc = PyList_Append(bump, owner);
     }
-    if (rc == 0 && tensors != NULL)
-        rc = kv_torch_written(p, tensors);
-    Py_XDECREF(tensors);
+    if (rc == 0 && (bump != NULL || (every && cache->distinct_counters != NULL)))
+        rc = kv_torch_written(p, bump != NULL ? bump : cache->distinct_counters);
+    Py_XDECREF(bump);
     return rc;
 }
 

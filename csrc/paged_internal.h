@@ -22,6 +22,9 @@ typedef struct {
     PyObject *dims;    /* the dims string */
     kv_array *arrays;  /* borrowed for the cache's life */
     Py_ssize_t narrays;
+    /* Whose version counters from_* bumps (kv_torch_counter_owner): per
+     * array (None for none), and the distinct ones (NULL when none). */
+    PyObject *counters, *distinct_counters;
     int64_t nl, no, nh, nt, hd, num_blocks, itemsize;
     kv_dtype dtype;
     int device;        /* the CUDA device, or -1 for host memory */

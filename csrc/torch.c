@@ -21,9 +21,7 @@ static int torch_flag(const kv_protocols *p, PyObject *obj, PyObject *flag)
  * by torch's own operations), and a tensor that requires grad cannot be
  * written behind autograd's back (torch refuses in-place writes to such a
  * leaf; on a non-leaf the graph would silently use the new values). */
-/* A destination that requires grad is refused: 0, or -1 with an
- * exception naming `path`. */
-static int check_destination(const kv_protocols *p, PyObject *obj, const kv_path *path)
+int kv_torch_check_destination(const kv_protocols *p, PyObject *obj, const kv_path *path)
 {
     const int set = torch_flag(p, obj, NULL);
     if (set == 0)
@@ -48,20 +46,28 @@ int kv_check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *fa
                                        "pass x.resolve_neg()");
     if (!write)
         return 0;
-    if (check_destination(p, obj, path) < 0)
+    if (kv_torch_check_destination(p, obj, path) < 0)
         return -1;
     out->torch_written = 1;
     return 0;
 }
 
-int kv_torch_destination(kv_protocols *p, PyObject *obj, const kv_path *path)
+PyObject *kv_torch_counter_owner(kv_protocols *p, PyObject *obj)
 {
     kv_type_facts facts = kv_type_facts_of(p, Py_TYPE(obj));
     const int torch = facts.is_neg != NULL;
     kv_type_facts_release(&facts);
     if (!torch)
-        return 0;
-    return check_destination(p, obj, path) < 0 ? -1 : 1;
+        return Py_NewRef(Py_None);
+    PyObject *inference = PyObject_CallMethodNoArgs(obj, p->names[KV_NAME_IS_INFERENCE]);
+    const int no_counter = inference == NULL ? -1 : PyObject_IsTrue(inference);
+    Py_XDECREF(inference);
+    if (no_counter != 0)
+        return no_counter < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *base = PyObject_GetAttr(obj, p->names[KV_NAME_BASE]);
+    if (base == Py_None)
+        Py_SETREF(base, Py_NewRef(obj));
+    return base;
 }
 
 /* torch.autograd.graph.increment_version, found once; None when this torch

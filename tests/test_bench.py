@@ -234,6 +234,19 @@ def test_beside_without_a_gpu_says_so(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_host_time_without_a_gpu_says_so(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: host_time.py would run")
+    script = os.path.join(BENCH, "host_time.py")
+    run = subprocess.run([sys.executable, script, "--build", f"here={REPO_ROOT}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "no GPU, nothing to measure" in run.stdout, run.stdout + run.stderr
+    assert os.listdir(tmp_path) == []
+    run = subprocess.run([sys.executable, script, "--build", "nolabel"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--build: expected LABEL=ROOT" in run.stderr, run.stderr
+
+
 def test_kvbench_help():
     run = subprocess.run([sys.executable, KVBENCH, "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0

@@ -678,6 +678,55 @@ def test_paged_write_makes_autograd_notice_an_overwritten_saved_layer(gen):
         loss.backward()
 
 
+@pytest.mark.parametrize("layout", ["kbthd", "kbthd_shared", "lkbthd"])
+def test_paged_write_bumps_each_version_counter_once(layout, gen):
+    """A write of every layer bumps each distinct counter once: separate layer tensors one
+    each, views of one allocation (which share their base's counter) one in all, not one per
+    layer."""
+    case, layers = paged_case(layout, gen, torch.bfloat16)
+    cache = case.build()
+    owners = case.buf.bases
+    before = [t._version for t in layers] + [b._version for b in owners]
+    cache.from_universal(paged_other(case, "from_universal", gen).arg, PAGED_IDS)
+    after = [t._version for t in layers] + [b._version for b in owners]
+    assert [a - b for a, b in zip(after, before)] == [1] * len(after)
+
+
+def test_paged_write_checks_and_bumps_only_the_layers_it_writes(gen):
+    """layers= selects what from_* writes, and so what it checks and bumps: a layer left out
+    may require grad and keeps its version; selecting it is refused, with nothing written."""
+    case, layers = paged_case("kbthd", gen, torch.bfloat16)
+    cache = case.build()
+    layers[2].requires_grad_()
+    universals = block_buffers("list", len(PAGED_IDS), case.universal_shape(NL=2), case.dtype, gen)
+    versions = [t._version for t in layers]
+    cache.from_universal(universals.arg, PAGED_IDS, layers=slice(0, 2))
+    assert [t._version - v for t, v in zip(layers, versions)] == [1, 1, 0]
+    written = torch.stack([u.transpose(0, 1) for u in universals.bases])  # [ids, nl, nh, no, nt, hd]
+    for k in range(2):
+        got = layers[k].detach()[:, PAGED_IDS].permute(1, 3, 0, 2, 4)  # [ids, nh, no, nt, hd]
+        assert torch.equal(got.view(torch.int16), written[:, k].view(torch.int16)), f"layer {k}"
+    before = snapshot(case.buf.bases)
+    with pytest.raises(ValueError, match=path_regex(r"layers\[2\]")):
+        cache.from_universal(paged_other(case, "from_universal", gen).arg, PAGED_IDS, layers=range(1, 3))
+    assert_all_bitwise_equal(snapshot(case.buf.bases), before, "cache (destination)")
+
+
+def test_paged_inference_layers_are_written_without_torch_calls(gen):
+    """Inference tensors have no version counter, and autograd can never save one, so a write
+    cannot change a gradient: from_* writes them even when requires_grad was set (possible
+    inside inference mode) and asks torch nothing per call."""
+    with torch.inference_mode():
+        case, layers = paged_case("kbthd", gen, torch.bfloat16)
+        layers[1].requires_grad_()
+    cache = case.build()
+    other = paged_other(case, "from_universal", gen)
+    cache.from_universal(other.arg, PAGED_IDS)
+    back = block_buffers("list", len(PAGED_IDS), case.universal_shape(), case.dtype, gen)
+    cache.to_universal(PAGED_IDS, back.arg)
+    assert_all_bitwise_equal(snapshot(back.bases), snapshot(other.bases), "universals read back")
+
+
 @requires_cuda
 @pytest.mark.parametrize("flag", ["conj", "neg"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
