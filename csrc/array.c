@@ -223,4 +223,5 @@ void kv_array_release(kv_array *a)
         a->has_view = 0;
     }
     Py_CLEAR(a->owner);
+    Py_CLEAR(a->written_tensor);
 }

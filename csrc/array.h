@@ -41,7 +41,10 @@ typedef struct {
     /* The producer's current_work_stream(device_type, device_id, &stream)
      * where it was read through the C exchange API, else NULL. */
     int (*current_work_stream)(int32_t, int32_t, void **);
-    int torch_written; /* a torch tensor read to be written: kv_arrays_written bumps its version counter */
+    /* A torch tensor read to be written (strong reference): kv_arrays_written
+     * bumps its version counter.  Not `owner`, which is a capsule when the
+     * tensor was read through __dlpack__. */
+    PyObject *written_tensor;
     PyObject *owner;  /* strong reference that keeps the borrow valid (NULL for a kv_array_block view) */
     Py_buffer view;   /* buffer-protocol borrows only */
     int has_view;
@@ -76,6 +79,13 @@ int kv_array_read(const kv_reader *reader, PyObject *obj, const kv_path *path, i
  * shares the storage and keeps it when set_ or resize_ re-point the
  * original.  Other producers cannot re-point an array. */
 int kv_array_keep(const kv_reader *reader, PyObject *obj, const kv_path *path, kv_array *out);
+
+/* The current stream of the producer of `a` (read through DLPack's C
+ * exchange API: a->current_work_stream is set) on a device.  Returns 0, or
+ * -1 with an exception, also where the producer broke the API's contract
+ * (failed without an exception, or set one and returned success), so that
+ * no Python code runs with an exception set. */
+int kv_array_current_stream(const kv_array *a, int32_t device_type, int32_t device_id, void **stream);
 
 /* Block `b` of a stack (an array whose leading dimension counts blocks): a
  * view holding no reference, valid while `stack` is borrowed. */

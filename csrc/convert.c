@@ -105,7 +105,7 @@ static int borrow_block(kv_call *call, const kv_side *side, Py_ssize_t b, Py_ssi
             *a = side->whole;
             a->owner = NULL; /* the whole keeps the borrow */
             a->has_view = 0;
-            a->torch_written = 0;
+            a->written_tensor = NULL;
         }
         call->parsed = i + 1;
         return 0;

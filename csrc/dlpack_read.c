@@ -209,23 +209,36 @@ int kv_from_dlpack(const kv_reader *reader, PyObject *obj, const kv_path *path, 
 /* The producer does not synchronize: its current stream on the array's
  * device becomes the array's producer stream, which the call orders before
  * its own, as __dlpack__(stream=...) would. */
+int kv_array_current_stream(const kv_array *a, int32_t device_type, int32_t device_id, void **stream)
+{
+    const int rc = a->current_work_stream(device_type, device_id, stream);
+    if (rc == 0 && !PyErr_Occurred())
+        return 0;
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_RuntimeError, "the arrays' producer failed to tell its current stream on device %d (the "
+                     "current_work_stream of its DLPack C exchange API returned %d without an exception)",
+                     (int)device_id, rc);
+    return -1;
+}
+
 int kv_from_exchange(PyObject *obj, const DLPackExchangeAPI *api, const kv_path *path, kv_array *out)
 {
     DLTensor t;
-    if (api->dltensor_from_py_object_no_sync(obj, &t) != 0) {
+    /* A producer that sets an exception has failed, whatever it returned. */
+    if (api->dltensor_from_py_object_no_sync(obj, &t) != 0 || PyErr_Occurred()) {
         PyErr_Clear();
         return 1;
     }
     if (fill_from_dltensor(&t, path, out) < 0)
         return -1;
+    out->current_work_stream = api->current_work_stream;
     if (out->place == KV_DEVICE) {
         void *stream = NULL;
-        if (api->current_work_stream(t.device.device_type, t.device.device_id, &stream) != 0)
+        if (kv_array_current_stream(out, t.device.device_type, t.device.device_id, &stream) < 0)
             return -1;
         out->has_stream = 1;
         out->stream = (intptr_t)stream;
     }
-    out->current_work_stream = api->current_work_stream;
     /* The DLTensor carries no read-only flag: the array is taken as writable. */
     out->owner = Py_NewRef(obj);
     return 0;

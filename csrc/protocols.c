@@ -49,6 +49,7 @@ int kv_protocols_traverse(kv_protocols *p, visitproc visit, void *arg)
         Py_VISIT(p->types[i].type);
         Py_VISIT(p->types[i].is_neg);
         Py_VISIT(p->types[i].is_conj);
+        Py_VISIT(p->types[i].exchange_capsule);
     }
     Py_VISIT(p->increment_version);
     return 0;
@@ -59,6 +60,7 @@ static void clear_facts(kv_type_facts *facts)
     Py_CLEAR(facts->type);
     Py_CLEAR(facts->is_neg);
     Py_CLEAR(facts->is_conj);
+    Py_CLEAR(facts->exchange_capsule);
     facts->exchange = NULL;
 }
 
@@ -74,24 +76,27 @@ void kv_protocols_clear(kv_protocols *p)
         clear_facts(&p->types[i]);
 }
 
-/* The C exchange API a type offers, or NULL.  Errors are cleared: a type
- * without a usable one is read through the Python protocols. */
-static const DLPackExchangeAPI *find_exchange_api(const kv_protocols *p, PyTypeObject *type)
+/* The C exchange API a type offers, and the capsule holding it (a new
+ * reference), or both NULL.  Errors are cleared: a type without a usable
+ * one is read through the Python protocols. */
+static void find_exchange_api(const kv_protocols *p, PyTypeObject *type, kv_type_facts *facts)
 {
     PyObject *capsule = PyObject_GetAttr((PyObject *)type, p->names[KV_NAME_EXCHANGE_API]);
     if (capsule == NULL) {
         PyErr_Clear();
-        return NULL;
+        return;
     }
     const DLPackExchangeAPI *api = PyCapsule_IsValid(capsule, "dlpack_exchange_api")
                                        ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
                                        : NULL;
-    Py_DECREF(capsule);
     /* A major version other than 1 may have another layout. */
     if (api == NULL || api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL
-        || api->current_work_stream == NULL)
-        return NULL;
-    return api;
+        || api->current_work_stream == NULL) {
+        Py_DECREF(capsule);
+        return;
+    }
+    facts->exchange = api;
+    facts->exchange_capsule = capsule;
 }
 
 /* For torch.Tensor and its subclasses, the type's is_neg and is_conj
@@ -122,16 +127,19 @@ kv_type_facts kv_type_facts_of(kv_protocols *p, PyTypeObject *type)
             kv_type_facts facts = p->types[i];
             Py_XINCREF(facts.is_neg);
             Py_XINCREF(facts.is_conj);
+            Py_XINCREF(facts.exchange_capsule);
             return facts;
         }
     }
-    kv_type_facts facts = {type, find_exchange_api(p, type), NULL, NULL};
+    kv_type_facts facts = {type, NULL, NULL, NULL, NULL};
+    find_exchange_api(p, type, &facts);
     find_torch_flags(p, type, &facts);
     kv_type_facts *slot = &p->types[p->next_type];
     p->next_type = (p->next_type + 1) % KV_TYPES_CACHED;
     kv_type_facts old = *slot;
     slot->type = (PyTypeObject *)Py_NewRef(type);
     slot->exchange = facts.exchange;
+    slot->exchange_capsule = Py_XNewRef(facts.exchange_capsule);
     slot->is_neg = Py_XNewRef(facts.is_neg);
     slot->is_conj = Py_XNewRef(facts.is_conj);
     clear_facts(&old); /* last: freeing a type may run Python code */
@@ -142,4 +150,5 @@ void kv_type_facts_release(kv_type_facts *facts)
 {
     Py_CLEAR(facts->is_neg);
     Py_CLEAR(facts->is_conj);
+    Py_CLEAR(facts->exchange_capsule);
 }

@@ -35,6 +35,7 @@ enum {
 typedef struct {
     PyTypeObject *type; /* strong reference, so that its address is not reused while cached; NULL: free */
     const struct DLPackExchangeAPI *exchange; /* its DLPack C exchange API, or NULL */
+    PyObject *exchange_capsule; /* the capsule holding it (strong reference: the type may drop its own) */
     /* For torch.Tensor and its subclasses, what the type has as is_neg and
      * is_conj (strong references, called with the tensor), else NULL. */
     PyObject *is_neg, *is_conj;
@@ -57,9 +58,10 @@ int kv_protocols_traverse(kv_protocols *p, visitproc visit, void *arg);
 void kv_protocols_clear(kv_protocols *p);
 
 /* The facts of `type`, from the cache or found (and cached) now.  The
- * caller gets its own references to is_neg and is_conj, which it gives
- * back with kv_type_facts_release: finding facts runs Python code, which
- * may call into this module again and recycle any slot. */
+ * caller gets its own references to is_neg, is_conj and the exchange
+ * capsule, which it gives back with kv_type_facts_release: finding facts
+ * runs Python code, which may call into this module again and recycle any
+ * slot. */
 kv_type_facts kv_type_facts_of(kv_protocols *p, PyTypeObject *type);
 void kv_type_facts_release(kv_type_facts *facts);
 

@@ -89,7 +89,7 @@ int kv_target_default_stream(kv_target *t, const kv_array *arrays, Py_ssize_t co
     for (Py_ssize_t i = 0; i < count; i++) {
         if (arrays[i].current_work_stream != NULL) {
             void *current = NULL;
-            if (arrays[i].current_work_stream(kDLCUDA, t->gpu.device, &current) != 0)
+            if (kv_array_current_stream(&arrays[i], kDLCUDA, t->gpu.device, &current) < 0)
                 return -1;
             t->gpu.stream = (intptr_t)current;
             return 0;

@@ -48,7 +48,7 @@ int kv_check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *fa
         return 0;
     if (kv_torch_check_destination(p, obj, path) < 0)
         return -1;
-    out->torch_written = 1;
+    out->written_tensor = Py_NewRef(obj);
     return 0;
 }
 
@@ -108,15 +108,15 @@ int kv_arrays_written(kv_protocols *p, const kv_array *arrays, Py_ssize_t count)
 {
     Py_ssize_t n = 0;
     for (Py_ssize_t i = 0; i < count; i++)
-        n += arrays[i].torch_written;
+        n += arrays[i].written_tensor != NULL;
     if (n == 0)
         return 0;
     PyObject *tensors = PyTuple_New(n);
     if (tensors == NULL)
         return -1;
     for (Py_ssize_t i = 0, k = 0; i < count; i++)
-        if (arrays[i].torch_written)
-            PyTuple_SET_ITEM(tensors, k++, Py_NewRef(arrays[i].owner));
+        if (arrays[i].written_tensor != NULL)
+            PyTuple_SET_ITEM(tensors, k++, Py_NewRef(arrays[i].written_tensor));
     const int rc = kv_torch_written(p, tensors);
     Py_DECREF(tensors);
     return rc;

@@ -9,6 +9,8 @@ raise still work. Every destination is poisoned before a call and compared byte 
 with the pure-torch references afterwards.
 """
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -753,3 +755,96 @@ def test_gpu_requires_grad_destination_refused_and_versions_bumped(pin, gen):
     sync()
     assert stack._version > version
     assert_all_bitwise_equal(list(stack), expected_universals(blocks, 2, "NHD"), "universals")
+
+
+# ==========================================================================
+# torch tensors read through __dlpack__ (torch before 2.11 has no C exchange API), and
+# producers whose C exchange API breaks its contract.
+# ==========================================================================
+
+
+class WithoutExchangeAPI(torch.Tensor):
+    """A torch tensor read as torch before 2.11 is: through __dlpack__, whose capsule (not
+    the tensor) then owns the borrow."""
+
+    __dlpack_c_exchange_api__ = None
+
+
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_destination_read_through_dlpack_gets_its_version_bumped(direction, gen):
+    blocks, universals = make_case(*SHAPE, torch.bfloat16, "NHD", generator=gen)
+    blocks = [[c.as_subclass(WithoutExchangeAPI) for c in row] for row in blocks]
+    universals = [u.as_subclass(WithoutExchangeAPI) for u in universals]
+    written = universals if direction == "b2u" else [c for row in blocks for c in row]
+    poison_(written)
+    before = [t._version for t in written]
+    if direction == "b2u":
+        kvbm_ext.block_to_universal(blocks, universals, "NHD")
+        want = expected_universals(blocks, SHAPE[2], "NHD")
+        assert_all_bitwise_equal(universals, want, "universals")
+    else:
+        sources = [u.clone().as_subclass(WithoutExchangeAPI) for u in universals]
+        kvbm_ext.universal_to_block(sources, blocks, "NHD")
+        assert_all_bitwise_equal([c for row in blocks for c in row],
+                                 [c for row in expected_blocks(sources, "NHD") for c in row], "blocks")
+    assert all(t._version > v for t, v in zip(written, before)), "a destination's version did not grow"
+
+
+class _Device(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _Device), ("ndim", ctypes.c_int32), ("dtype", _DataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_FROM_OBJECT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_DLTensor))
+_CURRENT_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
+
+
+class _ExchangeAPI(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("prev_api", ctypes.c_void_p),
+                ("managed_tensor_allocator", ctypes.c_void_p), ("managed_tensor_from_py_object_no_sync", ctypes.c_void_p),
+                ("managed_tensor_to_py_object_no_sync", ctypes.c_void_p),
+                ("dltensor_from_py_object_no_sync", _FROM_OBJECT), ("current_work_stream", _CURRENT_STREAM)]
+
+
+def lying_producer(describe, current_stream):
+    """A type whose C exchange API runs `describe(out)` and `current_stream()` (ctypes
+    callbacks: they run with the GIL, as a producer's C functions would), describing a
+    [4] uint8 CUDA array at a made-up address."""
+    shape = (ctypes.c_int64 * 1)(4)
+
+    def from_object(obj, out):
+        out[0].data, out[0].device = 0x10000, _Device(2, 0)  # kDLCUDA, device 0
+        out[0].ndim, out[0].dtype, out[0].shape, out[0].strides = 1, _DataType(1, 8, 1), shape, None
+        return describe()
+
+    def stream(device_type, device_id, out):
+        out[0] = None
+        return current_stream()
+
+    keep = (shape, _FROM_OBJECT(from_object), _CURRENT_STREAM(stream))
+    api = _ExchangeAPI(1, 3, None, None, None, None, keep[1], keep[2])
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(api), b"dlpack_exchange_api", None)
+    # The class keeps the structure and callbacks alive for as long as its capsule.
+    return type("LyingProducer", (), {"__dlpack_c_exchange_api__": capsule, "_keep": (api, keep)})
+
+
+def test_producer_whose_current_stream_fails_silently_is_a_clean_error():
+    """current_work_stream returning -1 without an exception: a RuntimeError saying so, not
+    a SystemError (nor Python code run with an exception set)."""
+    producer = lying_producer(lambda: 0, lambda: -1)
+    out = np.zeros(4, np.uint8)
+    with pytest.raises(RuntimeError, match="current_work_stream") as info:
+        kvbm_ext.block_to_universal([[producer()]], [out.reshape(1, 1, 1, 1, 4)], "NHD")
+    assert not isinstance(info.value, SystemError)
+    assert not out.any()
