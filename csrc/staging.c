@@ -57,6 +57,14 @@
  * piece) low. */
 #define KV_LEAD_PIECE_BYTES ((int64_t)1 << 20)
 #define KV_PIECE_GROWTH 2
+/* A call of at most KV_ONE_PIECE_BYTES is one piece, on the edge CTAs: cut
+ * into a few pieces, the gaps between them and the narrow permutes cost
+ * more than its pipelining saves, and beside a model the narrow permutes
+ * wait longest for SMs.  On the H200 (benchmarks/beside.py), nb = 1 of
+ * Llama-70B (5 MiB) moved 27.6 GB/s beside the memory-bound stand-in at a
+ * 2.0 % slowdown, against 15.2 GB/s at 1.1 % in three pieces (the same
+ * slowdown per GB/s), about as fast alone, with half the host time. */
+#define KV_ONE_PIECE_BYTES ((int64_t)8 << 20)
 
 typedef struct {
     char *base;
@@ -390,8 +398,9 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
 
     const int64_t most = piece_bytes_for(lane->bytes);
+    const int64_t lead = s->nb * s->mid * s->inner * s->unit_bytes <= KV_ONE_PIECE_BYTES ? most : KV_LEAD_PIECE_BYTES;
     int64_t max_units;
-    const int64_t count = kv_pieces_cut(s, KV_LEAD_PIECE_BYTES, KV_PIECE_GROWTH, most, NULL, &max_units);
+    const int64_t count = kv_pieces_cut(s, lead, KV_PIECE_GROWTH, most, NULL, &max_units);
     const size_t slot_bytes = ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN
                               * KV_STAGING_ALIGN;
     if (2 * slot_bytes > lane->bytes) {
@@ -403,7 +412,7 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     const int nslots = fit < KV_LANE_SLOTS ? (int)fit : KV_LANE_SLOTS;
     if (grow_scratch(st, count, max_units, f) < 0)
         return -1;
-    kv_pieces_cut(s, KV_LEAD_PIECE_BYTES, KV_PIECE_GROWTH, most, st->boxes, &max_units);
+    kv_pieces_cut(s, lead, KV_PIECE_GROWTH, most, st->boxes, &max_units);
 
     /* The lane last served another stream, whose call may still be using
      * the slots (on this stream the call already follows it). */
