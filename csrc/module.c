@@ -435,11 +435,12 @@ static void module_free(void *module)
  *
  * Free-threaded CPython: no Py_mod_gil slot, so importing the module there
  * turns the GIL back on.  Safe without it: the GPU resources (per-device
- * table rings, staging memory, events and streams), behind their lock, and
- * the driver entry point.  Not guarded, relying on the GIL: the state's
- * cache of per-type facts (slots recycled in turn) and its increment_version,
- * and each PagedKVCache's scratch of the repeated-id check, which two threads
- * writing one cache at once would share. */
+ * table rings, staging memory, events and streams), behind their lock; the
+ * driver entry point and torch's increment_version, each stored once with a
+ * compare-and-swap and never replaced; PagedKVCache, which nothing changes
+ * after construction (a call's repeated-id check has bits of its own).  Not
+ * guarded, relying on the GIL: the state's cache of per-type facts, whose
+ * slots are recycled in turn. */
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
 #if PY_VERSION_HEX >= 0x030C0000

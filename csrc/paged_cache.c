@@ -142,18 +142,17 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
     return 0;
 }
 
-/* Base address of every layer, their alignment, the arrays' sorted spans
- * and the scratch of the repeated-id check.  Nothing is allocated on a device, and so nothing is
- * freed there when the cache is collected (which may happen during another
- * thread's graph capture). */
+/* Base address of every layer, their alignment and the arrays' sorted
+ * spans.  Nothing is allocated on a device, and so nothing is freed there
+ * when the cache is collected (which may happen during another thread's
+ * graph capture). */
 static int build_tables(kv_paged_cache *self)
 {
     const size_t count = self->nl > 0 ? (size_t)self->nl : 1;
     self->layer_addresses = PyMem_Malloc(count * sizeof(uint64_t));
-    self->seen = PyMem_Calloc((size_t)(self->num_blocks + 7) / 8 + 1, 1);
     self->spans = PyMem_Malloc((size_t)self->narrays * sizeof(kv_span));
     self->reach = PyMem_Malloc((size_t)self->narrays * sizeof(uint64_t));
-    if (self->layer_addresses == NULL || self->seen == NULL || self->spans == NULL || self->reach == NULL) {
+    if (self->layer_addresses == NULL || self->spans == NULL || self->reach == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -343,7 +342,6 @@ void kv_paged_dealloc(kv_paged_cache *self)
     PyMem_Free(self->layer_addresses);
     PyMem_Free(self->spans);
     PyMem_Free(self->reach);
-    PyMem_Free(self->seen);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
 }

@@ -105,6 +105,51 @@ static void release_call(kv_paged_call *call)
     Py_XDECREF(call->reader.dlpack_stream);
 }
 
+/* Bits for the repeated-id check of one call, on the stack up to this many
+ * bytes (caches of up to 65,536 blocks), else on the heap.  Per call, so
+ * that a cache holds no state that calls share. */
+#define SEEN_STACK_BYTES 8192
+
+/* Host ids must be in range and, when the cache is written, each once: 0,
+ * or -1 with a ValueError naming the first entry in error. */
+static int check_host_ids(const kv_paged_call *call, const int64_t *ids, Py_ssize_t n)
+{
+    const int64_t num_blocks = call->cache->num_blocks;
+    const int written = !call->form->to_flat;
+    uint8_t stack[SEEN_STACK_BYTES], *seen = stack;
+    const size_t bytes = (size_t)num_blocks / 8 + 1;
+    if (written && bytes > sizeof stack && (seen = PyMem_Malloc(bytes)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    /* Only the bytes the ids touch need clearing: no pass over the whole
+     * bit set, whatever the cache's size. */
+    for (Py_ssize_t i = 0; written && i < n; i++)
+        if (ids[i] >= 0 && ids[i] < num_blocks)
+            seen[ids[i] / 8] = 0;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        const int64_t id = ids[i];
+        if (id < 0 || id >= num_blocks)
+            rc = kv_error(PyExc_ValueError, "block_ids[%zd]: block id %lld is out of range [0, %lld)", i,
+                          (long long)id, (long long)num_blocks);
+        else if (written) {
+            const uint8_t bit = (uint8_t)(1u << (id % 8));
+            if (seen[id / 8] & bit) {
+                Py_ssize_t earlier = 0;
+                while (ids[earlier] != id)
+                    earlier++;
+                rc = kv_error(PyExc_ValueError, "block_ids[%zd]: block id %lld repeats block_ids[%zd]; a block can "
+                              "be written once per call", i, (long long)id, earlier);
+            }
+            seen[id / 8] |= bit;
+        }
+    }
+    if (seen != stack)
+        PyMem_Free(seen);
+    return rc;
+}
+
 /* Reads block_ids and checks them: on the cache's device or in host memory;
  * host ids in range and, when the cache is written, each once. */
 static int read_block_ids(kv_paged_call *call, PyObject *obj)
@@ -117,36 +162,7 @@ static int read_block_ids(kv_paged_call *call, PyObject *obj)
         const kv_path path = {"block_ids", {0, 0}, 0};
         return kv_target_add(&call->target, &call->ids.array, &path);
     }
-    const int64_t *ids = (const int64_t *)call->ids.values;
-    const Py_ssize_t n = call->ids.count;
-    int rc = 0;
-    Py_ssize_t i = 0;
-    for (; i < n && rc == 0; i++) {
-        const int64_t id = ids[i];
-        if (id < 0 || id >= cache->num_blocks) {
-            PyErr_Format(PyExc_ValueError, "block_ids[%zd]: block id %lld is out of range [0, %lld)", i, (long long)id,
-                         (long long)cache->num_blocks);
-            rc = -1;
-        }
-        else if (!call->form->to_flat) {
-            uint8_t *byte = &cache->seen[id / 8];
-            const uint8_t bit = (uint8_t)(1u << (id % 8));
-            if (*byte & bit) {
-                Py_ssize_t earlier = 0;
-                while (ids[earlier] != id)
-                    earlier++;
-                PyErr_Format(PyExc_ValueError, "block_ids[%zd]: block id %lld repeats block_ids[%zd]; a block can "
-                             "be written once per call", i, (long long)id, earlier);
-                rc = -1;
-            }
-            *byte |= bit;
-        }
-    }
-    /* Leave the scratch clear for the next call. */
-    for (Py_ssize_t k = 0; !call->form->to_flat && k < i; k++)
-        if (ids[k] >= 0 && ids[k] < cache->num_blocks)
-            cache->seen[ids[k] / 8] = 0;
-    return rc;
+    return check_host_ids(call, (const int64_t *)call->ids.values, call->ids.count);
 }
 
 static kv_path flat_path(const kv_paged_call *call, Py_ssize_t b)

@@ -34,7 +34,6 @@ typedef struct {
     kv_span *spans;             /* the bytes of every array, sorted, for the aliasing check */
     uint64_t *reach;
     uint64_t alignment;         /* OR of the layer addresses and strides */
-    uint8_t *seen;              /* num_blocks bits for the repeated-id check, clear between calls */
 } kv_paged_cache;
 
 /* Where array i of the cache is named in errors. */

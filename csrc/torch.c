@@ -71,22 +71,29 @@ PyObject *kv_torch_counter_owner(kv_protocols *p, PyObject *obj)
 }
 
 /* torch.autograd.graph.increment_version, found once; None when this torch
- * has none.  Borrowed, or NULL with an exception. */
+ * has none.  Borrowed, or NULL with an exception.  The first value stored
+ * stays until the module is cleared (a compare-and-swap from NULL: a
+ * nested call, or another thread without the GIL, that found it too drops
+ * its own), so the borrowed reference outlives the call. */
 static PyObject *increment_version(kv_protocols *p)
 {
-    if (p->increment_version == NULL) {
-        PyObject *graph = PyImport_ImportModule("torch.autograd.graph");
-        PyObject *found = graph == NULL ? NULL : PyObject_GetAttrString(graph, "increment_version");
-        Py_XDECREF(graph);
-        if (found == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_ImportError) && !PyErr_ExceptionMatches(PyExc_AttributeError))
-                return NULL;
-            PyErr_Clear();
-            found = Py_NewRef(Py_None);
-        }
-        Py_XSETREF(p->increment_version, found);
+    PyObject *known = __atomic_load_n(&p->increment_version, __ATOMIC_ACQUIRE);
+    if (known != NULL)
+        return known;
+    PyObject *graph = PyImport_ImportModule("torch.autograd.graph");
+    PyObject *found = graph == NULL ? NULL : PyObject_GetAttrString(graph, "increment_version");
+    Py_XDECREF(graph);
+    if (found == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ImportError) && !PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        PyErr_Clear();
+        found = Py_NewRef(Py_None);
     }
-    return p->increment_version;
+    if (!__atomic_compare_exchange_n(&p->increment_version, &known, found, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        Py_DECREF(found);
+        return known;
+    }
+    return found;
 }
 
 int kv_torch_written(kv_protocols *p, PyObject *tensors)
@@ -96,10 +103,7 @@ int kv_torch_written(kv_protocols *p, PyObject *tensors)
         return -1;
     if (bump == Py_None)
         return 0;
-    /* Held by the call: the function may drop p's reference. */
-    Py_INCREF(bump);
     PyObject *result = PyObject_CallOneArg(bump, tensors);
-    Py_DECREF(bump);
     Py_XDECREF(result);
     return result == NULL ? -1 : 0;
 }

@@ -1326,6 +1326,24 @@ def test_host_rejected_call_leaves_no_state_behind(method, gen):
         run_and_check(case, cache, method, [4, 0, 7], other_buffers(case, method, 3, gen))
 
 
+def test_host_repeated_ids_in_a_cache_past_the_stack_bits(gen):
+    """A cache of 70,000 blocks, whose repeated-id bits (a call's own) live on the heap: a
+    repeat at the far end is found with nothing written, and ids at both ends are written."""
+    nblocks = 70_000
+    layers = [random_tensor((nblocks, 2, 4), torch.int8, generator=gen) for _ in range(2)]  # "btd"
+    cache = kvbm_ext.PagedKVCache(layers, "btd")
+    universals = random_tensor((3, 1, 2, 1, 2, 4), torch.int8, generator=gen)  # [nb, nh, nl, no, nt, hd]
+    before = [layer.clone() for layer in layers]
+    with pytest.raises(ValueError, match=r"^block_ids\[2\]: block id 69999 repeats block_ids\[0\]"):
+        cache.from_universal(universals, [nblocks - 1, 3, nblocks - 1])
+    assert all(torch.equal(a, b) for a, b in zip(layers, before)), "a rejected call wrote the cache"
+    ids = [nblocks - 1, 3, 0]
+    cache.from_universal(universals, ids)
+    for k, b in enumerate(ids):
+        for l in range(2):
+            assert torch.equal(layers[l][b], universals[k, 0, l, 0]), (k, l)
+
+
 # The universal shape check must not overflow: head_offset + nh or layer_offset + nl past
 # 2^63 must be rejected, not wrap around and send the copy far outside the universals
 # (which corrupts memory). Run in a subprocess: a wrong library crashes it.
