@@ -6,6 +6,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "grow.h"
+
 /* cuPointerGetAttributes, reached through the runtime so that the module
  * does not link the driver library. */
 typedef CUresult (*kv_pointer_attributes_fn)(unsigned int, CUpointer_attribute *, void **, CUdeviceptr);
@@ -69,16 +71,10 @@ static Py_ssize_t range_before(const kv_range_set *set, uint64_t address)
 
 static int remember_range(kv_range_set *set, const kv_range *r)
 {
-    if (set->count == set->capacity) {
-        const Py_ssize_t capacity = set->capacity ? 2 * set->capacity : 16;
-        kv_range *grown = PyMem_Realloc(set->ranges, (size_t)capacity * sizeof *grown);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        set->ranges = grown;
-        set->capacity = capacity;
-    }
+    kv_range *ranges = kv_room_for_one(set->ranges, set->count, &set->capacity, 16, sizeof *ranges);
+    if (ranges == NULL)
+        return -1;
+    set->ranges = ranges;
     const Py_ssize_t at = range_before(set, r->start) + 1;
     memmove(set->ranges + at + 1, set->ranges + at, (size_t)(set->count - at) * sizeof *r);
     set->ranges[at] = *r;

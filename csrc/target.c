@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "dlpack.h"
+#include "grow.h"
 
 void kv_target_init(kv_target *t, intptr_t stream, int device, const char *owner)
 {
@@ -47,17 +48,11 @@ static int add_producer(kv_target *t, const kv_array *a)
     for (Py_ssize_t k = 0; k < t->gpu.producer_count; k++)
         if (t->producers[k] == a->stream)
             return 0;
-    if (t->gpu.producer_count == t->capacity) {
-        const Py_ssize_t capacity = t->capacity ? 2 * t->capacity : 4;
-        intptr_t *grown = PyMem_Realloc(t->producers, (size_t)capacity * sizeof *grown);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        t->producers = grown;
-        t->capacity = capacity;
-        t->gpu.producers = grown;
-    }
+    intptr_t *producers = kv_room_for_one(t->producers, t->gpu.producer_count, &t->capacity, 4, sizeof *producers);
+    if (producers == NULL)
+        return -1;
+    t->producers = producers;
+    t->gpu.producers = producers;
     t->producers[t->gpu.producer_count++] = a->stream;
     return 0;
 }
