@@ -815,20 +815,20 @@ class _ExchangeAPI(ctypes.Structure):
                 ("dltensor_from_py_object_no_sync", _FROM_OBJECT), ("current_work_stream", _CURRENT_STREAM)]
 
 
-def lying_producer(describe, current_stream):
-    """A type whose C exchange API runs `describe(out)` and `current_stream()` (ctypes
-    callbacks: they run with the GIL, as a producer's C functions would), describing a
-    [4] uint8 CUDA array at a made-up address."""
+def producer_whose_stream_fails_silently():
+    """A type whose C exchange API (ctypes callbacks: they run with the GIL, as a producer's
+    C functions would) describes a [4] uint8 CUDA array at a made-up address, and whose
+    current_work_stream returns -1 without setting an exception."""
     shape = (ctypes.c_int64 * 1)(4)
 
     def from_object(obj, out):
         out[0].data, out[0].device = 0x10000, _Device(2, 0)  # kDLCUDA, device 0
         out[0].ndim, out[0].dtype, out[0].shape, out[0].strides = 1, _DataType(1, 8, 1), shape, None
-        return describe()
+        return 0
 
     def stream(device_type, device_id, out):
         out[0] = None
-        return current_stream()
+        return -1
 
     keep = (shape, _FROM_OBJECT(from_object), _CURRENT_STREAM(stream))
     api = _ExchangeAPI(1, 3, None, None, None, None, keep[1], keep[2])
@@ -842,7 +842,7 @@ def lying_producer(describe, current_stream):
 def test_producer_whose_current_stream_fails_silently_is_a_clean_error():
     """current_work_stream returning -1 without an exception: a RuntimeError saying so, not
     a SystemError (nor Python code run with an exception set)."""
-    producer = lying_producer(lambda: 0, lambda: -1)
+    producer = producer_whose_stream_fails_silently()
     out = np.zeros(4, np.uint8)
     with pytest.raises(RuntimeError, match="current_work_stream") as info:
         kvbm_ext.block_to_universal([[producer()]], [out.reshape(1, 1, 1, 1, 4)], "NHD")
