@@ -85,7 +85,7 @@ void kv_debug_move(const char *function, const kv_route *route, const kv_gpu_rep
     if (report->ctas == 0)
         snprintf(ctas, sizeof ctas, "every CTA it needs");
     else if (report->staged && report->edge_ctas != report->ctas)
-        snprintf(ctas, sizeof ctas, "at most %u CTAs, %u for the piece no copy overlaps", report->ctas,
+        snprintf(ctas, sizeof ctas, "at most %u CTAs, %u for the short pieces at the ends", report->ctas,
                  report->edge_ctas);
     else
         snprintf(ctas, sizeof ctas, "at most %u CTAs", report->ctas);

@@ -53,9 +53,10 @@ typedef struct {
 #define KV_PINNED_CTAS 8
 
 /* CTAs by default for the one piece of a staged move that no copy overlaps
- * (an offload's first, an onload's last): its permute adds to the call's
- * time in full, so it runs wide; it is short (a head of a block), so the
- * model beside loses little. */
+ * (an offload's first, an onload's last) and the short pieces next to it:
+ * their permutes add to the call's time, in full or where the copy beside
+ * them is too short to hide them, so they run wide; they are a few MiB of
+ * a call, so the model beside loses little. */
 #define KV_PINNED_EDGE_CTAS 32
 
 /* A move between device memory and pinned host memory in which bytes are
@@ -83,7 +84,7 @@ typedef struct {
     int staged;            /* the staged path ran; else the kernel alone */
     int64_t pieces, piece_bytes;
     uint32_t ctas;         /* the kernel's CTA bound (0: none) */
-    uint32_t edge_ctas;    /* staged: the bound for the piece no copy overlaps */
+    uint32_t edge_ctas;    /* staged: the bound for the pieces at a call's ends */
     int lane;              /* the staging lane, -1 for the capture lane */
     char fallback[128];    /* why a staged move ran the kernel alone, or "" */
 } kv_gpu_report;
@@ -91,8 +92,8 @@ typedef struct {
 /* A block stack (or operational) <-> universal move; `table` as
  * kvbm_launch_block_universal takes it.  `staged` NULL: the kernel alone,
  * on at most max_ctas CTAs (0: no bound); else staged, with max_ctas for
- * the permute (0: KV_PINNED_CTAS, and KV_PINNED_EDGE_CTAS for the piece no
- * copy overlaps; KV_PINNED_CTAS too where the move cannot be staged). */
+ * the permute (0: KV_PINNED_CTAS, and KV_PINNED_EDGE_CTAS for the pieces
+ * at a call's ends; KV_PINNED_CTAS too where the move cannot be staged). */
 int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
                            kvbm_direction direction, void *const *table, int vector_bytes, uint32_t max_ctas,
                            const kv_staged *staged, kv_gpu_report *report);

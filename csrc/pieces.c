@@ -4,8 +4,12 @@
 static int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* The largest box that starts at unit (b, m, i), respects the nesting and
- * holds at most `budget` bytes (one unit at least). */
-static void next_box(const kv_staged *s, int64_t b, int64_t m, int64_t i, int64_t budget, kv_box *box)
+ * holds at most `budget` bytes (one unit at least).  A box inside a block
+ * (or a mid) that would leave less of it than it takes runs to its end
+ * instead, if that stays within `cap` bytes: the remnant would be a piece
+ * smaller than the one before it, which the pipeline cannot use (a copy too
+ * short to hide the next permute behind). */
+static void next_box(const kv_staged *s, int64_t b, int64_t m, int64_t i, int64_t budget, int64_t cap, kv_box *box)
 {
     const int64_t mid_bytes = s->inner * s->unit_bytes, block_bytes = s->mid * mid_bytes;
     box->b0 = b, box->bn = 1;
@@ -15,20 +19,29 @@ static void next_box(const kv_staged *s, int64_t b, int64_t m, int64_t i, int64_
         box->bn = smaller(smaller(budget / block_bytes, s->max_blocks), s->nb - b);
         box->mn = s->mid;
     }
-    else if (i == 0 && mid_bytes <= budget)
-        box->mn = smaller(budget / mid_bytes, s->mid - m);
-    else
-        box->in = smaller(budget / s->unit_bytes > 0 ? budget / s->unit_bytes : 1, s->inner - i);
+    else if (i == 0 && mid_bytes <= budget) {
+        const int64_t left = s->mid - m;
+        box->mn = smaller(budget / mid_bytes, left);
+        if (left - box->mn < box->mn && left * mid_bytes <= cap)
+            box->mn = left;
+    }
+    else {
+        const int64_t left = s->inner - i;
+        box->in = smaller(budget / s->unit_bytes > 0 ? budget / s->unit_bytes : 1, left);
+        if (left - box->in < box->in && left * s->unit_bytes <= cap)
+            box->in = left;
+    }
 }
 
-int64_t kv_pieces_cut(const kv_staged *s, int64_t lead_bytes, int64_t growth, int64_t piece_bytes, kv_box *boxes,
-                      int64_t *max_units)
+int64_t kv_pieces_cut(const kv_staged *s, const kv_cut *cut, kv_box *boxes, int64_t *max_units)
 {
-    int64_t b = 0, m = 0, i = 0, count = 0, budget = smaller(lead_bytes, piece_bytes);
+    int64_t b = 0, m = 0, i = 0, count = 0, budget = smaller(cut->lead_bytes, cut->piece_bytes);
+    int edge = 1;
     *max_units = 0;
     while (b < s->nb) {
         kv_box box;
-        next_box(s, b, m, i, budget, &box);
+        next_box(s, b, m, i, budget, cut->piece_bytes, &box);
+        box.edge = edge;
         if (boxes != NULL)
             boxes[count] = box;
         count++;
@@ -42,7 +55,13 @@ int64_t kv_pieces_cut(const kv_staged *s, int64_t lead_bytes, int64_t growth, in
                 b = box.b0 + box.bn;
             }
         }
-        budget = budget > piece_bytes / growth ? piece_bytes : budget * growth;
+        /* The next box grows from what this one holds, not from its budget,
+         * so that a box cut short by a block's end is not followed by one
+         * too large to hide behind its copy. */
+        const int64_t bytes = units * s->unit_bytes;
+        edge = edge && bytes < smaller(cut->ramp_bytes, cut->piece_bytes);
+        budget = smaller(edge ? smaller(bytes * cut->ramp_growth, cut->ramp_bytes) : bytes * cut->growth,
+                         cut->piece_bytes);
     }
     return count;
 }

@@ -18,22 +18,35 @@ typedef struct kv_box {
     int64_t b0, bn; /* blocks */
     int64_t m0, mn; /* mids of each block */
     int64_t i0, in; /* inners of each mid */
+    int edge;       /* permuted on the edge CTAs: the first box, and the ramp */
 } kv_box;
+
+/* How to cut a move (kv_pieces_cut).  The first box holds about lead_bytes.
+ * Then comes the ramp: while each box has held less than ramp_bytes, the
+ * next holds up to ramp_growth times more, but not over ramp_bytes; those
+ * boxes are permuted on the edge CTAs, fast enough to hide behind the copy
+ * of the small box before them.  After the ramp each box holds up to growth
+ * times what the one before holds, permuted on the default CTAs.  No box
+ * holds more than piece_bytes. */
+typedef struct {
+    int64_t lead_bytes, ramp_bytes, ramp_growth, growth, piece_bytes;
+} kv_cut;
 
 /* A contiguous run of pinned memory and where it sits in the piece's slot. */
 typedef struct {
     uint64_t pinned, offset, bytes;
 } kv_run;
 
-/* Cuts the move into boxes, in unit order, and returns their count; fills
- * `boxes` unless it is NULL.  The first box holds about `lead_bytes`, each
- * next one up to `growth` times its predecessor's budget, none more than
- * `piece_bytes` (but at least one unit), and none more than s->max_blocks
- * whole blocks.  Starting small lets the copy engines start early; growing
- * keeps the count, and so the host's cost, low.  *max_units receives the
- * units of the largest box. */
-int64_t kv_pieces_cut(const kv_staged *s, int64_t lead_bytes, int64_t growth, int64_t piece_bytes, kv_box *boxes,
-                      int64_t *max_units);
+/* Cuts the move into boxes, in unit order, as `cut` says, and returns their
+ * count; fills `boxes` unless it is NULL.  No box holds more than
+ * cut->piece_bytes (but each at least one unit), nor more than
+ * s->max_blocks whole blocks; a box within a block takes the rest of it
+ * rather than leave a smaller remnant.  Starting small lets the copy
+ * engines start early; growing keeps the count, and so the host's cost,
+ * low; run backwards (an onload), the same boxes shrink step by step, so
+ * that each permute still hides behind the next copy.  *max_units receives
+ * the units of the largest box. */
+int64_t kv_pieces_cut(const kv_staged *s, const kv_cut *cut, kv_box *boxes, int64_t *max_units);
 
 /* Fills `runs` (room for the box's units) with the pinned runs of `box`, in
  * slot order, merging neighbours; returns their count. */

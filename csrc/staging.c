@@ -32,7 +32,9 @@
  * after the previous piece's, against about 1 us between plain memcpys
  * (benchmarks/probes/copy_engine_handoffs.cu times the bare hand-offs).  To
  * that adds the permute of the one piece no copy overlaps, which therefore
- * runs on KV_PINNED_EDGE_CTAS when the call leaves num_ctas to the default.
+ * runs on KV_PINNED_EDGE_CTAS when the call leaves num_ctas to the default,
+ * as do the short pieces next to it, whose copies are too short to hide a
+ * permute on fewer CTAs.
  *
  * Calls made while the caller's stream is captured into a CUDA graph use a
  * separate capture lane, which reserve_staging() allocates (nothing may be
@@ -48,23 +50,31 @@
 #define KV_MAX_LANES 16
 #define KV_LANE_SLOTS 16
 #define KV_STAGING_ALIGN 256
-/* A call's first piece holds about KV_LEAD_PIECE_BYTES (a head of a
- * Llama-70B block at nt=16 is 640 KiB), so that the copy engines start
- * after a short permute; each next piece up to KV_PIECE_GROWTH times more,
- * which the permute (on its default 8 CTAs about 2.4 times faster than
- * PCIe, after a start of about 4 us) still finishes while the piece before crosses PCIe; none over half
- * a lane.  Fewer, larger pieces keep the host's cost (about 5 API calls a
- * piece) low. */
+/* How a call is cut (pieces.h).  Its first piece holds about
+ * KV_LEAD_PIECE_BYTES (a head of a Llama-70B block at nt=16 is 640 KiB), so
+ * that the copy engines start after a short permute.  The ramp follows: up
+ * to KV_RAMP_GROWTH times more a piece, to KV_RAMP_BYTES, on the edge CTAs,
+ * whose permute runs about 10 times faster than PCIe (5 MiB in 9.5 us on
+ * 32 CTAs) and so hides behind the short copy before it.  Each next piece
+ * holds up to KV_PIECE_GROWTH times more, which the permute on its default
+ * 8 CTAs (about 2.4 times faster than PCIe, after a start of about 4 us)
+ * still finishes while the piece before crosses PCIe; none over half a
+ * lane.  Fewer, larger pieces keep the host's cost (about 5 API calls a
+ * piece) low.
+ *
+ * Llama-70B at nt=16 on the H200 (benchmarks/beside.py): nb = 8 (40 MiB)
+ * is cut 0.6, 4.4, 5, 10 and 20 MiB, and reaches 97.5 % (offload) and
+ * 96.4 % (onload) of a same-size pinned memcpy; before the ramp (0.6, 1.9,
+ * 2.5, 5, 15, 15 MiB, all but the first on 8 CTAs) the copy engines waited
+ * 12 us for the second piece's permute: 96.0 and 95.3 %.  nb = 1 (5 MiB) is
+ * cut 0.6 and 4.4 MiB: 87.7 and 88.2 %, against 84.9 and 84.1 % as one
+ * piece, whose whole permute the copy waited for; beside a memory-bound model
+ * it moves 25.4 / 24.3 GB/s at a 1.9 / 2.1 % slowdown instead of 27.5 / 26.2
+ * at 2.0 / 2.3 %, the same cost to the model per GB/s. */
 #define KV_LEAD_PIECE_BYTES ((int64_t)1 << 20)
+#define KV_RAMP_BYTES ((int64_t)4 << 20)
+#define KV_RAMP_GROWTH 6
 #define KV_PIECE_GROWTH 2
-/* A call of at most KV_ONE_PIECE_BYTES is one piece, on the edge CTAs: cut
- * into a few pieces, the gaps between them and the narrow permutes cost
- * more than its pipelining saves, and beside a model the narrow permutes
- * wait longest for SMs.  On the H200 (benchmarks/beside.py), nb = 1 of
- * Llama-70B (5 MiB) moved 27.6 GB/s beside the memory-bound stand-in at a
- * 2.0 % slowdown, against 15.2 GB/s at 1.1 % in three pieces (the same
- * slowdown per GB/s), about as fast alone, with half the host time. */
-#define KV_ONE_PIECE_BYTES ((int64_t)8 << 20)
 
 typedef struct {
     char *base;
@@ -320,8 +330,8 @@ static int64_t piece_bytes_for(size_t lane_bytes)
  * a slot is rewritten only after the second stage of its last use (the
  * `freed` event; recorded only where a later piece of the call reuses the
  * slot, since the next call on the lane follows the whole of this one).
- * The piece no copy overlaps, an offload's first and an onload's last,
- * permutes on edge_ctas CTAs, the others on ctas. */
+ * The piece no copy overlaps (an offload's first, an onload's last) and
+ * the ramp next to it permute on edge_ctas CTAs, the others on ctas. */
 static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_staged *s, int64_t count,
                           size_t slot_bytes, int nslots, kv_box_launch launch, const void *ctx, uint32_t ctas,
                           uint32_t edge_ctas, int capturing, kv_failure *f)
@@ -341,13 +351,12 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
         const kv_box *box = &st->boxes[s->to_host ? k : count - 1 - k];
         const int slot = (int)(k % nslots);
         char *memory = lane->base + (size_t)slot * slot_bytes;
-        const int edge = s->to_host ? k == 0 : k == count - 1;
         const int64_t runs = kv_box_runs(s, box, st->runs);
         if (s->to_host) {
             if (k >= nslots)
                 CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->freed[slot], 0),
                           "waiting for a free staging slot");
-            CUDA_STEP(f, launch(ctx, box, memory, edge ? edge_ctas : ctas, lane->permute),
+            CUDA_STEP(f, launch(ctx, box, memory, box->edge ? edge_ctas : ctas, lane->permute),
                       "launching the staging permute");
             CUDA_STEP(f, cudaEventRecord(lane->ready[slot], lane->permute), "recording a staged piece");
             CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->ready[slot], 0), "ordering a staged piece");
@@ -363,7 +372,7 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
             return -1;
         CUDA_STEP(f, cudaEventRecord(lane->ready[slot], copies), "recording a staged piece");
         CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->ready[slot], 0), "ordering a staged piece");
-        CUDA_STEP(f, launch(ctx, box, memory, edge ? edge_ctas : ctas, lane->permute),
+        CUDA_STEP(f, launch(ctx, box, memory, box->edge ? edge_ctas : ctas, lane->permute),
                   "launching the staging permute");
         if (k + nslots < count)
             CUDA_STEP(f, cudaEventRecord(lane->freed[slot], lane->permute), "recording a free staging slot");
@@ -398,9 +407,9 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
 
     const int64_t most = piece_bytes_for(lane->bytes);
-    const int64_t lead = s->nb * s->mid * s->inner * s->unit_bytes <= KV_ONE_PIECE_BYTES ? most : KV_LEAD_PIECE_BYTES;
+    const kv_cut cut = {KV_LEAD_PIECE_BYTES, KV_RAMP_BYTES, KV_RAMP_GROWTH, KV_PIECE_GROWTH, most};
     int64_t max_units;
-    const int64_t count = kv_pieces_cut(s, lead, KV_PIECE_GROWTH, most, NULL, &max_units);
+    const int64_t count = kv_pieces_cut(s, &cut, NULL, &max_units);
     const size_t slot_bytes = ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN
                               * KV_STAGING_ALIGN;
     if (2 * slot_bytes > lane->bytes) {
@@ -412,7 +421,7 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     const int nslots = fit < KV_LANE_SLOTS ? (int)fit : KV_LANE_SLOTS;
     if (grow_scratch(st, count, max_units, f) < 0)
         return -1;
-    kv_pieces_cut(s, lead, KV_PIECE_GROWTH, most, st->boxes, &max_units);
+    kv_pieces_cut(s, &cut, st->boxes, &max_units);
 
     /* The lane last served another stream, whose call may still be using
      * the slots (on this stream the call already follows it). */

@@ -1152,6 +1152,31 @@ def test_gpu_debug_names_the_path_paged(direction, where, backend, path, monkeyp
     assert re.match(rf"kvbm_ext: (PagedKVCache\.)?{method}: path {path}\b", line), line
 
 
+# (nb, pieces, largest piece in MiB) of a staged call over Llama-70B blocks at nt=16 (5 MiB)
+# through the default 48 MiB lanes, as staging.c cuts it: a 0.6 MiB lead (one head of a
+# block) and a 4.4 MiB ramp piece (the rest of it) on the edge CTAs, then pieces doubling
+# up to half a lane (four blocks, 20 MiB).  Fewer pieces cost less host time; a lead that
+# is not small keeps the copy engines waiting.
+PIECE_PLANS = [(1, 2, "4.38"), (8, 5, "20.00"), (64, 19, "20.00")]
+
+
+@requires_cuda
+@pytest.mark.parametrize("nb,pieces,largest", PIECE_PLANS, ids=[f"nb{p[0]}" for p in PIECE_PLANS])
+@pytest.mark.parametrize("direction", ["to_universal", "from_universal"])
+def test_gpu_debug_staged_pieces_lead_ramp_then_double(nb, pieces, largest, direction, staging, monkeypatch,
+                                                       capfd, gen):
+    staging(96 * MiB, 2)
+    case = CacheCase("kbthd", 80, 64, 2, 8, 16, 128, torch.bfloat16, gen, device="cuda")
+    cache = case.build()
+    ids = pick_ids(64, nb, gen)
+    monkeypatch.delenv("KVBM_EXT_DEBUG", raising=False)
+    paged_check(case, cache, direction, ids, gen)  # warm-up: first-use messages
+    monkeypatch.setenv("KVBM_EXT_DEBUG", "1")
+    line = one_debug_line(capfd, lambda: paged_check(case, cache, direction, ids, gen))
+    assert re.search(rf"path staged \(.*; {pieces} pieces of up to {largest} MiB on lane \d, permute on at most "
+                     rf"8 CTAs, 32 for the short pieces at the ends,", line), line
+
+
 # ==========================================================================
 # 9. GPU: staging_info; num_ctas gives the same bytes.
 # ==========================================================================
