@@ -234,6 +234,18 @@ def test_beside_without_a_gpu_says_so(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_trace_without_a_gpu_says_so(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: trace.py would run")
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "trace.py"), "--beside-gemm", "4"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "no GPU, nothing to trace" in run.stdout, run.stdout + run.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_host_time_without_a_gpu_says_so(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
