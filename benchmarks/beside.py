@@ -796,30 +796,38 @@ def set_staging(bench, size):
     bench.results.say(f"staging: {kvbm_ext.staging_info()}")
 
 
-def curve_point(bench, path, nb, standins):
-    lanes = bench.lanes(path, "offload", nb)
+def curve_point(bench, path, direction, nb, standins):
+    lanes = bench.lanes(path, direction, nb)
     alone = measure_alone(bench, lanes)
     for standin in standins:
-        add_beside_row(bench, "curve", path, "offload", nb, standin, lanes, alone)
+        add_beside_row(bench, "curve", path, direction, nb, standin, lanes, alone)
+
+
+def curve_ctas(bench, direction, nb, standins, staging_note):
+    """The staged path at each --curve num_ctas, verified, then timed alone and beside."""
+    for num_ctas in bench.args.curve_ctas:
+        if bench.over_budget():
+            bench.results.say(f"curve: time budget of {bench.args.budget_s:.0f} s spent, "
+                              f"skipping {direction} {staging_note} num_ctas={num_ctas}")
+            continue
+        path = staged_path(bench.cache, num_ctas=num_ctas)
+        verify_or_exit(bench, path, (direction,), (nb,))
+        curve_point(bench, path, direction, nb, standins)
 
 
 def run_curve(bench, standins):
-    """The staged path's num_ctas at each staging size, offload at CURVE_NB, beside each
-    stand-in; then kernel_few for comparison.  The staging size is restored after."""
+    """The staged path's num_ctas at CURVE_NB, beside each stand-in: offload at each
+    staging size, then both directions at once at the default size (each of the two calls
+    on num_ctas: what a bound shared by two concurrent calls would leave each); then
+    kernel_few for comparison.  The staging size is restored after."""
     nb = CURVE_NB if CURVE_NB in bench.args.nb else max(bench.args.nb)
     original = staging_bytes()
     for size in CURVE_STAGING:
         set_staging(bench, size)
-        for num_ctas in bench.args.curve_ctas:
-            if bench.over_budget():
-                bench.results.say(f"curve: time budget of {bench.args.budget_s:.0f} s spent, "
-                                  f"skipping staging {size // MIB} MiB num_ctas={num_ctas}")
-                continue
-            path = staged_path(bench.cache, num_ctas=num_ctas)
-            verify_or_exit(bench, path, ("offload",), (nb,))
-            curve_point(bench, path, nb, standins)
+        curve_ctas(bench, "offload", nb, standins, f"staging {size // MIB} MiB")
     set_staging(bench, original)
-    curve_point(bench, kernel_path("kernel_few", bench.cache, KERNEL_FEW_CTAS), nb, standins)
+    curve_ctas(bench, "both", nb, standins, f"staging {original // MIB} MiB")
+    curve_point(bench, kernel_path("kernel_few", bench.cache, KERNEL_FEW_CTAS), "offload", nb, standins)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -846,9 +854,9 @@ def print_table(title, labels, columns, lookup, width=16):
     lookup(label, key) is the text of a cell."""
     print()
     print(title)
-    print(f"{'':<28}" + "".join(f"{heading:>{width}}" for heading, _ in columns))
+    print(f"{'':<32}" + "".join(f"{heading:>{width}}" for heading, _ in columns))
     for label in labels:
-        print(f"{' '.join(label):<28}"
+        print(f"{' '.join(label):<32}"
               + "".join(f"{lookup(label, key):>{width}}" for _, key in columns))
 
 
@@ -895,20 +903,22 @@ def print_curve(results, standins):
         return
 
     def curve_cell(label, standin):
-        row = next((r for r in curve if curve_label(r) == label and r["standin"] == standin),
-                   None)
+        rows = [r for r in curve if curve_label(r) == label]
+        if standin is None:
+            return cell(rows[0], ("transfer_gbps_alone",))
+        row = next((r for r in rows if r["standin"] == standin), None)
         return cell(row, ("transfer_gbps_beside", "slowdown_pct",
                           "ratio_to_plain_copy_engines_beside"))
 
-    print_table(f"curve, offload nb={curve[0]['nb']}: beside GB/s, slowdown %, "
+    print_table(f"curve, nb={curve[0]['nb']}: GB/s alone; beside: GB/s, slowdown %, "
                 "% of the plain copy engines' GB/s beside",
                 list(dict.fromkeys(curve_label(r) for r in curve)),
-                [(s.name, s.name) for s in standins], curve_cell, width=22)
+                [("alone", None)] + [(s.name, s.name) for s in standins], curve_cell, width=22)
 
 
 def curve_label(row):
     staging = (f"{row['staging_bytes'] // MIB}MiB",) if row["staging_bytes"] != "" else ()
-    return (row["path"], f"ctas={row['num_ctas']}") + staging
+    return (row["path"], row["direction"], f"ctas={row['num_ctas']}") + staging
 
 
 def verdict(ok):
