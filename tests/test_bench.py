@@ -222,40 +222,30 @@ def test_committed_results_still_compare(report):
 # beside.py and the documentation.
 # --------------------------------------------------------------------------
 
-def test_beside_without_a_gpu_says_so(tmp_path):
+# (script and arguments, what it prints where no GPU is): it says so, writes nothing, exits 0.
+WITHOUT_A_GPU = [
+    (["beside.py", "--quick"], "no GPU, nothing to measure"),
+    (["trace.py", "--beside-gemm", "4"], "no GPU, nothing to trace"),
+    (["host_time.py", "--build", f"here={REPO_ROOT}"], "no GPU, nothing to measure"),
+]
+
+
+@pytest.mark.parametrize("argv,says", WITHOUT_A_GPU, ids=[argv[0] for argv, _ in WITHOUT_A_GPU])
+def test_gpu_script_without_a_gpu_says_so(argv, says, tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: beside.py would run for minutes")
+        pytest.skip(f"a GPU is here: {argv[0]} would run")
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    run = subprocess.run([sys.executable, os.path.join(BENCH, "beside.py"), "--quick"], cwd=tmp_path, env=env,
+    run = subprocess.run([sys.executable, os.path.join(BENCH, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "no GPU, nothing to measure" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 0 and says in run.stdout, run.stdout + run.stderr
     assert os.listdir(tmp_path) == []
 
 
-def test_trace_without_a_gpu_says_so(tmp_path):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here: trace.py would run")
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run([sys.executable, os.path.join(BENCH, "trace.py"), "--beside-gemm", "4"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "no GPU, nothing to trace" in run.stdout, run.stdout + run.stderr
-    assert os.listdir(tmp_path) == []
-
-
-def test_host_time_without_a_gpu_says_so(tmp_path):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here: host_time.py would run")
-    script = os.path.join(BENCH, "host_time.py")
-    run = subprocess.run([sys.executable, script, "--build", f"here={REPO_ROOT}"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "no GPU, nothing to measure" in run.stdout, run.stdout + run.stderr
-    assert os.listdir(tmp_path) == []
-    run = subprocess.run([sys.executable, script, "--build", "nolabel"], capture_output=True, text=True, timeout=300)
+def test_host_time_build_needs_a_label():
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "host_time.py"), "--build", "nolabel"],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "--build: expected LABEL=ROOT" in run.stderr, run.stderr
 
 
