@@ -206,9 +206,6 @@ int kv_from_dlpack(const kv_reader *reader, PyObject *obj, const kv_path *path, 
     return 0;
 }
 
-/* The producer does not synchronize: its current stream on the array's
- * device becomes the array's producer stream, which the call orders before
- * its own, as __dlpack__(stream=...) would. */
 int kv_array_current_stream(const kv_array *a, int32_t device_type, int32_t device_id, void **stream)
 {
     const int rc = a->current_work_stream(device_type, device_id, stream);
@@ -221,6 +218,9 @@ int kv_array_current_stream(const kv_array *a, int32_t device_type, int32_t devi
     return -1;
 }
 
+/* The producer does not synchronize: its current stream on the array's
+ * device becomes the array's producer stream, which the call orders before
+ * its own, as __dlpack__(stream=...) would. */
 int kv_from_exchange(PyObject *obj, const DLPackExchangeAPI *api, const kv_path *path, kv_array *out)
 {
     DLTensor t;

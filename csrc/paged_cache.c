@@ -60,6 +60,11 @@ kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i)
     return path;
 }
 
+PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i)
+{
+    return PyTuple_Check(self->layers) ? PyTuple_GET_ITEM(self->layers, i) : self->layers;
+}
+
 /* Checks arrays[i] against arrays[0]: dimensions, element type, strides, place. */
 static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, Py_ssize_t ndim)
 {
@@ -199,7 +204,6 @@ static int compare_addresses(const void *a, const void *b)
  * none), so that a call writing every layer bumps each counter once. */
 static int find_counters(kv_paged_cache *self, kv_protocols *p)
 {
-    PyObject *seq = PyTuple_Check(self->layers) ? self->layers : NULL;
     if ((self->counters = PyTuple_New(self->narrays)) == NULL)
         return -1;
     PyObject **owners = PyMem_Malloc((size_t)self->narrays * sizeof *owners);
@@ -209,7 +213,7 @@ static int find_counters(kv_paged_cache *self, kv_protocols *p)
     }
     Py_ssize_t n = 0;
     for (Py_ssize_t i = 0; i < self->narrays; i++) {
-        PyObject *owner = kv_torch_counter_owner(p, seq != NULL ? PyTuple_GET_ITEM(seq, i) : self->layers);
+        PyObject *owner = kv_torch_counter_owner(p, kv_paged_layer(self, i));
         if (owner == NULL) {
             PyMem_Free(owners);
             return -1;

@@ -342,12 +342,11 @@ static int mark_layers_written(const kv_paged_call *call)
     int rc = 0;
     for (Py_ssize_t k = 0; rc == 0 && k < count; k++) {
         const Py_ssize_t i = cache->narrays == 1 ? 0 : (Py_ssize_t)(layers->first + k * layers->step);
-        PyObject *layer = PyTuple_Check(cache->layers) ? PyTuple_GET_ITEM(cache->layers, i) : cache->layers;
         PyObject *owner = PyTuple_GET_ITEM(cache->counters, i);
         if (owner == Py_None)
             continue;
         const kv_path path = kv_paged_layer_path(cache, i);
-        rc = kv_torch_check_destination(p, layer, &path);
+        rc = kv_torch_check_destination(p, kv_paged_layer(cache, i), &path);
         if (rc == 0 && bump != NULL)
             rc = PyList_Append(bump, owner);
     }

@@ -39,6 +39,10 @@ typedef struct {
 /* Where array i of the cache is named in errors. */
 kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i);
 
+/* Array i of the cache as the caller gave it (borrowed): item i of the
+ * tuple of layers, or the one array. */
+PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i);
+
 /* paged_cache.c: the type's tp_new, tp_traverse, tp_clear, tp_dealloc. */
 PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs);
 int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg);

@@ -3,12 +3,20 @@
 
 static int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* How many of the `left` items (of item_bytes each) that remain of a block
+ * or a mid a box takes: as many as `budget` holds, one at least; or all of
+ * them rather than leave fewer than it takes, if they fit in `cap`: the
+ * remnant would be a piece smaller than the one before it, which the
+ * pipeline cannot use (a copy too short to hide the next permute behind). */
+static int64_t take(int64_t left, int64_t item_bytes, int64_t budget, int64_t cap)
+{
+    const int64_t n = smaller(budget / item_bytes > 0 ? budget / item_bytes : 1, left);
+    return left - n < n && left * item_bytes <= cap ? left : n;
+}
+
 /* The largest box that starts at unit (b, m, i), respects the nesting and
- * holds at most `budget` bytes (one unit at least).  A box inside a block
- * (or a mid) that would leave less of it than it takes runs to its end
- * instead, if that stays within `cap` bytes: the remnant would be a piece
- * smaller than the one before it, which the pipeline cannot use (a copy too
- * short to hide the next permute behind). */
+ * holds at most `budget` bytes (one unit at least; a box inside a block or
+ * a mid as `take` says). */
 static void next_box(const kv_staged *s, int64_t b, int64_t m, int64_t i, int64_t budget, int64_t cap, kv_box *box)
 {
     const int64_t mid_bytes = s->inner * s->unit_bytes, block_bytes = s->mid * mid_bytes;
@@ -19,18 +27,10 @@ static void next_box(const kv_staged *s, int64_t b, int64_t m, int64_t i, int64_
         box->bn = smaller(smaller(budget / block_bytes, s->max_blocks), s->nb - b);
         box->mn = s->mid;
     }
-    else if (i == 0 && mid_bytes <= budget) {
-        const int64_t left = s->mid - m;
-        box->mn = smaller(budget / mid_bytes, left);
-        if (left - box->mn < box->mn && left * mid_bytes <= cap)
-            box->mn = left;
-    }
-    else {
-        const int64_t left = s->inner - i;
-        box->in = smaller(budget / s->unit_bytes > 0 ? budget / s->unit_bytes : 1, left);
-        if (left - box->in < box->in && left * s->unit_bytes <= cap)
-            box->in = left;
-    }
+    else if (i == 0 && mid_bytes <= budget)
+        box->mn = take(s->mid - m, mid_bytes, budget, cap);
+    else
+        box->in = take(s->inner - i, s->unit_bytes, budget, cap);
 }
 
 int64_t kv_pieces_cut(const kv_staged *s, const kv_cut *cut, kv_box *boxes, int64_t *max_units)
