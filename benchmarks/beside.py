@@ -52,11 +52,10 @@ import torch
 # Benchmark the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
-from harness import (STEADY_REPS, Tee, calibrate_sleep_cycles_per_us, fill_random_, int_list,  # noqa: E402
-                     output_dir, run_stem, steady_host_us)
+from harness import (HD, NH, NL, NO, NT, STEADY_REPS, Tee, calibrate_sleep_cycles_per_us,  # noqa: E402
+                     fill_random_, int_list, output_dir, run_stem, steady_host_us)
 from report import csv_cells, fmt  # noqa: E402
 
-NL, NO, NH, NT, HD = 80, 2, 8, 16, 128        # Llama-3.1-70B KV cache, 16 tokens per block
 DTYPE = torch.bfloat16
 CHUNK_BYTES = NT * NH * HD * DTYPE.itemsize    # one contiguous [nt, nh, hd] chunk: 32 KiB
 BLOCK_BYTES = NL * NO * CHUNK_BYTES            # 5,242,880

@@ -1,4 +1,4 @@
-"""The cases kvbench.py times: the Llama-3.1-70B profile, the buffers, the pure-torch
+"""The cases kvbench.py times: the Llama-3.1-70B profile (harness.py's, in bf16), the buffers, the pure-torch
 references every case is verified against, the groups of GPU cases (list, operational,
 copy, paged), the ceilings measured in the same run, and the CPU cases.  Each case
 becomes a row (report.py) through run_gpu_case or run_cpu_case: verified bit for bit
@@ -13,14 +13,13 @@ import numpy as np
 import torch
 
 import kvbm_ext
-from harness import (RepPolicy, cuda_synchronize, fill_random_, no_synchronize, run_once, steady_host_us,
-                     time_cpu_calls, time_gpu_calls)
+from harness import (HD, NH, NL, NO, RepPolicy, cuda_synchronize, fill_random_, no_synchronize, run_once,
+                     steady_host_us, time_cpu_calls, time_gpu_calls)
 from report import make_row, print_progress
 
 
 # ----------------------------------------------------------------------------- profile
 
-NL, NO, NH, HD = 80, 2, 8, 128          # Llama-3.1-70B KV cache
 DTYPE = torch.bfloat16
 
 # (direction, kvbm_ext function, whether it writes side b of the pairing)

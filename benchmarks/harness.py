@@ -1,6 +1,7 @@
-"""The timing harness shared by kvbench.py and beside.py: repetitions, GPU timing with
-events behind a GPU sleep, host timing, the random fill of buffers, and where a run
-writes its files.  No kvbm_ext here: what is timed comes from the callers."""
+"""The timing harness shared by the benchmark scripts: the model profile they time,
+repetitions, GPU timing with events behind a GPU sleep, host timing, the random fill of
+buffers, and where a run writes its files.  No kvbm_ext here: what is timed comes from
+the callers."""
 
 import argparse
 import math
@@ -13,6 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# The Llama-3.1-70B KV cache every script times: layers, outer chunks (K and V), KV heads,
+# head dim, and NT tokens per block where a script does not sweep it (kvbench.py's --nt).
+NL, NO, NH, HD = 80, 2, 8, 128
+NT = 16
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLEEP_FACTOR = 1.2                      # GPU sleep before a timed call, in units of its host time

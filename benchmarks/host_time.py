@@ -34,9 +34,8 @@ import time
 
 import torch
 
-from harness import REPO_ROOT, Tee, output_dir, run_stem
+from harness import HD, NH, NL, NO, NT, REPO_ROOT, Tee, output_dir, run_stem
 
-NL, NO, NH, NT, HD = 80, 2, 8, 16, 128
 NUM_BLOCKS = 256
 LIST_NB = 64
 PAGED_NBS = (1, 64)

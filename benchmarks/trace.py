@@ -28,9 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 # Trace the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
-from harness import Tee, int_list, output_dir, run_stem  # noqa: E402
+from harness import HD, NH, NL, NO, NT, Tee, int_list, output_dir, run_stem  # noqa: E402
 
-NL, NO, NH, NT, HD = 80, 2, 8, 16, 128
 NUM_BLOCKS = 256
 GEMM_N = 8192
 LEAD_SLEEP_CYCLES = 2_000_000      # a GPU sleep before the calls, so that the host queues them all
