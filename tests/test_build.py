@@ -13,7 +13,7 @@ import torch
 
 import kvbm_ext
 from conftest import REPO_ROOT, requires_cuda
-from reference import FakeDeviceArray
+from support.producers import FakeDeviceArray
 
 PUBLIC_FUNCTIONS = [
     "block_to_universal",
@@ -181,11 +181,13 @@ def _build(tmp_path, env):
 STUB_CHECK = textwrap.dedent(
     """
     import os, sys
-    sys.path.append(sys.argv[1])  # tests/ (for reference.py), AFTER the cwd holding the stub build
+    sys.path.append(sys.argv[1])  # tests/ (for the support package), AFTER the cwd holding the stub build
     import numpy as np
     import kvbm_ext
-    from reference import (FakeDeviceArray, make_case, to_numpy, poison_, expected_universals, expected_blocks,
-                           assert_all_bitwise_equal)
+    from support.asserts import assert_all_bitwise_equal, poison_
+    from support.builders import make_case, to_numpy
+    from support.producers import FakeDeviceArray
+    from support.references import expected_blocks, expected_universals
     import torch
 
     assert os.path.dirname(os.path.abspath(kvbm_ext.__file__)) == os.path.join(os.getcwd(), "kvbm_ext"), kvbm_ext.__file__

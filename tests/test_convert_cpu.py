@@ -11,33 +11,23 @@ import pytest
 import torch
 
 import kvbm_ext
-from reference import (
+from support.asserts import assert_all_bitwise_equal, assert_bitwise_equal, b2u_and_check, poison_, u2b_and_check
+from support.builders import (
     NUMPY_DTYPES,
     SHAPES,
     TORCH_DTYPES,
-    ArrayInterfaceOnly,
-    DLPackOnly,
-    DLPackWithDecoyArrayInterface,
-    LegacyDLPackOnly,
-    assert_all_bitwise_equal,
-    assert_bitwise_equal,
-    b2u_and_check,
-    block_to_universal_ref,
     clone_all,
     dtype_id,
-    expected_blocks,
-    expected_universals,
     make_case,
     misaligned,
-    poison_,
     random_tensor,
+    read_only_copy,
     shape_id,
     to_numpy,
     torch_dtype_of,
-    u2b_and_check,
-    universal_to_block_ref,
-    wrap,
 )
+from support.producers import ArrayInterfaceOnly, DLPackOnly, DLPackWithDecoyArrayInterface, LegacyDLPackOnly, wrap
+from support.references import block_to_universal_ref, expected_blocks, expected_universals, universal_to_block_ref
 
 LAYOUTS = ["NHD", "HND"]
 
@@ -350,16 +340,11 @@ def test_dlpack_is_preferred_over_array_interface(gen):
 # --------------------------------------------------------------------------
 
 
-def _read_only(a):
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("np_dtype", [np.float16, np.uint8], ids=dtype_id)
 def test_read_only_numpy_universal_as_source(np_dtype, layout, gen):
     blocks, universals = numpy_case((3, 2, 2, 3, 4, 5), np_dtype, layout, gen)
-    ro = [_read_only(u.copy()) for u in universals]
+    ro = [read_only_copy(u) for u in universals]
     u2b_and_check(ro, blocks, layout)
     # nb = 1 as a single read-only 5-D array
     u2b_and_check(ro[0], [blocks[0]], layout)
@@ -368,13 +353,13 @@ def test_read_only_numpy_universal_as_source(np_dtype, layout, gen):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_read_only_numpy_blocks_as_source(layout, gen):
     blocks, universals = numpy_case((3, 2, 2, 3, 4, 5), np.float32, layout, gen)
-    ro_blocks = [[_read_only(c.copy()) for c in chunks] for chunks in blocks]
+    ro_blocks = [[read_only_copy(c) for c in chunks] for chunks in blocks]
     b2u_and_check(ro_blocks, universals, layout, no=2)
 
 
 def test_read_only_array_interface_as_source(gen):
     blocks, universals = numpy_case((2, 2, 2, 3, 4, 5), np.float16, "HND", gen)
-    ro = [ArrayInterfaceOnly(_read_only(u.copy())) for u in universals]
+    ro = [ArrayInterfaceOnly(read_only_copy(u)) for u in universals]
     assert ro[0].__array_interface__["data"][1] is True
     poison_(blocks)
     kvbm_ext.universal_to_block(ro, blocks, "HND")
@@ -383,7 +368,7 @@ def test_read_only_array_interface_as_source(gen):
 
 def test_read_only_buffer_as_source(gen):
     blocks, universals = numpy_case((2, 2, 2, 3, 4, 5), np.float32, "NHD", gen)
-    ro = [memoryview(_read_only(u.copy())) for u in universals]
+    ro = [memoryview(read_only_copy(u)) for u in universals]
     assert ro[0].readonly
     poison_(blocks)
     kvbm_ext.universal_to_block(ro, blocks, "NHD")

@@ -10,34 +10,31 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
-from reference import (
-    CudaArrayInterfaceOnly,
-    DLPackOnly,
-    SHAPES,
-    SLEEP_CYCLES,
-    TORCH_DTYPES,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_poisoned,
     b2u_and_check,
     call,
     check_rejected,
+    peek_still_poisoned,
+    poison_,
+    u2b_and_check,
+)
+from support.builders import (
+    SHAPES,
+    TORCH_DTYPES,
+    arrays_in,
     clone_all,
     dtype_id,
-    expected_blocks,
-    expected_universals,
     make_case,
     misaligned,
-    peek_still_poisoned,
-    place,
-    poison_,
+    placed_case,
     random_tensor,
-    rewrite_sources_behind_sleep,
     shape_id,
-    sync,
-    u2b_and_check,
-    wrap,
 )
+from support.devices import SLEEP_CYCLES, rewrite_sources_behind_sleep, sync
+from support.producers import STREAM_FORMS, CudaArrayInterfaceOnly, DLPackOnly, wrap
+from support.references import expected_blocks, expected_universals
 
 pytestmark = requires_cuda
 
@@ -147,13 +144,6 @@ def test_device_zero_blocks_with_stream():
 # --------------------------------------------------------------------------
 
 
-def placed_case(shape, dtype, layout, gen, blocks_where, universals_where):
-    blocks, universals = make_case(*shape, dtype, layout, generator=gen)
-    blocks = [[place(c, blocks_where, b * 7 + i) for i, c in enumerate(chunks)] for b, chunks in enumerate(blocks)]
-    universals = [place(u, universals_where, i) for i, u in enumerate(universals)]
-    return blocks, universals
-
-
 PLACEMENTS = [
     ("device", "pinned"),
     ("pinned", "device"),
@@ -224,31 +214,6 @@ def test_device_errors_leave_device_destinations_untouched(direction, gen):
 # --------------------------------------------------------------------------
 # Streams.
 # --------------------------------------------------------------------------
-
-
-class CudaStreamProtocolOnly:
-    """Only the cuda.core protocol: __cuda_stream__() -> (0, handle)."""
-
-    def __init__(self, s):
-        self._s = s
-
-    def __cuda_stream__(self):
-        return (0, self._s.cuda_stream)
-
-
-class CudaStreamAttributeOnly:
-    """Only a .cuda_stream attribute (like older torch / numba streams)."""
-
-    def __init__(self, s):
-        self.cuda_stream = s.cuda_stream
-
-
-STREAM_FORMS = {
-    "torch.cuda.Stream": lambda s: s,
-    "int": lambda s: s.cuda_stream,
-    "__cuda_stream__": CudaStreamProtocolOnly,
-    ".cuda_stream": CudaStreamAttributeOnly,
-}
 
 
 @pytest.mark.parametrize("form", list(STREAM_FORMS))

@@ -26,7 +26,8 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
-from reference import POISON_BYTE, SLEEP_CYCLES, assert_poisoned, peek_still_poisoned, sync
+from support.asserts import POISON_BYTE, assert_poisoned, peek_still_poisoned
+from support.devices import SLEEP_CYCLES, sync
 
 HAVE_CUDA = torch.cuda.is_available()
 MODES = ["batched_with_fallback", "fallback_only", "batch_without_fallback"]

@@ -17,41 +17,34 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda
-from paged_reference import (
-    Buffers,
-    CacheCase,
-    block_buffers,
-    cache_rows,
-    invoke,
-    per_block,
-    reference,
-    run_and_check,
-    snapshot,
-)
-from reference import (
-    SLEEP_CYCLES,
-    DLPackOnly,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
     assert_message_has,
     assert_poisoned,
-    expected_op,
-    path_regex,
     b2u_and_check,
     call,
-    clone_all,
-    expected_blocks,
-    expected_universals,
-    make_case,
-    make_op_case,
+    invoke,
     op_and_check,
+    path_regex,
     poison_,
-    random_tensor,
-    rewrite_sources_behind_sleep,
-    sync,
+    run_and_check,
     u2b_and_check,
 )
+from support.builders import (
+    Buffers,
+    CacheCase,
+    arrays_in,
+    block_buffers,
+    clone_all,
+    make_case,
+    make_op_case,
+    random_tensor,
+    snapshot,
+)
+from support.devices import SLEEP_CYCLES, rewrite_sources_behind_sleep, sync
+from support.producers import DLPackOnly, wrap
+from support.references import cache_rows, expected_blocks, expected_universals, paged_reference, per_block
 
 HAS_EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 requires_exchange_api = pytest.mark.skipif(
@@ -94,12 +87,6 @@ def as_sub(x, cls):
     if isinstance(x, (list, tuple)):
         return [as_sub(v, cls) for v in x]
     return x.as_subclass(cls)
-
-
-def wrap_all(x, cls):
-    if isinstance(x, (list, tuple)):
-        return [wrap_all(v, cls) for v in x]
-    return cls(x)
 
 
 # ==========================================================================
@@ -179,8 +166,8 @@ def test_mixed_subclass_plain_and_python_dlpack_in_one_call(direction, gen):
     blocks = [as_sub(chunks, NoPythonDLPack) if b == 0 else chunks for b, chunks in enumerate(blocks)]
     blocks[2] = [DLPackOnly(c) if i % 2 else c for i, c in enumerate(blocks[2])]
     universals = [universals[0].as_subclass(NoPythonDLPack), DLPackOnly(universals[1]), universals[2]]
-    plain_blocks = [[c._t if isinstance(c, DLPackOnly) else c for c in chunks] for chunks in blocks]
-    plain_universals = [u._t if isinstance(u, DLPackOnly) else u for u in universals]
+    plain_blocks = [[c.tensor if isinstance(c, DLPackOnly) else c for c in chunks] for chunks in blocks]
+    plain_universals = [u.tensor if isinstance(u, DLPackOnly) else u for u in universals]
     if direction == "b2u":
         before = clone_all(plain_blocks)
         poison_(plain_universals)
@@ -249,7 +236,7 @@ def test_paged_cache_through_python_dlpack(cls, gen):
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_list_api_through_python_dlpack(direction, cls, gen):
     blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.bfloat16, "HND", generator=gen)
-    w_blocks, w_universals = wrap_all(blocks, cls), wrap_all(universals, cls)
+    w_blocks, w_universals = wrap(blocks, cls), wrap(universals, cls)
     if direction == "b2u":
         before = clone_all(blocks)
         poison_(universals)
@@ -361,7 +348,7 @@ def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, 
     want = snapshot(case.buf.bases)
     fresh = rewrite_sources_behind_sleep(
         other.bases, gen, lambda stream: getattr(cache, method)(other.arg, ids, stream=stream))
-    reference(method, cache_rows(case.buf.make(want), case.dims), per_block([f.cpu() for f in fresh]), ids,
+    paged_reference(method, cache_rows(case.buf.make(want), case.dims), per_block([f.cpu() for f in fresh]), ids,
               list(range(case.nl)))
     for i, (got, w) in enumerate(zip(case.buf.bases, want)):
         assert_bitwise_equal(got.view(torch.int16), w, f"cache memory #{i}")
@@ -419,7 +406,7 @@ def test_gpu_stream_none_runs_on_the_current_torch_stream_paged(where, gen):
     want = snapshot(U.bases)
     clones = run_in_stream_context_behind_a_legacy_sleep(lambda: cache.to_universal(ids, U.arg), U.bases)
     assert_all_bitwise_equal(clones, U.bases, "universals cloned on the current stream right after the call")
-    reference("to_universal", cache_rows(case.buf.make(snapshot(case.buf.bases)), case.dims), per_block(U.make(want)),
+    paged_reference("to_universal", cache_rows(case.buf.make(snapshot(case.buf.bases)), case.dims), per_block(U.make(want)),
               ids, list(range(case.nl)))
     for i, (got, w) in enumerate(zip(U.bases, want)):
         assert_bitwise_equal(got.view(torch.int16), w, f"universals #{i}")

@@ -7,7 +7,7 @@ operational block: one C-contiguous [nl, no, inner] array, inner = nt*nh*hd;
   operational[l, o].view(nh, nt, hd)[h, t, :] == universal[h, l, o, t, :]   (HND)
 
 Every destination is poisoned (0xA5) before a call and compared byte for byte with the
-pure-torch references of reference.py afterwards; sources are checked unchanged. Errors are
+pure-torch references of support/references.py afterwards; sources are checked unchanged. Errors are
 checked to be raised before any byte is written. Sections:
   1. the references themselves (no kvbm_ext) and the checking helpers (can they fail?)
   2. host arrays (torch CPU, NumPy): results, nb = 1 / 0, round trips, backend names
@@ -23,41 +23,44 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
-from reference import (
-    NUMPY_DTYPES,
-    OP_BACKENDS,
-    SHAPES,
-    SLEEP_CYCLES,
-    TORCH_DTYPES,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
     assert_poisoned,
-    block_to_operational_ref,
-    block_to_universal_ref,
     call_op,
     check_op_rejected,
-    chunk_shape,
+    op_and_check,
+    peek_still_poisoned,
+    poison_,
+    poison_even_if_read_only,
+)
+from support.builders import (
+    NUMPY_DTYPES,
+    SHAPES,
+    TORCH_DTYPES,
+    arrays_in,
     clone_all,
     dtype_id,
-    expected_blocks,
-    expected_op,
-    expected_universals,
     make_op_case,
     make_operationals,
     misaligned,
-    op_and_check,
-    operational_to_block_ref,
-    operational_to_universal_ref,
-    peek_still_poisoned,
     place,
-    poison_,
-    poison_even_if_read_only,
     random_tensor,
+    read_only_copy,
     shape_id,
-    sync,
     to_numpy,
     torch_dtype_of,
+)
+from support.devices import SLEEP_CYCLES, sync
+from support.references import (
+    block_to_operational_ref,
+    block_to_universal_ref,
+    chunk_shape,
+    expected_blocks,
+    expected_op,
+    expected_universals,
+    operational_to_block_ref,
+    operational_to_universal_ref,
     universal_to_block_ref,
     universal_to_operational_ref,
 )
@@ -66,6 +69,7 @@ LAYOUTS = ["NHD", "HND"]
 DIRECTIONS = ["b2o", "o2b", "u2o", "o2u"]
 BLOCK_DIRECTIONS = ["b2o", "o2b"]  # block <-> operational: backend=, no layout
 UNIVERSAL_DIRECTIONS = ["u2o", "o2u"]  # universal <-> operational: layout
+OP_BACKENDS = ["kernel", "async", "batch", "auto"]
 # Every spelling of a backend the tests pass (the spec: case-insensitive).
 BACKEND_NAMES = OP_BACKENDS + ["KERNEL", "Batch"]
 
@@ -406,21 +410,15 @@ def test_stream_none_accepted_on_host(direction, gen):
     check_direction(direction, blocks, universals, ops, "NHD", stream=None)
 
 
-def _read_only(a):
-    a = a.copy()
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_read_only_numpy_sources(direction, gen):
     blocks, universals, ops = numpy_op_case((3, 2, 2, 3, 4, 5), np.float16, "NHD", gen)
     if direction == "b2o":
-        blocks = [[_read_only(c) for c in chunks] for chunks in blocks]
+        blocks = [[read_only_copy(c) for c in chunks] for chunks in blocks]
     elif direction == "u2o":
-        universals = [_read_only(u) for u in universals]
+        universals = [read_only_copy(u) for u in universals]
     else:
-        ops = [_read_only(o) for o in ops]
+        ops = [read_only_copy(o) for o in ops]
     check_direction(direction, blocks, universals, ops, "NHD")
 
 
@@ -745,12 +743,6 @@ def test_non_contiguous_universal(direction, gen):
     reject(direction, blocks, universals, ops, ValueError, r"universals\[1\]", "contiguous")
 
 
-def _read_only_numpy(t):
-    a = t.numpy().copy()
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("protocol", ["numpy", "memoryview"])
 @pytest.mark.parametrize("direction", ["b2o", "u2o"])
 def test_read_only_destination_operational(direction, protocol, gen):
@@ -767,14 +759,14 @@ def test_read_only_destination_operational(direction, protocol, gen):
 @pytest.mark.parametrize("direction", ["b2o", "u2o"])
 def test_read_only_single_3d_destination(direction, gen):
     blocks, universals, ops = ecase(gen, nb=1)
-    ro = _read_only_numpy(ops[0])
+    ro = read_only_copy(ops[0])
     poison_even_if_read_only(ro)
     reject(direction, blocks, universals, ro, ValueError, r"operationals(\[0\])?", "read-only")
 
 
 def test_read_only_destination_chunk(gen):
     blocks, universals, ops = ecase(gen)
-    ro = _read_only_numpy(blocks[1][1])
+    ro = read_only_copy(blocks[1][1])
     blocks[1][1] = ro
     poison_even_if_read_only(ro)
     reject("o2b", blocks, universals, ops, ValueError, r"blocks\[1\]\[1\]", "read-only")
@@ -782,7 +774,7 @@ def test_read_only_destination_chunk(gen):
 
 def test_read_only_destination_universal(gen):
     blocks, universals, ops = ecase(gen)
-    ro = _read_only_numpy(universals[1])
+    ro = read_only_copy(universals[1])
     universals[1] = ro
     poison_even_if_read_only(ro)
     reject("o2u", blocks, universals, ops, ValueError, r"universals\[1\]", "read-only")

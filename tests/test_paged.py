@@ -2,7 +2,7 @@
 blocks to and from universal and operational blocks by block id.
 
 Every call's destination memory is poisoned (0xA5) before the call and afterwards compared
-byte for byte with the pure-torch reference of paged_reference.py applied to a copy of it:
+byte for byte with the pure-torch reference of support/references.py applied to a copy of it:
 moved rows written, everything else (other heads, other layers, other blocks, padding
 between rows) still poisoned. Sources are checked unchanged. Errors are checked to be
 raised before any byte is written. Sections:
@@ -28,38 +28,34 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda, requires_two_gpus
-from paged_reference import (
-    BLOCK_FORMS,
-    Buffers,
-    CACHE_LAYOUTS,
-    METHODS,
-    CacheCase,
-    block_buffers,
-    cache_rows,
-    canonical,
-    invoke,
-    per_block,
-    reference,
-    run_and_check,
-    selected,
-    snapshot,
-)
-from reference import (
-    SLEEP_CYCLES,
-    _as_int,
+from support.asserts import (
     assert_bitwise_equal,
     assert_message_has,
     assert_poisoned,
-    dtype_id,
     expect_rejected,
-    misaligned,
+    invoke,
     path_regex,
     peek_still_poisoned,
     poison_,
-    random_tensor,
-    rewrite_sources_behind_sleep,
-    sync,
+    run_and_check,
 )
+from support.builders import (
+    BLOCK_FORMS,
+    CACHE_LAYOUTS,
+    METHODS,
+    Buffers,
+    CacheCase,
+    block_buffers,
+    dtype_id,
+    misaligned,
+    pick_ids,
+    random_tensor,
+    read_only_copy,
+    snapshot,
+    split,
+)
+from support.devices import SLEEP_CYCLES, rewrite_sources_behind_sleep, sync
+from support.references import as_int, cache_rows, canonical, paged_reference, per_block, selected
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn, torch.int64]
 DTYPE_NAMES = {
@@ -94,21 +90,10 @@ def case_id(v):
     return None
 
 
-def split(direction):
-    """'to_operational:HND' -> ('to_operational', {'inner': 'HND'})."""
-    method, _, inner = direction.partition(":")
-    return method, ({"inner": inner} if inner else {})
-
-
 def other_buffers(case, method, nb, gen, form="list", NH=None, NL=None, device=None, pin=False, dtype=None):
     """Universals (shape from the case, NH/NL overridable) or operationals for `method`."""
     shape = case.universal_shape(NH, NL) if "universal" in method else case.operational_shape()
     return block_buffers(form, nb, shape, dtype or case.dtype, gen, device or case.device, pin)
-
-
-def pick_ids(NB, nb, gen):
-    """nb distinct ids in [0, NB), in random order."""
-    return torch.randperm(NB, generator=gen)[:nb].tolist()
 
 
 def check(case, cache, direction, ids, gen, form="list", NH=None, NL=None, pin=False, **kwargs):
@@ -175,14 +160,14 @@ def test_ref_rows_match_hand_indexing(layout, gen):
     before = snapshot(case.buf.bases)
     rows[case.nl - 1][case.NB - 1][case.no - 1, case.nt - 1, case.nh - 1].fill_(-7)
     assert int((HAND_INDEXING[layout](L, case.NB - 1, case.nl - 1, case.no - 1, case.nt - 1, case.nh - 1) == -7).sum()) == case.hd
-    changed = sum(int((_as_int(b) != s).sum()) for b, s in zip(case.buf.bases, before))
+    changed = sum(int((as_int(b) != s).sum()) for b, s in zip(case.buf.bases, before))
     assert changed == case.hd
 
 
 @pytest.mark.parametrize("inner", ["NHD", "HND"])
 @pytest.mark.parametrize("method", METHODS)
 def test_ref_reference_matches_spec_formula(method, inner, gen):
-    """reference() against the spec's equalities written element by element."""
+    """paged_reference() against the spec's equalities written element by element."""
     nl, NB, no, nh, nt, hd = 3, 5, 2, 2, 3, 2
     case = CacheCase("kbthd", nl, NB, no, nh, nt, hd, torch.int64, gen)
     ids, sel = [3, 0, 4], [2, 0]
@@ -211,7 +196,7 @@ def test_ref_reference_matches_spec_formula(method, inner, gen):
                         else:
                             want_rows[l][i][o, t, h].copy_(src_u)
     original_blocks, original_rows = [b.clone() for b in blocks], [r.clone() for r in rows]
-    reference(method, rows, blocks, ids, sel, layer_offset=lo, head_offset=ho, inner=inner)
+    paged_reference(method, rows, blocks, ids, sel, layer_offset=lo, head_offset=ho, inner=inner)
     for b, (got, want) in enumerate(zip(blocks, want_blocks)):
         assert_bitwise_equal(got, want, f"block {b}")
     for l, (got, want) in enumerate(zip(case.rows(), want_rows)):
@@ -260,7 +245,7 @@ class FakeCache:
         if self.bug == "one-block-less":
             ids[-1] = case.NB + 100  # skipped
         rows = cache_rows(case.buf.make(case.buf.bases), case.dims)
-        reference(method, rows, per_block(other), ids, sel, layer_offset, head_offset, inner, hs)
+        paged_reference(method, rows, per_block(other), ids, sel, layer_offset, head_offset, inner, hs)
         if self.bug == "touch-source":
             src = case.buf.bases[0] if method.startswith("to_") else per_block(other)[0]
             src.view(torch.uint8).view(-1)[0] ^= 1
@@ -386,8 +371,8 @@ def test_cache_keeps_arrays_alive_when_the_caller_empties_its_list(gen):
     poison_(U.bases)
     want = snapshot(U.bases)
     cache.to_universal(ids, U.arg)
-    reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
-    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
+    paged_reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
+    assert_bitwise_equal(as_int(U.bases[0]), want[0], "universals")
     del churn
 
 
@@ -415,8 +400,8 @@ def moves_the_bytes_it_was_given(cache, content, make, dims, shape, nb, gen):
     want = snapshot(U.bases)
     cache.to_universal(ids, U.arg)
     nl = shape[1]
-    reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
-    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
+    paged_reference("to_universal", cache_rows(make(content), dims), per_block(U.make(want)), ids, list(range(nl)))
+    assert_bitwise_equal(as_int(U.bases[0]), want[0], "universals")
     del churn
 
 
@@ -820,7 +805,7 @@ def reshard_round_trip(gen, device="cpu", pin=False):
 
 def assert_poisoned_none(x):
     """No element of x is still entirely poison (every universal row was written)."""
-    rows = _as_int(x).cpu().reshape(-1, x.shape[-1]).view(torch.uint8)
+    rows = as_int(x).cpu().reshape(-1, x.shape[-1]).view(torch.uint8)
     assert not bool((rows == 0xA5).all(dim=1).any()), "a universal row was left unwritten"
 
 
@@ -1113,17 +1098,11 @@ def test_host_single_universal_array_inner_dims_not_contiguous(method, gen):
     reject(case, cache, method, IDS, U, ValueError, "universals", "contiguous")
 
 
-def _read_only_numpy(t):
-    a = t.numpy().copy()
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("method", ["to_universal", "to_operational"])
 def test_host_read_only_destination(method, gen):
     case, cache = ecase(gen)
     other = [x.numpy() for x in other_buffers(case, method, 3, gen).arg]
-    other[1] = _read_only_numpy(torch.from_numpy(other[1]))
+    other[1] = read_only_copy(other[1])
     name = "universals" if "universal" in method else "operationals"
     reject(case, cache, method, IDS, other, ValueError, rf"{name}\[1\]", "read-only")
 
@@ -1131,7 +1110,7 @@ def test_host_read_only_destination(method, gen):
 @pytest.mark.parametrize("method", ["to_universal", "to_operational"])
 def test_host_read_only_single_array_destination(method, gen):
     case, cache = ecase(gen)
-    other = _read_only_numpy(other_buffers(case, method, 3, gen, form="array").arg)
+    other = read_only_copy(other_buffers(case, method, 3, gen, form="array").arg)
     name = "universals" if "universal" in method else "operationals"
     reject(case, cache, method, IDS, other, ValueError, name, "read-only")
 
@@ -1548,7 +1527,7 @@ def test_gpu_device_ids_out_of_range_example(gen):
     rows = case.rows()
     for b, i in ((0, 0), (2, 1)):
         for l in range(case.nl):
-            assert_bitwise_equal(_as_int(U.struct[b][:, l]).cpu(), rows[l][i].permute(2, 0, 1, 3).cpu(), f"universals[{b}]")
+            assert_bitwise_equal(as_int(U.struct[b][:, l]).cpu(), rows[l][i].permute(2, 0, 1, 3).cpu(), f"universals[{b}]")
 
 
 @requires_cuda
@@ -1718,17 +1697,17 @@ def test_gpu_producer_work_is_ordered_before_the_call(method, gen):
     other_before = snapshot(other.bases)
     if method.startswith("from_"):
         want = [b.clone() for b in cache_before]
-        reference(method, cache_rows(case.buf.make(want), case.dims), per_block(other.make(other_before)), ids,
+        paged_reference(method, cache_rows(case.buf.make(want), case.dims), per_block(other.make(other_before)), ids,
                   list(range(case.nl)))
         got = case.buf.bases
     else:
         want = [b.clone() for b in other_before]
         poison_(want)
-        reference(method, cache_rows(case.buf.make(cache_before), case.dims), per_block(other.make(want)), ids,
+        paged_reference(method, cache_rows(case.buf.make(cache_before), case.dims), per_block(other.make(want)), ids,
                   list(range(case.nl)))
         got = other.bases
     for i, (g_, w) in enumerate(zip(got, want)):
-        assert_bitwise_equal(_as_int(g_), w, f"destination #{i}")
+        assert_bitwise_equal(as_int(g_), w, f"destination #{i}")
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,7 @@ With pinned host memory in a call, backends "auto", "copy_engines", "batch" and 
 every byte that crosses PCIe with the copy engines: a kernel permutes into / out of device
 staging slots, piece by piece, on internal streams forked from and joined back to the
 caller's stream; "kernel" reads and writes the pinned memory directly. Whatever the path the
-bytes are the references' (tests/reference.py, tests/paged_reference.py): every destination
+bytes are the references' (tests/support/references.py): every destination
 is poisoned (0xA5) before a call and compared byte for byte afterwards (moved bytes written,
 everything else still poisoned), sources are checked unchanged, and errors are raised before
 any byte is written. After a call only the CALLER'S stream is synchronized before checking
@@ -40,38 +40,42 @@ import torch
 
 import kvbm_ext
 from conftest import requires_cuda
-from paged_reference import (
-    Buffers,
-    CacheCase,
-    block_buffers,
-    cache_rows,
-    invoke,
-    per_block,
-    reference,
-    run_and_check,
-    selected,
-    snapshot,
-)
-from reference import (
-    SLEEP_CYCLES,
-    _as_int,
-    _as_list,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
-    chunk_shape,
+    expect_rejected,
+    invoke,
+    peek_still_poisoned,
+    poison_,
+    run_and_check,
+)
+from support.builders import (
+    METHODS,
+    Buffers,
+    CacheCase,
+    arrays_in,
+    block_buffers,
     clone_all,
     dtype_id,
-    expect_rejected,
+    make_generator,
+    pick_ids,
+    place,
+    random_tensor,
+    snapshot,
+    split,
+)
+from support.devices import SLEEP_CYCLES, sync
+from support.references import (
+    as_int,
+    as_list,
+    cache_rows,
+    chunk_shape,
     expected_blocks,
     expected_op,
     expected_universals,
-    make_generator,
-    peek_still_poisoned,
-    place,
-    poison_,
-    random_tensor,
-    sync,
+    paged_reference,
+    per_block,
+    selected,
 )
 
 MiB = 1 << 20
@@ -110,7 +114,6 @@ LIST_PLACEMENTS = {
     "o2b": [("pinned", "device"), ("device", "pinned")],
 }
 
-METHODS = ["to_universal", "from_universal", "to_operational", "from_operational"]
 # PagedKVCache method codes: inner order of the operational after the colon.
 PAGED_DIRECTIONS = ["to_universal", "from_universal", "to_operational:NHD", "to_operational:HND",
                     "from_operational:NHD", "from_operational:HND"]
@@ -172,14 +175,14 @@ def single(direction, src, dst):
 def list_expected(direction, src, dst, layout):
     """Reference destinations of `direction` from sources `src` (shapes taken from `dst`)."""
     if direction == "b2u":
-        return expected_universals(src, _as_list(dst)[0].shape[2], layout)
+        return expected_universals(src, as_list(dst)[0].shape[2], layout)
     if direction == "u2b":
-        return expected_blocks(_as_list(src), layout)
+        return expected_blocks(as_list(src), layout)
     return expected_op(direction, src, dst, layout)
 
 
 def list_destinations(direction, dst):
-    return dst if ROLES[direction][1] == "blocks" else _as_list(dst)
+    return dst if ROLES[direction][1] == "blocks" else as_list(dst)
 
 
 def stream_and_wait(form):
@@ -212,17 +215,6 @@ def list_check(direction, src, dst, layout="NHD", stream_form="Stream", **kwargs
     assert_all_bitwise_equal(list(arrays_in(src)), list(arrays_in(src_before)), f"{name}: {ROLES[direction][0]} (source)")
 
 
-def split(direction):
-    """'to_operational:HND' -> ('to_operational', {'inner': 'HND'})."""
-    method, _, inner = direction.partition(":")
-    return method, ({"inner": inner} if inner else {})
-
-
-def pick_ids(NB, nb, gen):
-    """nb distinct block ids in [0, NB), in random order."""
-    return torch.randperm(NB, generator=gen)[:nb].tolist()
-
-
 def paged_other(case, method, nb, gen, where="pinned", form="array", NH=None, NL=None, dtype=None):
     """Universals or operationals for `method`: 'pinned', 'device', 'host' (pageable) or
     'mixed' (a list, alternately pinned and device)."""
@@ -236,7 +228,7 @@ def paged_other(case, method, nb, gen, where="pinned", form="array", NH=None, NL
 
 def paged_check(case, cache, direction, ids, gen, where="pinned", form="array", NH=None, NL=None,
                 stream_form="Stream", **kwargs):
-    """run_and_check of paged_reference.py on fresh universals / operationals, the call on a
+    """run_and_check of support/asserts.py on fresh universals / operationals, the call on a
     stream of `stream_form` ("host": none) and only that stream waited for."""
     method, extra = split(direction)
     other = paged_other(case, method, len(ids), gen, where, form, NH, NL)
@@ -663,7 +655,7 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
     seeds = [int(torch.randint(0, 2**31 - 1, (), generator=gen)) for _ in range(threads)]
     print(f"thread seeds {seeds}, block ids {id_sets}, unowned {unowned}")
     before = snapshot(case.buf.bases)
-    layers = [_as_int(x) for x in case.layers]  # [no, NB, nt, nh, hd] integer views
+    layers = [as_int(x) for x in case.layers]  # [no, NB, nt, nh, hd] integer views
     barrier = threading.Barrier(threads)
 
     def rounds(k):
@@ -673,7 +665,7 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
         for it in range(THREAD_ITERATIONS):
             where = f"thread {k} round {it} (ids {ids})"
             # offload: fresh rows written into this thread's blocks on s, then to_universal on s
-            fresh = _as_int(random_tensor((per, nl, no, nt, nh, hd), dtype, generator=g))
+            fresh = as_int(random_tensor((per, nl, no, nt, nh, hd), dtype, generator=g))
             poison_(U)
             with torch.cuda.stream(s):
                 fresh_dev = fresh.to("cuda")
@@ -682,10 +674,10 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
                         layers[l][:, i].copy_(fresh_dev[b, l])
             cache.to_universal(ids, U, stream=s, backend=backend)
             s.synchronize()
-            assert_bitwise_equal(_as_int(U), fresh.permute(0, 4, 1, 2, 3, 5), f"{where}: universals")
+            assert_bitwise_equal(as_int(U), fresh.permute(0, 4, 1, 2, 3, 5), f"{where}: universals")
             # onload: fresh universals, this thread's blocks poisoned on s, from_universal on s
-            _as_int(U).copy_(_as_int(random_tensor(U.shape, dtype, generator=g)))
-            source = _as_int(U).clone()
+            as_int(U).copy_(as_int(random_tensor(U.shape, dtype, generator=g)))
+            source = as_int(U).clone()
             with torch.cuda.stream(s):
                 for i in ids:
                     for l in range(nl):
@@ -695,7 +687,7 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
                 got = torch.stack([torch.stack([layers[l][:, i] for l in range(nl)]) for i in ids])
             s.synchronize()
             assert_bitwise_equal(got, source.permute(0, 2, 3, 4, 1, 5), f"{where}: cache blocks")
-            assert_bitwise_equal(_as_int(U), source, f"{where}: universals (source)")
+            assert_bitwise_equal(as_int(U), source, f"{where}: universals (source)")
 
     def worker(k):
         try:
@@ -922,7 +914,7 @@ def test_gpu_fork_join_offload(backend, gen):
     poison_(U.bases)
     sync()
     want = snapshot(U.bases)  # poisoned
-    reference("to_universal", cache_rows(case.buf.make([f.cpu() for f in fresh]), case.dims),
+    paged_reference("to_universal", cache_rows(case.buf.make([f.cpu() for f in fresh]), case.dims),
               per_block(U.make(want)), ids, list(range(case.nl)))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -935,8 +927,8 @@ def test_gpu_fork_join_offload(backend, gen):
     assert not s.query(), "the call waited for its stream on the host (or the sleep was too short)"
     judged = peek_still_poisoned(U.bases, s, "universals")
     s.synchronize()
-    assert_bitwise_equal(_as_int(seen), want[0], "universals as read on the caller's stream right after the call")
-    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
+    assert_bitwise_equal(as_int(seen), want[0], "universals as read on the caller's stream right after the call")
+    assert_bitwise_equal(as_int(U.bases[0]), want[0], "universals")
     if not judged:
         pytest.skip("the sleep ended before the peek finished; 'nothing written while the stream sleeps' not judged")
 
@@ -952,7 +944,7 @@ def test_gpu_fork_join_onload(backend, gen):
     poison_(case.buf.bases)
     sync()
     want = snapshot(case.buf.bases)  # poisoned
-    reference("from_universal", cache_rows(case.buf.make(want), case.dims), per_block(U.make([fresh.cpu()])), ids,
+    paged_reference("from_universal", cache_rows(case.buf.make(want), case.dims), per_block(U.make([fresh.cpu()])), ids,
               list(range(case.nl)))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -965,9 +957,9 @@ def test_gpu_fork_join_onload(backend, gen):
     judged = peek_still_poisoned(case.buf.bases, s, "cache")
     s.synchronize()
     for i, (got, w) in enumerate(zip(seen, want)):
-        assert_bitwise_equal(_as_int(got), w, f"cache layer {i} as read on the caller's stream right after the call")
+        assert_bitwise_equal(as_int(got), w, f"cache layer {i} as read on the caller's stream right after the call")
     for i, (got, w) in enumerate(zip(case.buf.bases, want)):
-        assert_bitwise_equal(_as_int(got), w, f"cache layer {i}")
+        assert_bitwise_equal(as_int(got), w, f"cache layer {i}")
     if not judged:
         pytest.skip("the sleep ended before the peek finished; 'nothing written while the stream sleeps' not judged")
 
