@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from support import REPO_ROOT
+
 
 BENCH = os.path.join(REPO_ROOT, "benchmarks")
 KVBENCH = os.path.join(BENCH, "kvbench.py")
@@ -49,6 +50,7 @@ def list_run(tmp_path_factory):
     return run, out
 
 
+@pytest.mark.slow
 def test_run_writes_its_files_into_out(list_run):
     run, out = list_run
     stem = os.path.join(out, f"kvbench-cpu-{read_rows(printed_path(run.stdout, 'CSV'))[0]['date']}")
@@ -59,6 +61,7 @@ def test_run_writes_its_files_into_out(list_run):
     assert "rows: 4 of 4 verified bit-exact" in log and "CSV: " + stem + ".csv" in log, log[-2000:]
 
 
+@pytest.mark.slow
 def test_rows_are_verified_and_judged_against_their_target(list_run):
     run, _ = list_run
     rows = read_rows(printed_path(run.stdout, "CSV"))
@@ -72,6 +75,7 @@ def test_rows_are_verified_and_judged_against_their_target(list_run):
                      r"\(ratio_vs_memcpy <= 3x; worst of 4: ", run.stdout, re.MULTILINE), run.stdout
 
 
+@pytest.mark.slow
 def test_png_of_the_run(list_run):
     pytest.importorskip("matplotlib", reason="kvbench draws its PNG with matplotlib")
     run, _ = list_run
@@ -81,6 +85,7 @@ def test_png_of_the_run(list_run):
     assert os.path.getsize(png) > 10_000
 
 
+@pytest.mark.slow
 def test_png_from_a_csv(list_run, tmp_path):
     """report.py draws the PNG of an earlier run from its CSV (for a run made without
     matplotlib): the same picture the run drew."""
@@ -97,6 +102,7 @@ def test_png_from_a_csv(list_run, tmp_path):
     assert abs(os.path.getsize(tmp_path / "run.png") - original) < original // 5
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_run_says_so(tmp_path):
     run = kvbench(*TINY, "--cpu-nb", "1", "--out", str(tmp_path), cwd=tmp_path,
                   preamble="import sys; sys.modules['matplotlib'] = None  # import matplotlib fails")
@@ -105,6 +111,7 @@ def test_without_matplotlib_the_run_says_so(tmp_path):
     assert not list(tmp_path.glob("*.png")) and len(list(tmp_path.glob("*.csv"))) == 1
 
 
+@pytest.mark.slow
 def test_default_output_outside_the_source_tree(tmp_path):
     """Run from elsewhere: ./kvbench-results there.  Run from the checkout: a temporary
     directory, never the source tree."""
@@ -132,6 +139,7 @@ def doctored(rows, path, factors):
             writer.writerow(dict(row, gbps=f"{float(row['gbps']) * factors[row['direction']]:.3f}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold,status,regressed", [("10", 3, 1), ("95", 0, 0)])
 def test_compare_and_fail_on_regression(list_run, tmp_path, threshold, status, regressed):
     """Against an older run 4x as fast in b2u and 4x as slow in u2b: b2u lost about 75 %

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import REPO_ROOT, requires_cuda
+from support import REPO_ROOT
 from support.producers import FakeDeviceArray
 
 PUBLIC_FUNCTIONS = [
@@ -92,7 +92,7 @@ def test_cuda_devices_empty_without_gpu():
     assert kvbm_ext.cuda_devices() == []
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cuda_devices_match_torch():
     if kvbm_ext.is_using_stubs():
         pytest.skip("stub build: no devices by design")
@@ -220,6 +220,7 @@ STUB_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.build
 @needs_repo_files
 def test_stub_build_without_nvcc(tmp_path):
     _copy_repo(tmp_path)
@@ -233,6 +234,7 @@ def test_stub_build_without_nvcc(tmp_path):
     assert check.returncode == 0 and "STUB-OK" in check.stdout, f"{check.stdout[-4000:]}\n{check.stderr[-4000:]}"
 
 
+@pytest.mark.build
 @needs_repo_files
 def test_build_requiring_cuda_fails_without_nvcc(tmp_path):
     _copy_repo(tmp_path)
@@ -276,6 +278,7 @@ def test_paged_methods_have_signatures(method):
     assert signature.parameters["stream"].kind == inspect.Parameter.KEYWORD_ONLY, signature
 
 
+@pytest.mark.slow
 def test_stubs_match_the_extension():
     """python -m mypy.stubtest kvbm_ext: the .pyi says exactly what the C side accepts."""
     pytest.importorskip("mypy")

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda, requires_two_gpus
 from support.asserts import (
     assert_all_bitwise_equal,
     assert_poisoned,
@@ -36,7 +35,7 @@ from support.devices import SLEEP_CYCLES, rewrite_sources_behind_sleep, sync
 from support.producers import STREAM_FORMS, CudaArrayInterfaceOnly, DLPackOnly, wrap
 from support.references import expected_blocks, expected_universals
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 LAYOUTS = ["NHD", "HND"]
 DIRECTIONS = ["b2u", "u2b"]
@@ -267,7 +266,7 @@ def test_producer_work_is_ordered_before_the_conversion(direction, gen):
 # --------------------------------------------------------------------------
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("with_stream", [False, True])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_launch_runs_on_the_arrays_device(direction, with_stream, gen):
@@ -284,7 +283,7 @@ def test_launch_runs_on_the_arrays_device(direction, with_stream, gen):
     assert_all_bitwise_equal(dests, want, "destinations")
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_arrays_on_two_gpus_rejected(direction, gen):
     blocks, universals = device_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen, device="cuda:0")

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda
 from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
@@ -255,7 +254,7 @@ def test_list_api_through_python_dlpack(direction, cls, gen):
 # ==========================================================================
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
@@ -268,7 +267,7 @@ def test_gpu_subclasses_via_the_c_api(direction, cls, gen):
         u2b_and_check(universals, blocks, "NHD")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
 def test_gpu_paged_cache_of_subclasses(pin, gen):
@@ -281,7 +280,7 @@ def test_gpu_paged_cache_of_subclasses(pin, gen):
         run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, "array", pin=pin))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("fn,where", [("vectorized_copy", "host"), ("vectorized_copy", "device"),
                                       ("memcpy_batch", "host")])
@@ -311,7 +310,7 @@ def assert_list_call_result(direction, blocks, universals):
         assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["plain", "subclass"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, gen):
@@ -333,7 +332,7 @@ def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, 
     assert_list_call_result(direction, blocks, universals)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("method", ["from_universal", "from_operational"])
 def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, gen):
@@ -376,7 +375,7 @@ def run_in_stream_context_behind_a_legacy_sleep(invoke, destinations):
     return clones
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_stream_none_runs_on_the_current_torch_stream_list(direction, gen):
@@ -389,7 +388,7 @@ def test_gpu_stream_none_runs_on_the_current_torch_stream_list(direction, gen):
     assert_list_call_result(direction, blocks, universals)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("where", ["device", "pinned"])
 def test_gpu_stream_none_runs_on_the_current_torch_stream_paged(where, gen):
@@ -716,7 +715,7 @@ def test_paged_inference_layers_are_written_without_torch_calls(gen):
     assert_all_bitwise_equal(snapshot(back.bases), snapshot(other.bases), "universals read back")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("flag", ["conj", "neg"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_flagged_views_refused(direction, flag, gen):
@@ -727,7 +726,7 @@ def test_gpu_flagged_views_refused(direction, flag, gen):
             "conjugate" if flag == "conj" else "negative")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
 def test_gpu_requires_grad_destination_refused_and_versions_bumped(pin, gen):
     blocks, universals = make_case(*SHAPE, torch.bfloat16, "NHD", generator=gen, device="cuda")

@@ -12,7 +12,7 @@ checked to be raised before any byte is written. Sections:
   1. the references themselves (no kvbm_ext) and the checking helpers (can they fail?)
   2. host arrays (torch CPU, NumPy): results, nb = 1 / 0, round trips, backend names
   3. host arrays: errors
-  4. GPU (requires_cuda): placements, backends, streams, alignment, sizes, errors, debug log
+  4. GPU (marked gpu): placements, backends, streams, alignment, sizes, errors, debug log
 """
 
 import re
@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda, requires_two_gpus
 from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
@@ -920,7 +919,7 @@ OP_PLACEMENTS = [
 ]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[6]], ids=shape_id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=dtype_id)
@@ -929,7 +928,7 @@ def test_gpu_device_to_device(direction, dtype, layout, shape, gen):
     check_direction(direction, *device_op_case(shape, dtype, layout, gen), layout)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("placement", OP_PLACEMENTS, ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
@@ -938,7 +937,7 @@ def test_gpu_backends_and_placements(direction, placement, backend, gen):
     check_direction(direction, blocks, universals, ops, "HND", backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned"), ("pinned", "device")], ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
@@ -950,7 +949,7 @@ def test_gpu_backends_large_chunks(direction, placement, backend, gen):
     check_direction(direction, blocks, universals, ops, "NHD", backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", OP_PLACEMENTS[1:], ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_id)
@@ -968,7 +967,7 @@ def _backend_kwargs(backend):
     return {} if backend is None else {"backend": backend}
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
 def test_gpu_created_stream(direction, backend, gen):
     """On a torch.cuda.Stream; only that stream is synchronised before checking."""
@@ -981,7 +980,7 @@ def test_gpu_created_stream(direction, backend, gen):
     )
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
 def test_gpu_legacy_default_stream(direction, backend, gen):
     blocks, universals, ops = device_op_case((4, 2, 2, 4, 8, 16), torch.float16, "HND", gen)
@@ -991,7 +990,7 @@ def test_gpu_legacy_default_stream(direction, backend, gen):
     check_direction(direction, blocks, universals, ops, "HND", after=legacy.synchronize, **_backend_kwargs(backend))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
 def test_gpu_work_is_enqueued_on_the_given_stream(direction, backend, gen):
     """With the stream busy (a long sleep) the call returns at once and nothing is written
@@ -1015,7 +1014,7 @@ def test_gpu_work_is_enqueued_on_the_given_stream(direction, backend, gen):
     assert_all_bitwise_equal(dest_list(direction, dst), want, "destinations")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
 def test_gpu_misaligned_pointers(direction, backend, dtype, gen):
@@ -1027,7 +1026,7 @@ def test_gpu_misaligned_pointers(direction, backend, dtype, gen):
         check_direction(direction, blocks, universals, ops, "NHD", **_backend_kwargs(backend))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
 def test_gpu_misaligned_pinned_operationals(direction, backend, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 2, 4, 128), torch.bfloat16, "NHD", gen, "device", "pinned")
@@ -1040,7 +1039,7 @@ def test_gpu_misaligned_pinned_operationals(direction, backend, gen):
 REALISTIC = (4, 8, 2, 8, 16, 128)  # nb=4, nl=8, no=2, nh=8, nt=16, hd=128: 32 KiB bf16 chunks
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned")], ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("direction,backend", GPU_CASES + [("b2o", "KERNEL")], ids=lambda v: v)
 def test_gpu_realistic_sizes(direction, backend, placement, gen):
@@ -1049,19 +1048,19 @@ def test_gpu_realistic_sizes(direction, backend, placement, gen):
         check_direction(direction, blocks, universals, ops, layout, **_backend_kwargs(backend))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float64], ids=dtype_id)
 def test_gpu_round_trips(dtype, layout, gen):
     check_round_trips(*device_op_case((5, 2, 2, 3, 4, 13), dtype, layout, gen), layout)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_round_trips_pinned_operationals(gen):
     check_round_trips(*placed_op_case(REALISTIC, torch.bfloat16, "HND", gen, "device", "pinned"), "HND")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_single_3d_operational(direction, gen):
     blocks, universals, ops = placed_op_case((1, 2, 2, 3, 4, 5), torch.float16, "HND", gen, "device", "pinned")
@@ -1069,7 +1068,7 @@ def test_gpu_single_3d_operational(direction, gen):
     check_direction(direction, blocks, universals, ops[0].cuda(), "HND")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_zero_blocks_with_stream():
     s = torch.cuda.Stream()
     assert kvbm_ext.block_to_operational([], [], backend="batch", stream=s) is None
@@ -1084,7 +1083,7 @@ def test_gpu_zero_blocks_with_stream():
 # --------------------------------------------------------------------------
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_pageable_operational_mixed_with_device_rejected(direction, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 3, 4, 5), torch.float16, "NHD", gen, "device", "pinned")
@@ -1093,14 +1092,14 @@ def test_gpu_pageable_operational_mixed_with_device_rejected(direction, gen):
     reject(direction, blocks, universals, ops, ValueError, r"operationals\[1\]", "pinned")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_all_pageable_operationals_with_device_rejected(direction, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 3, 4, 5), torch.float16, "NHD", gen, "device", "pageable")
     reject(direction, blocks, universals, ops, ValueError, r"operationals\[0\]", "pinned")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_pageable_chunk_or_universal_with_device_operationals_rejected(direction, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 3, 4, 5), torch.float16, "NHD", gen, "pinned", "device")
@@ -1110,7 +1109,7 @@ def test_gpu_pageable_chunk_or_universal_with_device_operationals_rejected(direc
     reject(direction, blocks, universals, ops, ValueError, path, "pinned")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_errors_leave_device_destinations_untouched(direction, gen):
     blocks, universals, ops = device_op_case((3, 3, 2, 3, 4, 5), torch.float32, "NHD", gen)
@@ -1124,7 +1123,7 @@ def test_gpu_errors_leave_device_destinations_untouched(direction, gen):
     reject(direction, blocks, universals, ops, TypeError, r"operationals\[1\]")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
 def test_gpu_unknown_backend(direction, gen):
     blocks, universals, ops = device_op_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen)
@@ -1132,7 +1131,7 @@ def test_gpu_unknown_backend(direction, gen):
     reject(direction, blocks, universals, ops, TypeError, "backend", backend=None)
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_operationals_on_two_gpus_rejected(direction, gen):
     blocks, universals, ops = device_op_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen, device="cuda:0")
@@ -1155,7 +1154,7 @@ def _run_and_capture(capfd, direction, src, dst, **kwargs):
     return capfd.readouterr().err
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_debug_log(monkeypatch, capfd, gen):
     blocks, _, ops = device_op_case((2, 2, 2, 3, 4, 16), torch.bfloat16, "NHD", gen)
     monkeypatch.delenv("KVBM_EXT_DEBUG", raising=False)
@@ -1189,7 +1188,7 @@ def test_gpu_debug_log(monkeypatch, capfd, gen):
     assert err == "", f"wrote to stderr after KVBM_EXT_DEBUG was unset: {err!r}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["b2o", "o2b"])
 def test_gpu_debug_log_auto_over_pcie(direction, monkeypatch, capfd, gen):
     """auto with pinned host operationals runs the copy engines (batch) where the
@@ -1307,7 +1306,7 @@ def test_stacked_operationals_blocks_must_be_contiguous(direction, gen):
                       args=layout_args(direction, "NHD"))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned"), ("pinned", "device")],
                          ids=["device", "ops-pinned", "ops-device"])
 @pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engines"])

@@ -11,7 +11,7 @@ raised before any byte is written. Sections:
   3. host caches (torch CPU, NumPy): results for every layout, layer selections and
      offsets, head offsets (resharding), argument forms, nb = 0
   4. host caches: call errors
-  5. GPU (requires_cuda): placements, ids on the device (out-of-range skipped), CUDA graph
+  5. GPU (marked gpu): placements, ids on the device (out-of-range skipped), CUDA graph
      capture and replay, num_ctas, streams, staging, errors
 """
 
@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda, requires_two_gpus
 from support.asserts import (
     assert_bitwise_equal,
     assert_message_has,
@@ -1398,7 +1397,7 @@ GPU_CASES = [(layout, DTYPES[i % len(DTYPES)], SHAPES[i % len(SHAPES)]) for i, l
 GPU_CASES += [("kbthd", d, SHAPES[1]) for d in DTYPES if ("kbthd", d) not in [(c[0], c[1]) for c in GPU_CASES]]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout,dtype,shape", GPU_CASES, ids=case_id)
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_every_layout(method, layout, dtype, shape, gen):
@@ -1415,7 +1414,7 @@ def test_gpu_every_layout(method, layout, dtype, shape, gen):
             check(case, cache, method, ids, gen, pin=pin)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_properties(gen):
     case = CacheCase("blkthd", 3, 11, 2, 5, 7, 13, torch.float8_e4m3fn, gen, device="cuda")
     cache = case.build()
@@ -1433,7 +1432,7 @@ GPU_ID_FORMS.update({
 })
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", ["list", "numpy-int32", "torch-int64", "pinned-int64", "cuda-int32", "cuda-int64"])
 def test_gpu_block_id_forms(form, gen):
     case = CacheCase("kbthd", 2, 12, 2, 2, 3, 16, torch.float16, gen, device="cuda")
@@ -1444,7 +1443,7 @@ def test_gpu_block_id_forms(form, gen):
         run_and_check(case, cache, method, ids, other_buffers(case, method, 4, gen), **extra)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", ["list", "tuple", "array", "pool[1::2]"])
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:NHD", "from_operational:HND"])
 def test_gpu_universal_and_operational_forms(direction, form, gen):
@@ -1455,7 +1454,7 @@ def test_gpu_universal_and_operational_forms(direction, form, gen):
         check(case, cache, direction, [7, 2, 4], gen, form=form, pin=pin)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("layers", [None, slice(1, 3), slice(None, None, -2), range(0), range(3, 4), 2], ids=case_id)
 def test_gpu_layers_and_offsets(layers, gen):
     case = CacheCase("kbthd_hnd", 4, 6, 2, 2, 3, 16, torch.bfloat16, gen, device="cuda")
@@ -1464,7 +1463,7 @@ def test_gpu_layers_and_offsets(layers, gen):
         check(case, cache, method, [3, 0, 5], gen, NH=5, NL=7, layers=layers, layer_offset=2, head_offset=1)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads,layout,head_offset", HEAD_CASES, ids=case_id)
 def test_gpu_heads(heads, layout, head_offset, gen):
     case = CacheCase(layout, 3, 6, 2, 4, 3, 16, torch.bfloat16, gen, device="cuda")
@@ -1476,7 +1475,7 @@ def test_gpu_heads(heads, layout, head_offset, gen):
                   head_offset=head_offset, layers=slice(1, None))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("layers", [slice(1, 3), range(0)], ids=case_id)
 @pytest.mark.parametrize("direction", ["to_operational:NHD", "from_operational:HND"])
 def test_gpu_layers_operational(direction, layers, gen):
@@ -1484,13 +1483,13 @@ def test_gpu_layers_operational(direction, layers, gen):
     check(case, case.build(), direction, [3, 0, 5], gen, layers=layers)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
 def test_gpu_reshard_round_trip(pin, gen):
     reshard_round_trip(gen, device="cuda", pin=pin)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_ctas", [None, 1, 2, 8, 1000])
 def test_gpu_num_ctas_gives_identical_bytes(num_ctas, gen):
     """Every num_ctas gives the reference's bytes (so identical bytes between values)."""
@@ -1501,7 +1500,7 @@ def test_gpu_num_ctas_gives_identical_bytes(num_ctas, gen):
         check(case, cache, direction, ids, gen, form="array", num_ctas=num_ctas)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=dtype_id)
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:NHD", "from_operational:HND"])
 def test_gpu_device_ids_out_of_range_are_skipped(direction, dtype, gen):
@@ -1513,7 +1512,7 @@ def test_gpu_device_ids_out_of_range_are_skipped(direction, dtype, gen):
     check(case, case.build(), direction, ids, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_device_ids_out_of_range_example(gen):
     """The spec's example: ids [0, NB + 5, 1]: universals[1] stays poisoned."""
     case = CacheCase("kbthd", 2, 6, 2, 2, 3, 16, torch.bfloat16, gen, device="cuda")
@@ -1530,13 +1529,13 @@ def test_gpu_device_ids_out_of_range_example(gen):
             assert_bitwise_equal(as_int(U.struct[b][:, l]).cpu(), rows[l][i].permute(2, 0, 1, 3).cpu(), f"universals[{b}]")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["head_offset", "layer_offset"])
 def test_gpu_huge_offsets_rejected(name):
     run_overflow_script(name, 2**63 - 1, "cuda")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
 @pytest.mark.parametrize("layout", ["list", "array"])
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:HND", "from_operational:NHD"])
@@ -1568,7 +1567,7 @@ class Replayer:
 GRAPH_ID_SETS = [[5, 9, 2, 15], [15, 14, 13, 12], [7, 0, 3, 11], [1, 2, 3, 4]]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "direction,id_dtype,form",
     [
@@ -1612,7 +1611,7 @@ def test_gpu_cuda_graph_capture_and_replay(direction, id_dtype, form, gen):
         run_and_check(case, Replayer(g), method, new, other, **kwargs)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_staged_table_works_and_refuses_graph_capture(gen):
     """5000 universals in a list need a staged pointer table: fine outside capture (and
     correct); during capture a RuntimeError naming graph capture, raised by the call itself."""
@@ -1643,7 +1642,7 @@ def test_gpu_staged_table_works_and_refuses_graph_capture(gen):
 # --------------------------------------------------------------------------
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_form", ["torch.cuda.Stream", "int"])
 @pytest.mark.parametrize("method", ["to_universal", "from_universal", "to_operational"])
 def test_gpu_work_is_enqueued_on_the_given_stream(method, stream_form, gen):
@@ -1672,7 +1671,7 @@ def test_gpu_work_is_enqueued_on_the_given_stream(method, stream_form, gen):
         pytest.skip("the sleep ended before the peek finished; cannot judge")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["from_universal", "from_operational", "to_universal"])
 def test_gpu_producer_work_is_ordered_before_the_call(method, gen):
     """The source (universals/operationals, or the ids) is rewritten on s1 behind a long
@@ -1715,7 +1714,7 @@ def test_gpu_producer_work_is_ordered_before_the_call(method, gen):
 # --------------------------------------------------------------------------
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", ["list", "array"])
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_pageable_host_other_with_a_gpu_cache(method, form, gen):
@@ -1731,7 +1730,7 @@ def test_gpu_pageable_host_other_with_a_gpu_cache(method, form, gen):
     reject(case, cache, method, IDS, other, ValueError, path, "pageable")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_device_other_with_a_host_cache(method, gen):
     case, cache = ecase(gen)
@@ -1741,7 +1740,7 @@ def test_gpu_device_other_with_a_host_cache(method, gen):
     reject(case, cache, method, IDS, other, ValueError, rf"{name}\[1\]")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
 def test_gpu_device_ids_with_a_host_cache(method, gen):
     case, cache = ecase(gen)
@@ -1749,7 +1748,7 @@ def test_gpu_device_ids_with_a_host_cache(method, gen):
            "block_ids")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "bad,exc",
     [
@@ -1765,7 +1764,7 @@ def test_gpu_bad_device_ids(bad, exc, gen):
     reject(case, cache, "to_universal", bad(), good_other(case, "to_universal", gen), exc, "block_ids")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_host_ids_checked(method, gen):
     case, cache = ecase(gen, device="cuda")
@@ -1776,21 +1775,21 @@ def test_gpu_host_ids_checked(method, gen):
                "repeat", "block_ids[0]")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_layers_on_host_and_device_rejected():
     layers = per_layer((2, 4, 3, 2, 5))
     layers = [layers[0].cuda(), layers[1], layers[2].cuda()]
     construct_rejected(layers, "kbthd", ValueError, r"layers\[1\]")
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 def test_gpu_layers_on_two_gpus_rejected():
     layers = per_layer((2, 4, 3, 2, 5))
     layers = [layers[0].to("cuda:0"), layers[1].to("cuda:1"), layers[2].to("cuda:0")]
     construct_rejected(layers, "kbthd", ValueError, r"layers\[1\]")
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
 def test_gpu_ids_or_universals_on_another_gpu_rejected(method, gen):
     case, cache = ecase(gen, device="cuda:0")
@@ -1801,7 +1800,7 @@ def test_gpu_ids_or_universals_on_another_gpu_rejected(method, gen):
     reject(case, cache, method, IDS, other, ValueError, r"universals\[1\]")
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 def test_gpu_cache_on_the_second_gpu(gen):
     case = CacheCase("kbthd", 2, 6, 2, 2, 3, 16, torch.bfloat16, gen, device="cuda:1")
     cache = case.build()

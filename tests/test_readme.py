@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, requires_cuda
+from support import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import readme  # noqa: E402
@@ -44,7 +44,7 @@ def test_cpu_example_runs(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_example_runs(tmp_path):
     import kvbm_ext
     if kvbm_ext.is_using_stubs():

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kvbm_ext
-from conftest import REPO_ROOT, requires_two_gpus
 from kvbm_ext import EngineLayout, Resharder, plan_reshard
+from support import REPO_ROOT
 
 LOGICAL = "kbthd"       # a per-layer cache's logical order: K/V, block, token, head, head dim
 
@@ -151,6 +151,8 @@ def test_resharder_needs_an_initialized_group():
         Resharder(8, 4, L(1), L(2))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_example_runs_on_the_cpu():
     script = os.path.join(REPO_ROOT, "examples", "disagg_reshard.py")
     run = subprocess.run([sys.executable, script, "--device", "cpu", "--prefill-tp", "1", "--decode-tp", "2"],
@@ -159,6 +161,8 @@ def test_example_runs_on_the_cpu():
     assert "check OK" in run.stdout and "per call: 2 messages" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_benchmark_runs_on_the_cpu(tmp_path):
     script = os.path.join(REPO_ROOT, "benchmarks", "reshard.py")
     run = subprocess.run([sys.executable, script, "--device", "cpu", "--nb", "2", "--calls", "2", "--repeats", "2",
@@ -570,11 +574,15 @@ def gloo_results(tmp_path_factory):
     return _spawn("gloo", GLOO_WORLD, list(GLOO_CASES) + list(GLOO_ERRORS), tmp_path_factory.mktemp("gloo"))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", GLOO_CASES)
 def test_gloo_reshard(gloo_results, name):
     _check_case(GLOO_CASES[name], gloo_results[name])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", GLOO_ERRORS)
 def test_gloo_errors_raise_on_every_rank_and_write_nothing(gloo_results, name):
     _check_error(GLOO_ERRORS[name], gloo_results[name])
@@ -597,19 +605,22 @@ def nccl_results(tmp_path_factory):
     return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES) + list(NCCL_ERRORS), tmp_path_factory.mktemp("nccl"))
 
 
-@requires_two_gpus
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("name", NCCL_CASES)
 def test_nccl_reshard(nccl_results, name):
     _check_case(NCCL_CASES[name], nccl_results[name])
 
 
-@requires_two_gpus
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("name", NCCL_ERRORS)
 def test_nccl_errors_raise_on_every_rank_and_write_nothing(nccl_results, name):
     _check_error(NCCL_ERRORS[name], nccl_results[name])
 
 
-@requires_two_gpus
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
 def test_nccl_call_does_not_wait_for_the_gpu(nccl_results):
     results = nccl_results["async"]
     assert all(r["ok"] for r in results), _failures(results)

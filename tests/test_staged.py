@@ -39,7 +39,6 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda
 from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
@@ -437,7 +436,7 @@ LIST_GRID = [(d, s, t, layout) for d, pairs in LIST_PLACEMENTS.items() for s, t 
              for layout in (["NHD", "HND"] if takes_layout(d) else ["NHD"])]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction,src_at,dst_at,layout", LIST_GRID,
                          ids=[f"{d}-{s}_to_{t}-{layout}" for d, s, t, layout in LIST_GRID])
@@ -447,7 +446,7 @@ def test_gpu_list_with_pinned_memory(direction, src_at, dst_at, layout, backend,
         list_check(direction, src, dst, layout, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "copy_engines"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_list_many_pieces(direction, backend, staging, gen):
@@ -462,7 +461,7 @@ def test_gpu_list_many_pieces(direction, backend, staging, gen):
 PAGED_SHAPES = [((2, 8, 2, 4, 16, 64), torch.bfloat16, "array"), ((3, 9, 2, 3, 5, 13), torch.float16, "list")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", PAGED_DIRECTIONS)
 @pytest.mark.parametrize("layout", ["kbthd", "kbhtd", "btd"])
@@ -474,7 +473,7 @@ def test_gpu_paged_with_pinned_memory(layout, direction, backend, gen):
         paged_check(case, case.build(), direction, pick_ids(case.NB, 4, gen), gen, form=form, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_paged_device_ids_and_pinned_memory(direction, backend, gen):
@@ -483,7 +482,7 @@ def test_gpu_paged_device_ids_and_pinned_memory(direction, backend, gen):
     paged_check(case, case.build(), direction, ids, gen, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_paged_mixed_pinned_and_device(direction, backend, gen):
@@ -495,7 +494,7 @@ def test_gpu_paged_mixed_pinned_and_device(direction, backend, gen):
 LAYER_SELECTIONS = [None, slice(1, 3), slice(None, None, -1), slice(3, 0, -2), range(0, 4, 3)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layers", LAYER_SELECTIONS, ids=case_id)
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
@@ -509,7 +508,7 @@ def test_gpu_paged_layers_and_offsets(method, layers, backend, gen):
                     layers=layers, layer_offset=2, head_offset=1, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("heads", [slice(1, 3), slice(None, None, -1), 2, range(3, -1, -2)], ids=case_id)
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
@@ -524,7 +523,7 @@ def test_gpu_paged_heads(method, heads, backend, gen):
                     layers=slice(1, None), heads=heads, head_offset=1, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", STAGED_BACKENDS)
 @pytest.mark.parametrize("layers", [slice(None, None, -2), slice(1, 3)], ids=case_id)
 @pytest.mark.parametrize("direction", ["to_operational:HND", "from_operational:NHD"])
@@ -534,7 +533,7 @@ def test_gpu_paged_operational_layers(direction, layers, backend, gen):
     paged_check(case, case.build(), direction, [6, 1, 4], gen, layers=layers, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_form", [None, "int", "Stream"], ids=["None", "int", "Stream"])
 @pytest.mark.parametrize("backend", STAGED_BACKENDS)
 def test_gpu_staged_stream_forms(backend, stream_form, gen):
@@ -553,7 +552,7 @@ PAGED_LARGE = [("to_universal", "auto"), ("from_universal", "copy_engines"), ("t
                ("from_operational:HND", "auto")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,backend", PAGED_LARGE)
 def test_gpu_paged_many_pieces(direction, backend, staging, gen):
     """80 MiB in pinned memory (40 blocks of 2 MiB): two and a half default lanes' worth."""
@@ -575,7 +574,7 @@ def staging_id(v):
     return f"{v[0]}B-{v[1]}lanes"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["copy_engines", "async"])
 @pytest.mark.parametrize("size_lanes", SMALL_STAGINGS, ids=staging_id)
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
@@ -592,7 +591,7 @@ def test_gpu_small_staging_one_block(direction, size_lanes, backend, staging, ge
     paged_check(case, cache, direction, torch.tensor([3], device="cuda"), gen, form="list", backend=backend, **extra)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:NHD", "from_operational:HND"])
 def test_gpu_small_staging_odd_rows(direction, staging, gen):
     """Rows of 26 bytes (hd = 13 fp16), nh = 3: pieces end at odd places (2.4 MiB block)."""
@@ -601,7 +600,7 @@ def test_gpu_small_staging_odd_rows(direction, staging, gen):
     paged_check(case, case.build(), direction, [1], gen, backend="copy_engines")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "async"])
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_small_staging_blocks_bigger_than_staging(direction, backend, staging, gen):
@@ -611,7 +610,7 @@ def test_gpu_small_staging_blocks_bigger_than_staging(direction, backend, stagin
     paged_check(case, case.build(), direction, [4, 0, 5], gen, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("nb", [1, 3])
 @pytest.mark.parametrize("size_lanes", SMALL_STAGINGS, ids=staging_id)
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
@@ -637,7 +636,7 @@ THREAD_CASES = [(2, 2 * MiB, 2, "auto"), (2, MiB, 1, "auto"), (3, 2 * MiB, 2, "a
 THREAD_ITERATIONS = 20
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("threads,size,lanes,backend", THREAD_CASES,
                          ids=[f"{t}threads-{s >> 20}MiB-{l}lanes-{b}" for t, s, l, b in THREAD_CASES])
 def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backend, staging, gen):
@@ -736,7 +735,7 @@ GRAPH_CASES = [
 GRAPH_ID_SETS = [[5, 9, 2, 15], [15, 14, 13, 12], [7, 0, 3, 11], [1, 2, 3, 4]]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("small", [False, True], ids=["default-staging", "1MiB-staging"])
 @pytest.mark.parametrize("direction,backend,id_dtype", GRAPH_CASES,
                          ids=[f"{d}-{b}-{dtype_id(t)}" for d, b, t in GRAPH_CASES])
@@ -856,7 +855,7 @@ def lifecycle_value(lifecycle, key):
     return found[key], report
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_fresh_process_staging_allocated_on_first_staged_call(lifecycle):
     info, report = lifecycle_value(lifecycle, "info_fresh")
     assert info == {"device": 0, "size_bytes": 96 * MiB, "lanes": 2, "lane_bytes": 48 * MiB,
@@ -868,7 +867,7 @@ def test_gpu_fresh_process_staging_allocated_on_first_staged_call(lifecycle):
     assert info["allocated"] is True and info["capture_reserved"] is False, (info, report)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_fresh_process_capture_without_reserve_raises(lifecycle):
     error, report = lifecycle_value(lifecycle, "capture_error")
     assert error is not None, f"a staged call was captured without reserve_staging(): {report}"
@@ -877,7 +876,7 @@ def test_gpu_fresh_process_capture_without_reserve_raises(lifecycle):
     assert lifecycle_value(lifecycle, "info_after_refused_capture")[0]["capture_reserved"] is False, report
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_fresh_process_capture_after_reserve(lifecycle):
     info, report = lifecycle_value(lifecycle, "info_after_reserve")
     assert info["allocated"] is True and info["capture_reserved"] is True, (info, report)
@@ -903,7 +902,7 @@ def fork_join_case(gen):
     return case, case.build(), pick_ids(case.NB, 32, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "copy_engines", "async"])
 def test_gpu_fork_join_offload(backend, gen):
     case, cache, ids = fork_join_case(gen)
@@ -933,7 +932,7 @@ def test_gpu_fork_join_offload(backend, gen):
         pytest.skip("the sleep ended before the peek finished; 'nothing written while the stream sleeps' not judged")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "copy_engines", "async"])
 def test_gpu_fork_join_onload(backend, gen):
     case, cache, ids = fork_join_case(gen)
@@ -971,7 +970,7 @@ def copy_on_device(x):
     return x.to("cuda", non_blocking=True) if x.device.type == "cpu" else x.clone()
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
 def test_gpu_fork_join_list(direction, gen):
     """The same for the list API (backend auto), 16 blocks of 1 MiB, pinned universals /
@@ -1011,7 +1010,7 @@ GPU_BAD_ARGUMENTS = [("backend", "copy-engine", ValueError), ("backend", 1, Type
                      ("num_ctas", True, TypeError), ("num_ctas", 1.5, TypeError)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,value,exc", GPU_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in GPU_BAD_ARGUMENTS])
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
 def test_gpu_list_bad_argument_with_pinned_memory(direction, name, value, exc, gen):
@@ -1020,7 +1019,7 @@ def test_gpu_list_bad_argument_with_pinned_memory(direction, name, value, exc, g
     expect_rejected(lambda: list_call(direction, src, dst, "NHD", **{name: value}), src, dst, exc, name, ())
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,value,exc", GPU_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in GPU_BAD_ARGUMENTS])
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_paged_bad_argument_with_pinned_memory(method, name, value, exc, gen):
@@ -1035,7 +1034,7 @@ def wider(t, gen):
     return new.pin_memory() if t.device.type == "cpu" else new.to(t.device)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
 def test_gpu_list_staged_error_in_the_last_block_writes_nothing(direction, staging, gen):
     """6 blocks of 512 KiB through a 1 MiB staging, the last destination array of the wrong
@@ -1054,7 +1053,7 @@ def test_gpu_list_staged_error_in_the_last_block_writes_nothing(direction, stagi
                     ("shape",))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_paged_staged_error_in_the_last_block_writes_nothing(method, staging, gen):
     """The last of 6 pinned universals / operationals has the wrong element type."""
@@ -1103,7 +1102,7 @@ DEBUG_LIST_CASES = [
 ]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,src_at,dst_at,backend,path", DEBUG_LIST_CASES,
                          ids=[f"{d}-{s}_to_{t}-{b}" for d, s, t, b, _ in DEBUG_LIST_CASES])
 def test_gpu_debug_names_the_path_list(direction, src_at, dst_at, backend, path, monkeypatch, capfd, gen):
@@ -1129,7 +1128,7 @@ DEBUG_PAGED_CASES = [
 ]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,where,backend,path", DEBUG_PAGED_CASES,
                          ids=[f"{d}-{w}-{b}" for d, w, b, _ in DEBUG_PAGED_CASES])
 def test_gpu_debug_names_the_path_paged(direction, where, backend, path, monkeypatch, capfd, gen):
@@ -1152,7 +1151,7 @@ def test_gpu_debug_names_the_path_paged(direction, where, backend, path, monkeyp
 PIECE_PLANS = [(1, 2, "4.38"), (8, 5, "20.00"), (64, 19, "20.00")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("nb,pieces,largest", PIECE_PLANS, ids=[f"nb{p[0]}" for p in PIECE_PLANS])
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal"])
 def test_gpu_debug_staged_pieces_lead_ramp_then_double(nb, pieces, largest, direction, staging, monkeypatch,
@@ -1174,7 +1173,7 @@ def test_gpu_debug_staged_pieces_lead_ramp_then_double(nb, pieces, largest, dire
 # ==========================================================================
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_reserve_staging_and_staging_info(staging):
     staging(*DEFAULT_STAGING)
     assert kvbm_ext.reserve_staging() is None
@@ -1190,7 +1189,7 @@ def test_gpu_reserve_staging_and_staging_info(staging):
     assert kvbm_ext.staging_info() == info
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_staging_info_follows_set_staging(staging):
     staging(8 * MiB, 4)
     info = kvbm_ext.staging_info()
@@ -1215,7 +1214,7 @@ NUM_CTAS_VALUES = [None, 1, 2, 8]
 NUM_CTAS_PATHS = [("copy_engines", "pinned"), ("kernel", "pinned"), ("auto", "device")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend,where", NUM_CTAS_PATHS, ids=[f"{b}-{w}" for b, w in NUM_CTAS_PATHS])
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_paged_num_ctas_same_bytes(direction, backend, where, staging, gen):
@@ -1239,7 +1238,7 @@ def test_gpu_paged_num_ctas_same_bytes(direction, backend, where, staging, gen):
             assert_bitwise_equal(a, b, f"num_ctas={num_ctas} against None: destination memory #{i}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend,where", NUM_CTAS_PATHS, ids=[f"{b}-{w}" for b, w in NUM_CTAS_PATHS])
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
 def test_gpu_list_num_ctas_same_bytes(direction, backend, where, staging, gen):

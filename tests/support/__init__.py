@@ -4,7 +4,7 @@
   builders    random cases, placements, caches and their buffers, parameter ids
   producers   objects that offer exactly one array or stream protocol
   asserts     poison, byte-for-byte comparison, "call and check" and "rejected" helpers
-  devices     waiting for the GPU, stream-ordering probes
+  devices     the device parameter, waiting for the GPU, stream-ordering probes
 """
 
 import os

@@ -1,14 +1,34 @@
-"""What device work needs in a test: waiting for the GPU, and a producer stream held busy
-behind a long sleep (stream-ordering tests)."""
+"""The device a test runs on, and what device work needs: the `device` parameter
+("cpu" everywhere, "cuda" marked `gpu`: skipped where torch sees no GPU), waiting for the
+GPU, and a producer stream held busy behind a long sleep (stream-ordering tests)."""
 
 import time
 
+import pytest
 import torch
 
 from support.builders import random_tensor
 
 # ~0.25 s at H200 clocks: long enough that "not finished right after the call" is robust.
 SLEEP_CYCLES = 500_000_000
+
+
+def cuda_case(*values, id=None):
+    """A parametrize entry that needs a CUDA GPU (marked `gpu`)."""
+    return pytest.param(*values, marks=pytest.mark.gpu, id=id)
+
+
+# The params of the `device` fixture (conftest.py); also usable in parametrize.
+DEVICES = ["cpu", cuda_case("cuda")]
+
+
+def missing_gpus(count=1):
+    """Why a test needing `count` CUDA GPUs cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU visible to torch"
+    if torch.cuda.device_count() < count:
+        return f"needs {count} CUDA GPUs visible to torch"
+    return None
 
 
 def sync():
