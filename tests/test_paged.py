@@ -5,13 +5,15 @@ Every call's destination memory is poisoned (0xA5) before the call and afterward
 byte for byte with the pure-torch reference of support/references.py applied to a copy of it:
 moved rows written, everything else (other heads, other layers, other blocks, padding
 between rows) still poisoned. Sources are checked unchanged. Errors are checked to be
-raised before any byte is written. Sections:
+raised before any byte is written. Tests taking `device` run on the CPU and, where one is
+visible, on a GPU (PLACES: with universals / operationals on the device or pinned). Sections:
   1. the reference and the checking helper themselves (no kvbm_ext)
   2. construction: properties, references kept, construction errors
-  3. host caches (torch CPU, NumPy): results for every layout, layer selections and
-     offsets, head offsets (resharding), argument forms, nb = 0
-  4. host caches: call errors
-  5. GPU (marked gpu): placements, ids on the device (out-of-range skipped), CUDA graph
+  3. results: every layout, reshard round trips, id and universal / operational forms on
+     every device; on host caches (torch CPU, NumPy) layer selections and offsets, head
+     offsets, nb = 0
+  4. call errors: host ids on every device; the rest on host caches
+  5. GPU only (marked gpu): placements, ids on the device (out-of-range skipped), CUDA graph
      capture and replay, num_ctas, streams, staging, errors
 """
 
@@ -53,7 +55,7 @@ from support.builders import (
     snapshot,
     split,
 )
-from support.devices import SLEEP_CYCLES, rewrite_sources_behind_sleep, sync
+from support.devices import SLEEP_CYCLES, cuda_case, rewrite_sources_behind_sleep, sync
 from support.references import as_int, cache_rows, canonical, paged_reference, per_block, selected
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn, torch.int64]
@@ -93,6 +95,12 @@ def other_buffers(case, method, nb, gen, form="list", NH=None, NL=None, device=N
     """Universals (shape from the case, NH/NL overridable) or operationals for `method`."""
     shape = case.universal_shape(NH, NL) if "universal" in method else case.operational_shape()
     return block_buffers(form, nb, shape, dtype or case.dtype, gen, device or case.device, pin)
+
+
+# Where a test's cache and the universals / operationals it moves live: the CPU, and where a
+# GPU is visible a GPU cache with the other side on the device or in pinned host memory.
+PLACES = [pytest.param("cpu", False, id="cpu"), cuda_case("cuda", False, id="cuda"),
+          cuda_case("cuda", True, id="cuda-pinned")]
 
 
 def check(case, cache, direction, ids, gen, form="list", NH=None, NL=None, pin=False, **kwargs):
@@ -597,26 +605,34 @@ def test_zero_stride_on_a_size_1_dimension_is_allowed(gen):
 
 
 # ==========================================================================
-# 3. Host caches: results.
+# 3. Results.
 # ==========================================================================
 
 # Every layout with one dtype (rotating) and a shape (rotating); every dtype on two layouts.
 DATA_CASES = [(layout, DTYPES[i % len(DTYPES)], SHAPES[i % len(SHAPES)]) for i, layout in enumerate(LAYOUTS)]
 DATA_CASES += [(layout, d, SHAPES[j % len(SHAPES)]) for layout in ("kbthd", "blkthd")
                for j, d in enumerate(DTYPES) if (layout, d) not in [(c[0], c[1]) for c in DATA_CASES]]
+# The same rotation over eight layouts, and every dtype on one shape, as well.
+ROTATED_LAYOUTS = ["kbthd", "bkthd", "btd", "kbthd_hnd", "kbthd_padded", "dtbkh", "blkthd", "lkbthd"]
+ROTATED = [(layout, DTYPES[i % len(DTYPES)], SHAPES[i % len(SHAPES)]) for i, layout in enumerate(ROTATED_LAYOUTS)]
+ROTATED += [("kbthd", d, SHAPES[1]) for d in DTYPES if ("kbthd", d) not in [(c[0], c[1]) for c in ROTATED]]
+DATA_CASES += [c for c in ROTATED if c not in DATA_CASES]
 
 
 @pytest.mark.parametrize("layout,dtype,shape", DATA_CASES, ids=case_id)
 @pytest.mark.parametrize("method", METHODS)
-def test_host_every_layout(method, layout, dtype, shape, gen):
-    case = CacheCase(layout, *shape, dtype, gen)
+@pytest.mark.parametrize("device,pin", PLACES)
+def test_every_layout(method, layout, dtype, shape, device, pin, gen):
+    """Universals / operationals on the cache's device, or in pinned host memory."""
+    case = CacheCase(layout, *shape, dtype, gen, device)
     cache = case.build()
+    assert cache.device == ("cuda:0" if device == "cuda" else "cpu")
     ids = pick_ids(case.NB, min(4, case.NB), gen)
     if method.endswith("operational"):
-        check(case, cache, method + ":NHD", ids, gen)
-        check(case, cache, method + ":HND", ids, gen)
+        check(case, cache, method + ":NHD", ids, gen, pin=pin)
+        check(case, cache, method + ":HND", ids, gen, pin=pin)
     else:
-        check(case, cache, method, ids, gen)
+        check(case, cache, method, ids, gen, pin=pin)
 
 
 @pytest.mark.parametrize("np_dtype", [np.float16, np.uint8, np.int64, np.float32], ids=dtype_id)
@@ -808,8 +824,9 @@ def assert_poisoned_none(x):
     assert not bool((rows == 0xA5).all(dim=1).any()), "a universal row was left unwritten"
 
 
-def test_host_reshard_round_trip(gen):
-    reshard_round_trip(gen)
+@pytest.mark.parametrize("device,pin", PLACES)
+def test_reshard_round_trip(device, pin, gen):
+    reshard_round_trip(gen, device, pin)
 
 
 # --------------------------------------------------------------------------
@@ -826,23 +843,35 @@ ID_FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", list(ID_FORMS))
-def test_host_block_id_forms(form, gen):
-    case = CacheCase("kbthd", 2, 12, 2, 2, 3, 5, torch.float16, gen)
+# A GPU cache takes ids in pinned host memory and on its device too.
+DEVICE_ID_FORMS = {
+    "pinned-int64": lambda ids: torch.tensor(ids, dtype=torch.int64).pin_memory(),
+    "cuda-int32": lambda ids: torch.tensor(ids, dtype=torch.int32, device="cuda"),
+    "cuda-int64": lambda ids: torch.tensor(ids, dtype=torch.int64, device="cuda"),
+}
+
+
+@pytest.mark.parametrize("hd", [5, 16])
+@pytest.mark.parametrize("device,form", [("cpu", f) for f in ID_FORMS] +
+                         [cuda_case("cuda", f) for f in list(ID_FORMS) + list(DEVICE_ID_FORMS)])
+def test_block_id_forms(device, form, hd, gen):
+    case = CacheCase("kbthd", 2, 12, 2, 2, 3, hd, torch.float16, gen, device)
     cache = case.build()
-    ids = ID_FORMS[form]([11, 0, 7, 3])
+    ids = {**ID_FORMS, **DEVICE_ID_FORMS}[form]([11, 0, 7, 3])
     for direction in ["to_universal", "from_universal", "to_operational:HND", "from_operational:NHD"]:
         method, extra = split(direction)
         run_and_check(case, cache, method, ids, other_buffers(case, method, 4, gen), **extra)
 
 
-@pytest.mark.parametrize("form", BLOCK_FORMS)
+@pytest.mark.parametrize("device,pin,form", [("cpu", False, f) for f in BLOCK_FORMS] +
+                         [cuda_case("cuda", pin, f) for pin in (False, True) for f in BLOCK_FORMS if "numpy" not in f])
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:NHD", "from_operational:HND"])
-def test_host_universal_and_operational_forms(direction, form, gen):
+def test_universal_and_operational_forms(direction, device, pin, form, gen):
     """list, tuple, one array, a strided slice pool[1::2] of a bigger pool (its other blocks
-    untouched), NumPy list / array."""
-    case = CacheCase("bkthd", 3, 8, 2, 2, 4, 5, torch.int64 if "numpy" in form else torch.bfloat16, gen)
-    check(case, case.build(), direction, [7, 2, 4], gen, form=form)
+    untouched), NumPy list / array; on the cache's device or in pinned host memory."""
+    for hd in (5, 32):
+        case = CacheCase("bkthd", 3, 8, 2, 2, 4, hd, torch.int64 if "numpy" in form else torch.bfloat16, gen, device)
+        check(case, case.build(), direction, [7, 2, 4], gen, form=form, pin=pin)
 
 
 @pytest.mark.parametrize("direction", ["to_universal", "to_operational:NHD"])
@@ -920,7 +949,7 @@ def test_host_head_dims(dtype, hd, gen):
 
 
 # ==========================================================================
-# 4. Host caches: call errors (all before any write).
+# 4. Call errors (all before any write).
 # ==========================================================================
 
 NL, NB, NO, NH, NT, HD = 3, 9, 2, 3, 4, 5
@@ -948,8 +977,9 @@ def good_other(case, method, gen, nb=3, form="list", **kw):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_host_block_id_out_of_range(method, gen):
-    case, cache = ecase(gen)
+def test_block_id_out_of_range(method, device, gen):
+    """Ids given on the host are checked on the host, whatever the cache's device."""
+    case, cache = ecase(gen, device=device)
     for ids, index in ([4, 0, NB], 2), ([4, -1, 0], 1), ([NB + 1000, 0, 1], 0):
         reject(case, cache, method, ids, good_other(case, method, gen), ValueError, rf"block_ids\[{index}\]",
                "out of range", str(ids[index]))
@@ -966,8 +996,8 @@ def test_host_block_id_out_of_range_in_an_array(method, form, gen):
 
 @pytest.mark.parametrize("form", ["list", "numpy-int64", "torch-int32"])
 @pytest.mark.parametrize("method", ["from_universal", "from_operational"])
-def test_host_repeated_destination_ids(method, form, gen):
-    case, cache = ecase(gen)
+def test_repeated_destination_ids(method, form, device, gen):
+    case, cache = ecase(gen, device=device)
     ids = ID_FORMS[form]([5, 1, 7, 1])
     reject(case, cache, method, ids, good_other(case, method, gen, nb=4), ValueError, r"block_ids\[3\]",
            "repeat", "block_ids[1]")
@@ -1360,19 +1390,22 @@ def run_overflow_script(name, value, device):
 
 
 @pytest.mark.parametrize("name", ["head_offset", "layer_offset"])
-def test_host_huge_offsets_rejected(name):
-    run_overflow_script(name, 2**63 - 1, "cpu")
+def test_huge_offsets_rejected(name, device):
+    run_overflow_script(name, 2**63 - 1, device)
 
 
+@pytest.mark.parametrize("cache_layout", ["kbthd", "kbthd_padded"])
 @pytest.mark.parametrize("layout", ["list", "array"])
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:HND", "from_operational:NHD"])
-def test_host_misaligned_universals_and_operationals(direction, layout, gen):
+@pytest.mark.parametrize("device,pin", PLACES)
+def test_misaligned_universals_and_operationals(direction, layout, cache_layout, device, pin, gen):
     """Universals/operationals starting one element past a 16-byte boundary (hd = 64)."""
-    case = CacheCase("kbthd", 2, 6, 2, 2, 3, 64, torch.bfloat16, gen)
+    case = CacheCase(cache_layout, 2, 6, 2, 2, 3, 64, torch.bfloat16, gen, device)
     method, extra = split(direction)
-    other = other_buffers(case, method, 3, gen, form=layout)
+    other = other_buffers(case, method, 3, gen, form=layout, pin=pin)
     other = Buffers([misaligned(b) for b in other.bases], other.make)
     assert all(b.data_ptr() % 16 for b in other.bases)
+    assert all(b.is_cuda == (device == "cuda" and not pin) for b in other.bases)
     run_and_check(case, case.build(), method, [5, 0, 3], other, **extra)
 
 
@@ -1389,30 +1422,8 @@ def test_host_errors_leave_a_padded_cache_untouched(method, gen):
 
 
 # ==========================================================================
-# 5. GPU.
+# 5. GPU only.
 # ==========================================================================
-
-GPU_LAYOUTS = ["kbthd", "bkthd", "btd", "kbthd_hnd", "kbthd_padded", "dtbkh", "blkthd", "lkbthd"]
-GPU_CASES = [(layout, DTYPES[i % len(DTYPES)], SHAPES[i % len(SHAPES)]) for i, layout in enumerate(GPU_LAYOUTS)]
-GPU_CASES += [("kbthd", d, SHAPES[1]) for d in DTYPES if ("kbthd", d) not in [(c[0], c[1]) for c in GPU_CASES]]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout,dtype,shape", GPU_CASES, ids=case_id)
-@pytest.mark.parametrize("method", METHODS)
-def test_gpu_every_layout(method, layout, dtype, shape, gen):
-    """Universals/operationals on the device and in pinned host memory."""
-    case = CacheCase(layout, *shape, dtype, gen, device="cuda")
-    cache = case.build()
-    assert cache.device == "cuda:0"
-    ids = pick_ids(case.NB, min(4, case.NB), gen)
-    for pin in (False, True):
-        if method.endswith("operational"):
-            check(case, cache, method + ":NHD", ids, gen, pin=pin)
-            check(case, cache, method + ":HND", ids, gen, pin=not pin)
-        else:
-            check(case, cache, method, ids, gen, pin=pin)
-
 
 @pytest.mark.gpu
 def test_gpu_properties(gen):
@@ -1422,36 +1433,6 @@ def test_gpu_properties(gen):
     assert (cache.tokens_per_block, cache.head_dim, cache.dtype, cache.itemsize) == (7, 13, "float8_e4m3fn", 1)
     assert cache.device == "cuda:0" and "cuda:0" in repr(cache)
     assert cache.layers is case.layers
-
-
-GPU_ID_FORMS = dict(ID_FORMS)
-GPU_ID_FORMS.update({
-    "pinned-int64": lambda ids: torch.tensor(ids, dtype=torch.int64).pin_memory(),
-    "cuda-int32": lambda ids: torch.tensor(ids, dtype=torch.int32, device="cuda"),
-    "cuda-int64": lambda ids: torch.tensor(ids, dtype=torch.int64, device="cuda"),
-})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", ["list", "numpy-int32", "torch-int64", "pinned-int64", "cuda-int32", "cuda-int64"])
-def test_gpu_block_id_forms(form, gen):
-    case = CacheCase("kbthd", 2, 12, 2, 2, 3, 16, torch.float16, gen, device="cuda")
-    cache = case.build()
-    ids = GPU_ID_FORMS[form]([11, 0, 7, 3])
-    for direction in ["to_universal", "from_universal", "to_operational:HND", "from_operational:NHD"]:
-        method, extra = split(direction)
-        run_and_check(case, cache, method, ids, other_buffers(case, method, 4, gen), **extra)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", ["list", "tuple", "array", "pool[1::2]"])
-@pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:NHD", "from_operational:HND"])
-def test_gpu_universal_and_operational_forms(direction, form, gen):
-    """Device and pinned host memory."""
-    case = CacheCase("bkthd", 3, 8, 2, 2, 4, 32, torch.bfloat16, gen, device="cuda")
-    cache = case.build()
-    for pin in (False, True):
-        check(case, cache, direction, [7, 2, 4], gen, form=form, pin=pin)
 
 
 @pytest.mark.gpu
@@ -1481,12 +1462,6 @@ def test_gpu_heads(heads, layout, head_offset, gen):
 def test_gpu_layers_operational(direction, layers, gen):
     case = CacheCase("blkthd", 4, 6, 2, 2, 3, 16, torch.float16, gen, device="cuda")
     check(case, case.build(), direction, [3, 0, 5], gen, layers=layers)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
-def test_gpu_reshard_round_trip(pin, gen):
-    reshard_round_trip(gen, device="cuda", pin=pin)
 
 
 @pytest.mark.gpu
@@ -1527,26 +1502,6 @@ def test_gpu_device_ids_out_of_range_example(gen):
     for b, i in ((0, 0), (2, 1)):
         for l in range(case.nl):
             assert_bitwise_equal(as_int(U.struct[b][:, l]).cpu(), rows[l][i].permute(2, 0, 1, 3).cpu(), f"universals[{b}]")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["head_offset", "layer_offset"])
-def test_gpu_huge_offsets_rejected(name):
-    run_overflow_script(name, 2**63 - 1, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
-@pytest.mark.parametrize("layout", ["list", "array"])
-@pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:HND", "from_operational:NHD"])
-def test_gpu_misaligned_universals_and_operationals(direction, layout, pin, gen):
-    case = CacheCase("kbthd_padded", 2, 6, 2, 2, 3, 64, torch.bfloat16, gen, device="cuda")
-    method, extra = split(direction)
-    other = other_buffers(case, method, 3, gen, form=layout, pin=pin)
-    other = Buffers([misaligned(b) for b in other.bases], other.make)
-    assert all(b.data_ptr() % 16 for b in other.bases)
-    assert all(b.is_cuda != pin for b in other.bases)
-    run_and_check(case, case.build(), method, [5, 0, 3], other, **extra)
 
 
 # --------------------------------------------------------------------------
@@ -1762,17 +1717,6 @@ def test_gpu_device_ids_with_a_host_cache(method, gen):
 def test_gpu_bad_device_ids(bad, exc, gen):
     case, cache = ecase(gen, device="cuda")
     reject(case, cache, "to_universal", bad(), good_other(case, "to_universal", gen), exc, "block_ids")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("method", METHODS)
-def test_gpu_host_ids_checked(method, gen):
-    case, cache = ecase(gen, device="cuda")
-    reject(case, cache, method, [4, 0, NB], good_other(case, method, gen), ValueError, r"block_ids\[2\]",
-           "out of range")
-    if method.startswith("from_"):
-        reject(case, cache, method, [4, 0, 4], good_other(case, method, gen), ValueError, r"block_ids\[2\]",
-               "repeat", "block_ids[0]")
 
 
 @pytest.mark.gpu
