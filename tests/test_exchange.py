@@ -36,12 +36,13 @@ from support.builders import (
     arrays_in,
     block_buffers,
     clone_all,
+    dtype_id,
     make_case,
     make_op_case,
     random_tensor,
     snapshot,
 )
-from support.devices import SLEEP_CYCLES, rewrite_sources_behind_sleep, sync
+from support.devices import SLEEP_CYCLES, cuda_case, rewrite_sources_behind_sleep, sync
 from support.producers import DLPackOnly, wrap
 from support.references import cache_rows, expected_blocks, expected_universals, paged_reference, per_block
 
@@ -116,25 +117,23 @@ def test_subclass_python_protocols_raise():
 
 
 # ==========================================================================
-# Host arrays: the list functions and PagedKVCache read subclasses through the C API.
+# The list functions and PagedKVCache read subclasses through the C API (every device).
 # ==========================================================================
 
 
 @requires_exchange_api
 @pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize(
-    "direction,dtype",
-    [("b2u", torch.bfloat16), ("u2b", torch.float8_e4m3fn)],
-    ids=["block_to_universal-bfloat16", "universal_to_block-float8_e4m3fn"],
-)
-def test_list_conversions_read_subclasses_via_the_c_api(direction, dtype, layout, cls, gen):
-    blocks, universals = make_case(3, 2, 2, 3, 4, 5, dtype, layout, generator=gen)
-    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
-    if direction == "b2u":
-        b2u_and_check(blocks, universals, layout, 2)
-    else:
-        u2b_and_check(universals, blocks, layout)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_id)
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_list_conversions_read_subclasses_via_the_c_api(direction, dtype, layout, cls, device, gen):
+    for shape in [(3, 2, 2, 3, 4, 5), (3, 2, 2, 3, 8, 64)]:
+        blocks, universals = make_case(*shape, dtype, layout, device=device, generator=gen)
+        blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
+        if direction == "b2u":
+            b2u_and_check(blocks, universals, layout, 2)
+        else:
+            u2b_and_check(universals, blocks, layout)
 
 
 @requires_exchange_api
@@ -204,15 +203,20 @@ def sub_other(case, method, nb, gen, form, cls=NoPythonDLPack, pin=False):
 
 @requires_exchange_api
 @pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
-@pytest.mark.parametrize("layout,form", [("kbthd", "list"), ("blkthd", "array")])
-def test_paged_cache_of_subclasses(layout, form, cls, gen):
-    """Layers, block ids (int64 CPU tensor) and universals/operationals all subclasses."""
-    case = sub_cache_case(layout, gen, cls)
+@pytest.mark.parametrize("form", ["list", "array"])
+@pytest.mark.parametrize("layout", ["kbthd", "blkthd"])
+@pytest.mark.parametrize("device,pin", [pytest.param("cpu", False, id="cpu"), cuda_case("cuda", False, id="cuda"),
+                                        cuda_case("cuda", True, id="cuda-pinned")])
+def test_paged_cache_of_subclasses(layout, form, cls, device, pin, gen):
+    """Layers, block ids (int64 tensor on the cache's device) and universals/operationals
+    (on that device, or pinned) all subclasses."""
+    case = sub_cache_case(layout, gen, cls, device)
     cache = case.build()
+    assert cache.device == ("cuda:0" if device == "cuda" else "cpu")
     assert all(isinstance(x, cls) for x in (cache.layers if isinstance(cache.layers, (list, tuple)) else [cache.layers]))
-    ids = torch.tensor([8, 0, 5], dtype=torch.int64).as_subclass(cls)
+    ids = torch.tensor([8, 0, 5], dtype=torch.int64, device=device).as_subclass(cls)
     for method in ("to_universal", "from_universal", "to_operational", "from_operational"):
-        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, form, cls))
+        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, form, cls, pin))
 
 
 @pytest.mark.parametrize("cls", [DLPackOnly, NotACapsule, IntInsteadOfCapsule])
@@ -252,32 +256,6 @@ def test_list_api_through_python_dlpack(direction, cls, gen):
 # ==========================================================================
 # GPU: the fast path on device arrays, and stream ordering through it.
 # ==========================================================================
-
-
-@pytest.mark.gpu
-@requires_exchange_api
-@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
-@pytest.mark.parametrize("direction", ["b2u", "u2b"])
-def test_gpu_subclasses_via_the_c_api(direction, cls, gen):
-    blocks, universals = make_case(3, 2, 2, 3, 8, 64, torch.bfloat16, "NHD", device="cuda", generator=gen)
-    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
-    if direction == "b2u":
-        b2u_and_check(blocks, universals, "NHD", 2)
-    else:
-        u2b_and_check(universals, blocks, "NHD")
-
-
-@pytest.mark.gpu
-@requires_exchange_api
-@pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
-def test_gpu_paged_cache_of_subclasses(pin, gen):
-    """GPU cache of subclasses; device ids and universals/operationals as subclasses."""
-    case = sub_cache_case("kbthd", gen, device="cuda")
-    cache = case.build()
-    assert cache.device == "cuda:0"
-    ids = torch.tensor([8, 0, 5], dtype=torch.int64, device="cuda").as_subclass(NoPythonDLPack)
-    for method in ("to_universal", "from_universal", "to_operational", "from_operational"):
-        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, "array", pin=pin))
 
 
 @pytest.mark.gpu
@@ -452,8 +430,8 @@ def flag_case(flag, gen, device="cpu"):
 @pytest.mark.parametrize("where", ["blocks", "universals"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 @pytest.mark.parametrize("flag", ["conj", "neg"])
-def test_conjugate_and_negative_views_refused(flag, direction, where, gen):
-    blocks, universals = flag_case(flag, gen)
+def test_conjugate_and_negative_views_refused(flag, direction, where, device, gen):
+    blocks, universals = flag_case(flag, gen, device)
     assert flagged(universals[0], flag).data_ptr() == universals[0].data_ptr()
     args_blocks = [list(chunks) for chunks in blocks]
     args_universals = list(universals)
@@ -713,17 +691,6 @@ def test_paged_inference_layers_are_written_without_torch_calls(gen):
     back = block_buffers("list", len(PAGED_IDS), case.universal_shape(), case.dtype, gen)
     cache.to_universal(PAGED_IDS, back.arg)
     assert_all_bitwise_equal(snapshot(back.bases), snapshot(other.bases), "universals read back")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["conj", "neg"])
-@pytest.mark.parametrize("direction", ["b2u", "u2b"])
-def test_gpu_flagged_views_refused(direction, flag, gen):
-    blocks, universals = flag_case(flag, gen, device="cuda")
-    args_universals = [universals[0], flagged(universals[1], flag), universals[2]]
-    written, read = (universals, blocks) if direction == "b2u" else (blocks, universals)
-    refused(lambda: call(direction, blocks, args_universals), written, read, ValueError, r"universals\[1\]",
-            "conjugate" if flag == "conj" else "negative")
 
 
 @pytest.mark.gpu
