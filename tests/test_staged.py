@@ -13,8 +13,9 @@ any byte is written. After a call only the CALLER'S stream is synchronized befor
 (not the whole device), so a missing join shows up as wrong bytes.
 
 Sections:
-  1. host (runs everywhere): the checking helper; backend / num_ctas accepted and validated
-     on host arrays and host caches; set_staging / staging_info / reserve_staging arguments
+  1. host (runs everywhere): the checking helper; backend / num_ctas accepted on host
+     arrays and host caches, and validated there and (marked gpu) with pinned memory in a
+     GPU call; set_staging / staging_info / reserve_staging arguments
   2. GPU: every conversion with pinned memory and every backend (list API, PagedKVCache),
      layers and offsets, mixed placements, stream forms, transfers needing many pieces
   3. GPU: a small staging (slots wrap many times; blocks larger than the staging)
@@ -22,7 +23,7 @@ Sections:
   5. GPU: CUDA graph capture and replay; a fresh process: staging allocated on first need,
      capture refused without reserve_staging
   6. GPU: fork / join ordering with the caller's stream
-  7. GPU: argument errors with pinned memory, raised before any write
+  7. GPU: a staged call's error in its last block writes nothing
   8. GPU: KVBM_EXT_DEBUG names the path
   9. GPU: staging_info; num_ctas gives the same bytes
 """
@@ -63,7 +64,7 @@ from support.builders import (
     snapshot,
     split,
 )
-from support.devices import SLEEP_CYCLES, sync
+from support.devices import SLEEP_CYCLES, cuda_case, sync
 from support.references import (
     as_int,
     as_list,
@@ -323,18 +324,18 @@ def bad_id(v):
     return repr(v) if not isinstance(v, type) else v.__name__
 
 
-@pytest.mark.parametrize("bad,exc", BAD_BACKENDS, ids=bad_id)
-@pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_host_list_bad_backend(direction, bad, exc, gen):
-    src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "NHD", gen, "pageable", "pageable")
-    expect_rejected(lambda: list_call(direction, src, dst, "NHD", backend=bad), src, dst, exc, "backend", ())
+BAD_ARGUMENTS = [("backend", *b) for b in BAD_BACKENDS] + [("num_ctas", *b) for b in BAD_NUM_CTAS]
+# Host arrays, and where a GPU is visible pinned memory on one side of a GPU call.
+WHERE = ["host", cuda_case("pinned")]
 
 
-@pytest.mark.parametrize("bad,exc", BAD_NUM_CTAS, ids=bad_id)
+@pytest.mark.parametrize("argument,bad,exc", BAD_ARGUMENTS, ids=bad_id)
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_host_list_bad_num_ctas(direction, bad, exc, gen):
-    src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "NHD", gen, "pageable", "pageable")
-    expect_rejected(lambda: list_call(direction, src, dst, "NHD", num_ctas=bad), src, dst, exc, "num_ctas", ())
+@pytest.mark.parametrize("where", WHERE)
+def test_list_bad_backend_or_num_ctas(direction, argument, bad, exc, where, gen):
+    src_at, dst_at = ("pageable", "pageable") if where == "host" else LIST_PLACEMENTS[direction][0]
+    src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "NHD", gen, src_at, dst_at)
+    expect_rejected(lambda: list_call(direction, src, dst, "NHD", **{argument: bad}), src, dst, exc, argument, ())
 
 
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
@@ -361,14 +362,15 @@ def test_host_cache_every_backend_value(direction, backend, gen):
                 backend=backend, **kwargs)
 
 
-@pytest.mark.parametrize("argument,bad,exc",
-                         [("backend", *b) for b in BAD_BACKENDS] + [("num_ctas", *b) for b in BAD_NUM_CTAS],
-                         ids=bad_id)
+@pytest.mark.parametrize("argument,bad,exc", BAD_ARGUMENTS, ids=bad_id)
 @pytest.mark.parametrize("method", METHODS)
-def test_host_cache_bad_backend_or_num_ctas(method, argument, bad, exc, gen):
-    case, cache = host_cache(gen)
-    other = paged_other(case, method, 3, gen, where="host", form="list").arg
-    paged_reject(case, cache, method, [4, 0, 7], other, exc, argument, **{argument: bad})
+@pytest.mark.parametrize("where", WHERE)
+def test_cache_bad_backend_or_num_ctas(method, argument, bad, exc, where, gen):
+    """On a host cache, and on a GPU cache with pinned universals / operationals."""
+    case = CacheCase("kbthd", 3, 9, 2, 3, 4, 5, torch.bfloat16, gen, "cpu" if where == "host" else "cuda")
+    form = "list" if where == "host" else "array"
+    other = paged_other(case, method, 3, gen, where=where, form=form).arg
+    paged_reject(case, case.build(), method, [4, 0, 7], other, exc, argument, **{argument: bad})
 
 
 # set_staging(size_bytes=None, *, lanes=None): (args, kwargs, exception, argument named)
@@ -1003,30 +1005,8 @@ def test_gpu_fork_join_list(direction, gen):
 
 
 # ==========================================================================
-# 7. GPU: argument errors with pinned memory, before any write.
+# 7. GPU: a staged call's error in its last block writes nothing.
 # ==========================================================================
-
-GPU_BAD_ARGUMENTS = [("backend", "copy-engine", ValueError), ("backend", 1, TypeError), ("num_ctas", 0, ValueError),
-                     ("num_ctas", True, TypeError), ("num_ctas", 1.5, TypeError)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,value,exc", GPU_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in GPU_BAD_ARGUMENTS])
-@pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_gpu_list_bad_argument_with_pinned_memory(direction, name, value, exc, gen):
-    src_at, dst_at = LIST_PLACEMENTS[direction][0]
-    src, dst = list_arrays(direction, (3, 2, 2, 3, 4, 16), torch.bfloat16, "NHD", gen, src_at, dst_at)
-    expect_rejected(lambda: list_call(direction, src, dst, "NHD", **{name: value}), src, dst, exc, name, ())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,value,exc", GPU_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in GPU_BAD_ARGUMENTS])
-@pytest.mark.parametrize("method", METHODS)
-def test_gpu_paged_bad_argument_with_pinned_memory(method, name, value, exc, gen):
-    case = CacheCase("kbthd", 3, 9, 2, 3, 4, 16, torch.bfloat16, gen, device="cuda")
-    other = paged_other(case, method, 3, gen).arg
-    paged_reject(case, case.build(), method, [4, 0, 7], other, exc, name, **{name: value})
-
 
 def wider(t, gen):
     """A random array like t (same placement) with a last dimension one element longer."""
