@@ -109,9 +109,10 @@ def operational_backend_lines(placement):
 
 
 def universal_operational_lines(placement):
-    return [Line("universal_to_operational", gpu_row("operational", "universal_to_operational", placement), "C0"),
-            Line("operational_to_universal", gpu_row("operational", "operational_to_universal", placement),
-                 "C1", BACK)]
+    return [Line("universal_to_operational: universal to operational blocks",
+                 gpu_row("operational", "universal_to_operational", placement), "C0"),
+            Line("operational_to_universal: operational to universal blocks",
+                 gpu_row("operational", "operational_to_universal", placement), "C1", BACK)]
 
 
 RAW_COPIES = (
