@@ -247,14 +247,20 @@ def bench_direction(me, name, nb, rows):
     if me.gpu:
         torch.cuda.empty_cache()
 
-    ceiling = results["nccl-one-buffer"][0]
-    for method, (seconds, host, (msgs, copies, link_bytes)) in results.items():
-        rows.append({"device": args.device, "direction": name, "nb": nb, "method": method, "messages": msgs,
-                     "local_copies": copies, "bytes": total, "link_bytes": link_bytes,
-                     "time_us": round(seconds * 1e6, 2), "gbps": round(total / seconds / 1e9, 2),
-                     "pct_of_ceiling": round(100 * ceiling / seconds, 1),
-                     "host_us": round(host * 1e6, 1) if method.startswith("reshard") else ""})
+    rows += result_rows(args.device, name, nb, total, results)
     return expected_pairs(src, dst, args.layers), (messages, local)
+
+
+def result_rows(device, name, nb, total, results):
+    """The CSV rows of one direction and nb: per method, its time and the GB/s of the bytes
+    moved into the destination caches, against the one-buffer NCCL ceiling."""
+    ceiling = results["nccl-one-buffer"][0]
+    return [{"device": device, "direction": name, "nb": nb, "method": method, "messages": msgs,
+             "local_copies": copies, "bytes": total, "link_bytes": link_bytes,
+             "time_us": round(seconds * 1e6, 2), "gbps": round(total / seconds / 1e9, 2),
+             "pct_of_ceiling": round(100 * ceiling / seconds, 1),
+             "host_us": round(host * 1e6, 1) if method.startswith("reshard") else ""}
+            for method, (seconds, host, (msgs, copies, link_bytes)) in results.items()]
 
 
 def run(rank, args, store_path):
