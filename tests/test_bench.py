@@ -1,7 +1,7 @@
-"""benchmarks/kvbench.py on the CPU at a tiny size: its files (CSV, PNG, log) go where they
+"""benchmarks/kvbench.py on the CPU at a tiny size: its files (CSV, PNGs, log) go where they
 should, rows say "verified" and a separate PASS/MISS against their target, --compare
 prints each row's change and --fail-on-regression sets the exit status; report.py's
-comparison on its own; beside.py without a GPU."""
+comparison on its own."""
 
 import csv
 import os
@@ -87,19 +87,20 @@ def test_png_of_the_run(list_run):
 
 @pytest.mark.slow
 def test_png_from_a_csv(list_run, tmp_path):
-    """report.py draws the PNG of an earlier run from its CSV (for a run made without
+    """figures.py draws the PNGs of an earlier run from its CSV (for a run made without
     matplotlib): the same picture the run drew."""
     pytest.importorskip("matplotlib", reason="kvbench draws its PNG with matplotlib")
     run, _ = list_run
     csv_copy = tmp_path / "run.csv"
     csv_copy.write_bytes(open(printed_path(run.stdout, "CSV"), "rb").read())
-    replot = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), "plot", str(csv_copy)],
+    replot = subprocess.run([sys.executable, os.path.join(BENCH, "figures.py"), str(csv_copy)],
                             capture_output=True, text=True, timeout=300)
-    assert replot.returncode == 0 and replot.stdout == f"PNG: {tmp_path / 'run.png'}\n", replot.stdout + replot.stderr
-    with open(tmp_path / "run.png", "rb") as f:
+    assert replot.returncode == 0 and replot.stdout == f"PNG: {tmp_path / 'run-cpu.png'}\n", \
+        replot.stdout + replot.stderr
+    with open(tmp_path / "run-cpu.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     original = os.path.getsize(printed_path(run.stdout, "PNG"))
-    assert abs(os.path.getsize(tmp_path / "run.png") - original) < original // 5
+    assert abs(os.path.getsize(tmp_path / "run-cpu.png") - original) < original // 5
 
 
 @pytest.mark.slow
@@ -227,29 +228,8 @@ def test_committed_results_still_compare(report):
 
 
 # --------------------------------------------------------------------------
-# beside.py and the documentation.
+# The other scripts' options.
 # --------------------------------------------------------------------------
-
-# (script and arguments, what it prints where no GPU is): it says so, writes nothing, exits 0.
-WITHOUT_A_GPU = [
-    (["beside.py", "--quick"], "no GPU, nothing to measure"),
-    (["trace.py", "--beside-gemm", "4"], "no GPU, nothing to trace"),
-    (["host_time.py", "--build", f"here={REPO_ROOT}"], "no GPU, nothing to measure"),
-]
-
-
-@pytest.mark.parametrize("argv,says", WITHOUT_A_GPU, ids=[argv[0] for argv, _ in WITHOUT_A_GPU])
-def test_gpu_script_without_a_gpu_says_so(argv, says, tmp_path):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip(f"a GPU is here: {argv[0]} would run")
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run([sys.executable, os.path.join(BENCH, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and says in run.stdout, run.stdout + run.stderr
-    assert os.listdir(tmp_path) == []
-
 
 def test_host_time_build_needs_a_label():
     run = subprocess.run([sys.executable, os.path.join(BENCH, "host_time.py"), "--build", "nolabel"],
