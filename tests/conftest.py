@@ -27,3 +27,16 @@ def gen(request):
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+# Dynamo's own test file is kept as it is upstream, and one of its tests moves a tensor to
+# the GPU without checking for one first.
+UPSTREAM_TESTS_NEEDING_CUDA = {("test_dynamo_compat_upstream.py", "test_non_cuda_tensor_error")}
+
+
+def pytest_collection_modifyitems(items):
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if (item.path.name, item.name) in UPSTREAM_TESTS_NEEDING_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU visible to torch (calls .cuda())"))
