@@ -180,8 +180,8 @@ class KvbmOffloading:
 @contextlib.contextmanager
 def kvbm_offloading():
     """Inside the block, transformers' continuous batching offloads and restores KV blocks
-    through kvbm_ext (see the module docstring).  Yields a KvbmOffloading.  Reentrant:
-    nested blocks share the outer class and each records what is created inside it."""
+    through kvbm_ext (see the module docstring).  Yields a KvbmOffloading.  Blocks nest: a
+    manager is recorded by the innermost block it is created in."""
     check_transformers()
     run = KvbmOffloading()
     outer = continuous_api.OffloadingManager
