@@ -242,3 +242,71 @@ def test_kvbench_help():
     assert run.returncode == 0
     for option in ("--out", "--compare", "--fail-on-regression", "--device"):
         assert option in run.stdout, run.stdout
+
+
+# --------------------------------------------------------------------------
+# engines.py: its references, written from each engine's own shape.
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines():
+    sys.path.insert(0, BENCH)
+    try:
+        import engines as module
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def engine_element(name, tensors, layers, dims, block, layer, outer, head, token):
+    """One [hd] row of a block, indexed as the engine documents its cache."""
+    hd = dims.hd
+    if name == "vllm_packed":        # [num_blocks, nt, nh, 2*hd]: K then V in the last dim
+        return layers[layer][block, token, head, outer * hd:(outer + 1) * hd]
+    if name == "vllm_flash":         # [2, num_blocks, nt, nh, hd]
+        return layers[layer][outer, block, token, head]
+    if name == "flashinfer_hnd":     # stored [num_blocks, 2, nh, nt, hd] (HND stride order)
+        return tensors[layer][block, outer, head, token]
+    if name == "mla":                # [num_blocks, nt, hd]
+        return layers[layer][block, token]
+    return layers[layer][outer][block * dims.nt + token, head]     # K / V pairs [rows, nh, hd]
+
+
+@pytest.mark.parametrize("name", ["vllm_packed", "vllm_flash", "flashinfer_hnd", "sglang_pairs",
+                                  "transformers_pairs", "mla"])
+def test_engines_reference_gathers_each_engine_as_documented(engines, name, gen):
+    import torch
+    dims = engines.Dims(3, 1, 1, 5, 8) if name == "mla" else engines.Dims(3, 2, 4, 5, 6)
+    tensors, layers, layout, _, chunks, usable = engines.ENGINES[name](dims, 7, torch.device("cpu"))
+    for tensor in tensors:
+        tensor.view(torch.int16).copy_(torch.randint(-2**15, 2**15, tensor.shape, dtype=torch.int16, generator=gen))
+    engine = engines.Engine(name, layout, dims, None, chunks, list(usable))
+    ids = [5, 2, 3]
+    universal = engines.gathered(engine, torch.tensor(ids))
+    assert universal.shape == (3, dims.nh, dims.nl, dims.no, dims.nt, dims.hd)
+    for i, block in enumerate(ids):
+        for layer in range(dims.nl):
+            for outer in range(dims.no):
+                for head in range(dims.nh):
+                    for token in range(dims.nt):
+                        want = engine_element(name, tensors, layers, dims, block, layer, outer, head, token)
+                        got = universal[i, head, layer, outer, token]
+                        assert torch.equal(got.view(torch.int16), want.view(torch.int16))   # NaN bits too
+    engines.poison_engine_blocks(engine, torch.tensor(ids))
+    assert bool((engines.gathered(engine, torch.tensor(ids)).view(torch.int16) == engines.POISON_INT16).all())
+    assert not bool((engines.gathered(engine, torch.tensor([0, 4])).view(torch.int16) == engines.POISON_INT16).any())
+
+
+def test_engines_usable_blocks_leave_out_the_spares(engines):
+    import torch
+    dims = engines.Dims(1, 2, 1, 2, 2)
+    usable = {name: list(engines.ENGINES[name](dims, 6, torch.device("cpu"))[5]) for name in engines.ENGINES}
+    assert usable["sglang_pairs"] == [1, 2, 3, 4, 5]               # page 0: SGLang's padding page
+    assert usable["transformers_pairs"] == [0, 1, 2, 3]            # the last two: read and write trash
+    assert usable["vllm_flash"] == list(range(6))
+
+
+def test_engines_refuses_unknown_names():
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "engines.py"), "--engines", "vllm_flash,trt"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--engines: unknown engine 'trt'" in run.stderr, run.stderr

@@ -96,6 +96,8 @@ SCRIPTS = [
     (["trace.py", "--beside-gemm", "4"], "trace"),
     (["host_time.py", "--build", f"here={REPO_ROOT}"], "host_time"),
     (["reshard.py", "--device", "cuda"], "reshard --device cuda"),
+    (["engines.py", "--nb", "1,8"], "engines"),
+    (["engines.py", "--transformers", "--tf-layers", "2"], "engines --transformers"),
 ]
 
 PREAMBLE = f"""
