@@ -174,11 +174,12 @@ static cudaError_t launch_paged_box(const void *ctx, const kv_box *box, char *sl
     addresses.flat_base = (uint64_t)(uintptr_t)slot;
     addresses.flat_block = box->mn * box->in * a->staged->unit_bytes;
     uint64_t table[KVBM_TABLE_BY_VALUE_MAX];
-    memcpy(table, a->table + box->i0, (size_t)box->in * sizeof *table);
+    const int64_t per_layer = kvbm_paged_bases(whole) / whole->nl, bases = box->in * per_layer;
+    memcpy(table, a->table + box->i0 * per_layer, (size_t)bases * sizeof *table);
     if (addresses.ids != NULL)
         addresses.ids = (const char *)addresses.ids + box->b0 * (addresses.ids_int32 ? 4 : 8);
     else
-        memcpy(table + box->in, a->table + whole->nl + box->b0, (size_t)box->bn * sizeof *table);
+        memcpy(table + bases, a->table + kvbm_paged_bases(whole) + box->b0, (size_t)box->bn * sizeof *table);
     return kvbm_launch_paged(&p, &addresses, table, NULL, a->vector_bytes, max_ctas, stream);
 }
 
@@ -186,7 +187,7 @@ static int enqueue_paged(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const 
 {
     const kv_paged_args *a = args;
     return run_move(gpu, ring, stream, a->staged, launch_paged_box, launch_paged, args, a->table,
-                    kvbm_paged_table_entries(a->addresses, a->paged->nl, a->paged->nb), a->max_ctas, a->report,
+                    kvbm_paged_table_entries(a->addresses, kvbm_paged_bases(a->paged), a->paged->nb), a->max_ctas, a->report,
                     "launching the paged cache kernel", f);
 }
 
@@ -201,8 +202,8 @@ int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *pag
     kv_staged bounded;
     if (staged != NULL) {
         bounded = *staged;
-        bounded.max_blocks = addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - paged->nl;
-        if (paged->nl >= KVBM_TABLE_BY_VALUE_MAX) {
+        bounded.max_blocks = addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - kvbm_paged_bases(paged);
+        if (kvbm_paged_bases(paged) >= KVBM_TABLE_BY_VALUE_MAX) {
             snprintf(report->fallback, sizeof report->fallback, "a table of %lld layers does not fit in a launch's "
                      "parameters", (long long)paged->nl);
             staged = NULL;
