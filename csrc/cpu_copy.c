@@ -52,6 +52,25 @@ void kv_cpu_paged(const kvbm_paged *p, const kvbm_paged_addresses *a, const uint
     }
 }
 
+void kv_cpu_to_cache(const kvbm_to_cache *m, const uint64_t *table)
+{
+    const kvbm_paged *p = &m->p;
+    const int64_t bases = kvbm_to_cache_bases(m);
+    const uint64_t *src_ids = table + kvbm_to_cache_src_ids_at(m), *dst_ids = src_ids + p->nb;
+    for (int64_t b = 0; b < p->nb; b++) {
+        /* Each (layer, outer) has a base of its own: the outer strides are 0. */
+        for (int64_t entry = 0; entry < bases; entry++) {
+            const char *src = (const char *)(uintptr_t)table[entry] + kvbm_paged_cache_chunk(p, (int64_t)src_ids[b], 0);
+            char *dst = (char *)(uintptr_t)table[bases + entry] + kvbm_to_cache_dst_chunk(m, (int64_t)dst_ids[b], 0);
+            for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
+                int64_t src_off, dst_off;
+                kvbm_paged_segment(p, s, &src_off, &dst_off);
+                memcpy(dst + dst_off, src + src_off, (size_t)p->segment_bytes);
+            }
+        }
+    }
+}
+
 void kv_cpu_copy_pairs(const kv_pairs *pairs)
 {
     for (int64_t i = 0; i < pairs->count; i++)
