@@ -68,9 +68,9 @@ static cudaError_t launch_box(const void *ctx, const kv_box *box, char *slot, ui
     const kvbm_paged *whole = &a->move->p;
     const kv_device_side dev = device_side(a);
     const int64_t unit = a->staged->unit_bytes;
-    /* By chunk, the (layer, outer) pairs are the layers of the piece. */
-    int64_t count[KV_MOVED_DIMS] = {k->by_chunk ? whole->nl * whole->no : whole->nl, k->by_chunk ? 1 : whole->no,
-                                    whole->nh, whole->nt};
+    /* Fused, the (layer, outer) pairs are the layers of the piece. */
+    int64_t count[KV_MOVED_DIMS] = {k->fused_outer ? whole->nl * whole->no : whole->nl,
+                                    k->fused_outer ? 1 : whole->no, whole->nh, whole->nt};
     int64_t start[KV_MOVED_DIMS] = {0, 0, 0, 0}, slot_stride[KV_MOVED_DIMS];
     const int64_t outers = count[KV_MOVED_OUTER];
     for (int d = 0; d < KV_MOVED_DIMS; d++) {

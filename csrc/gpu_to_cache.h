@@ -23,7 +23,7 @@ typedef enum {
 typedef struct {
     kv_pack_role role[KV_MOVED_DIMS];
     int64_t unit_stride[KV_MOVED_DIMS]; /* bytes, of a dimension in the unit */
-    int by_chunk;      /* the inner index runs over (layer, outer), each unit at an address of its own */
+    int fused_outer;   /* the inner index runs over (layer, outer) pairs, each unit at an address of its own */
     int pinned_is_dst; /* the bytes move into the pinned cache */
 } kv_packing;
 

@@ -151,30 +151,33 @@ static const char *plan_staging(const kv_to_cache_call *call, const kvbm_to_cach
     int assigned[KV_MOVED_DIMS];
     pinned_dims(call, m, bases, count, stride);
     k->pinned_is_dst = s->to_host = to_dst;
-    k->by_chunk = pinned->narrays > 1;
-    /* Arrays apart: a unit is a (layer, outer) block's rows, at an address
-     * of its own; one array: any of the four may be in the unit. */
-    s->unit_bytes = merge_unit(k, k->by_chunk ? KV_MOVED_HEAD : 0, count, stride, p->row_bytes, assigned);
-    if (k->by_chunk && (!assigned[KV_MOVED_HEAD] || !assigned[KV_MOVED_TOKEN]))
-        return "the pinned cache's rows of one block, layer and K/V are not one contiguous run";
-    const int64_t shift = to_dst ? p->flat_shift : p->cache_shift, block = to_dst ? m->dst_block : p->cache_block;
-    const uint64_t *values = ids->values;
     s->nb = p->nb;
-    if (k->by_chunk) {
-        k->role[KV_MOVED_LAYER] = KV_AS_INNER;
-        s->mid = 1;
-        s->inner = p->nl * p->no;
-        s->unit_address = addresses;
+    /* One array: any of the four dimensions may be in the unit.  Arrays
+     * apart (per layer, or K and V per layer): a block's rows of one layer
+     * (and K or V, where they are apart) are a unit at an address of its
+     * own. */
+    const int apart = pinned->narrays > 1;
+    const int first = !apart ? KV_MOVED_LAYER : pinned->kv_pairs ? KV_MOVED_HEAD : KV_MOVED_OUTER;
+    s->unit_bytes = merge_unit(k, first, count, stride, p->row_bytes, assigned);
+    const int64_t shift = to_dst ? p->flat_shift : p->cache_shift, block = to_dst ? m->dst_block : p->cache_block;
+    if (!apart) {
+        s->block_address = addresses;
         for (int64_t b = 0; b < p->nb; b++)
-            for (int64_t i = 0; i < s->inner; i++)
-                addresses[b * s->inner + i] = bases[i] + (uint64_t)(shift + (int64_t)values[b] * block);
-        return NULL;
+            addresses[b] = bases[0] + (uint64_t)(shift + (int64_t)ids->values[b] * block);
+        return pack_table(count, stride, assigned, k, s);
     }
-    const char *why = pack_table(count, stride, assigned, k, s);
-    s->block_address = addresses;
-    for (int64_t b = 0; why == NULL && b < p->nb; b++)
-        addresses[b] = bases[0] + (uint64_t)(shift + (int64_t)values[b] * block);
-    return why;
+    if (!assigned[KV_MOVED_HEAD] || !assigned[KV_MOVED_TOKEN])
+        return "the pinned cache's rows of one block and layer are not one contiguous run";
+    k->fused_outer = !assigned[KV_MOVED_OUTER];
+    k->role[KV_MOVED_LAYER] = KV_AS_INNER;
+    s->mid = 1;
+    s->inner = k->fused_outer ? p->nl * p->no : p->nl;
+    s->unit_address = addresses;
+    const int64_t step = k->fused_outer ? 1 : p->no; /* bases per inner index */
+    for (int64_t b = 0; b < p->nb; b++)
+        for (int64_t i = 0; i < s->inner; i++)
+            addresses[b * s->inner + i] = bases[i * step] + (uint64_t)(shift + (int64_t)ids->values[b] * block);
+    return NULL;
 }
 
 /* ------------------------------------------------------------ running */

@@ -23,7 +23,9 @@ from reference import SLEEP_CYCLES, _as_int, assert_bitwise_equal, path_regex, p
 
 D = Dims(nl=3, nh=2, nt=4, hd=8, blocks=7)
 KV = [n for n, e in ENGINES.items() if e.no == 2]  # every layout with K and V (not MLA)
-PINNED = HOST_POOLS + ["transformers"]  # pools a device cache offloads into, and K/V pairs
+# Pools a device cache offloads into, and engine layouts in pinned memory: K/V pairs, per-layer
+# arrays whose K and V of a block are apart (units per layer and K/V) or together (per layer).
+PINNED = HOST_POOLS + ["transformers", "vllm_flash_attn", "vllm_packed"]
 
 
 def snapshot(memory):
@@ -230,6 +232,34 @@ def test_host_errors_before_any_write(case, gen):
     assert re.search(re.escape(words), str(info.value)), str(info.value)
     for i, (got, was) in enumerate(zip(dst_arrays, before)):
         assert_bitwise_equal(_as_int(got), was, f"dst memory #{i} after a refused call")
+
+
+def test_host_ids_whose_index_changes_the_call(gen):
+    """Reading an id runs Python code: it may empty the caller's other id list or drop its
+    own list; the call works on what it read, or refuses, and never crashes."""
+    src, src_mem, src_cache = make("vllm_flash_attn", gen)
+    dst, dst_mem, dst_cache = make("universal_pool", gen)
+    dst_ids = [4, 5]
+
+    class EmptiesDstIds:
+        def __index__(self):
+            dst_ids.clear()
+            return 2
+
+    poison_(dst_mem)
+    before = snapshot(dst_mem)
+    with pytest.raises(ValueError, match=path_regex("dst_ids")):
+        src_cache.to_cache(dst_cache, [1, EmptiesDstIds()], dst_ids)
+    assert_bitwise_equal(_as_int(dst_mem[0]), before[0], "dst memory after a refused call")
+    src_ids = [1, 2]
+
+    class EmptiesSrcIds:
+        def __index__(self):
+            src_ids.clear()
+            return 6
+
+    run_and_check(src, src_mem, src_cache, dst, dst_mem, dst_cache, [1, 2], [3, 6],
+                  call_ids=(src_ids, [3, EmptiesSrcIds()]))
 
 
 def test_host_read_only_dst_refused(gen):
