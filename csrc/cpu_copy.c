@@ -37,7 +37,8 @@ void kv_cpu_paged(const kvbm_paged *p, const kvbm_paged_addresses *a, const uint
                                   : (char *)(uintptr_t)flats[b];
         for (int64_t i = 0; i < p->nl; i++) {
             for (int64_t o = 0; o < p->no; o++) {
-                char *cache_chunk = (char *)(uintptr_t)table[kvbm_paged_base(p, i, o)] + kvbm_paged_cache_chunk(p, id, o);
+                char *cache_chunk =
+                    (char *)(uintptr_t)table[kvbm_paged_base(p, i, o)] + kvbm_paged_cache_chunk(p, id, o);
                 char *flat_chunk = flat + kvbm_paged_flat_chunk(p, i, o);
                 for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
                     int64_t cache_off, flat_off;

@@ -195,8 +195,9 @@ static PyObject *paged_repr(kv_paged_cache *self)
     char dtype[48];
     PyObject *device = get_device(self, NULL);
     PyObject *repr = device == NULL ? NULL
-        : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, num_heads=%lld, "
-                               "tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')", self->dims,
+        : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, "
+                               "num_heads=%lld, tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')",
+                               self->dims,
                                (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
                                (long long)self->nh, (long long)self->nt, (long long)self->hd,
                                kv_dtype_name(self->dtype, dtype, sizeof dtype), device);

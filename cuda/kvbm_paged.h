@@ -12,8 +12,9 @@
  *
  * with any strides the arrays have, base(i, o) the address of moved layer i
  * (in the call's table; of its outer o too when split_outer, cache_outer
- * then 0) and cache_shift selecting the first head a call moves.  The "flat" side holds one buffer per moved block b (a universal or
- * an operational block), in which the same row starts at
+ * then 0) and cache_shift selecting the first head a call moves.  The
+ * "flat" side holds one buffer per moved block b (a universal or an
+ * operational block), in which the same row starts at
  *
  *     flat(b) + flat_shift + i*flat_layer + o*flat_outer + h*flat_head + t*flat_token
  *

@@ -54,7 +54,8 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
         const int64_t id = block_id(table, p, b);
         if (id < 0 || id >= p.p.num_blocks)
             return;  // device-resident ids are not checked on the host
-        char *cache = reinterpret_cast<char *>(table[kvbm_paged_base(&p.p, i, o)]) + kvbm_paged_cache_chunk(&p.p, id, o);
+        char *cache =
+            reinterpret_cast<char *>(table[kvbm_paged_base(&p.p, i, o)]) + kvbm_paged_cache_chunk(&p.p, id, o);
         char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, i, o);
         const char *src = p.p.to_flat ? cache : flat;
         char *dst = p.p.to_flat ? flat : cache;
