@@ -138,4 +138,12 @@ typedef cudaError_t (*kv_box_launch)(const void *ctx, const struct kv_box *box, 
 int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
                    const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f);
 
+/* Runs a layout move (under kv_run_on_device): staged through `box_launch`
+ * when `staged` is not NULL, else, or where the move cannot be staged
+ * (report->fallback says why), the kernel alone through `whole_launch`
+ * with its table of `entries` values (moves.c).  Returns 0 or -1. */
+int kv_run_move(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const kv_staged *staged, kv_box_launch box_launch,
+                kv_table_launch whole_launch, const void *args, const void *table, int64_t entries, uint32_t max_ctas,
+                kv_gpu_report *report, const char *what, kv_failure *f);
+
 #endif /* KVBM_GPU_INTERNAL_H */

@@ -1,6 +1,7 @@
 /* The GPU interface of a build without nvcc: host arrays still work, any
  * device array raises RuntimeError. */
 #include "gpu.h"
+#include "gpu_to_cache.h"
 
 struct kv_gpu {
     int64_t staging_bytes;
@@ -61,6 +62,15 @@ int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *pag
 {
     (void)gpu, (void)target, (void)paged, (void)addresses, (void)table, (void)vector_bytes, (void)max_ctas;
     (void)staged, (void)report;
+    return no_cuda();
+}
+
+int kv_gpu_to_cache(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_to_cache *move,
+                    const kvbm_to_cache_ids *ids, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
+                    const kv_staged *staged, const kv_packing *packing, kv_gpu_report *report)
+{
+    (void)gpu, (void)target, (void)move, (void)ids, (void)table, (void)vector_bytes, (void)max_ctas, (void)staged;
+    (void)packing, (void)report;
     return no_cuda();
 }
 

@@ -14,9 +14,9 @@
 
 /* Runs the kernel alone, or staged; a move that cannot be staged runs the
  * kernel alone (report->fallback says why). */
-static int run_move(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const kv_staged *staged, kv_box_launch box_launch,
-                    kv_table_launch whole_launch, const void *args, const void *table, int64_t entries,
-                    uint32_t max_ctas, kv_gpu_report *report, const char *what, kv_failure *f)
+int kv_run_move(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const kv_staged *staged, kv_box_launch box_launch,
+                kv_table_launch whole_launch, const void *args, const void *table, int64_t entries, uint32_t max_ctas,
+                kv_gpu_report *report, const char *what, kv_failure *f)
 {
     if (staged != NULL) {
         const int rc = kv_staging_run(gpu, ring, stream, staged, box_launch, args, max_ctas, report, f);
@@ -97,8 +97,9 @@ static cudaError_t launch_block_universal_box(const void *ctx, const kv_box *box
 static int enqueue_block_universal(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
 {
     const kv_block_universal_args *a = args;
-    return run_move(gpu, ring, stream, a->staged, launch_block_universal_box, launch_block_universal, args, a->table,
-                    kvbm_table_entries(a->dims), a->max_ctas, a->report, "launching the block/universal kernel", f);
+    return kv_run_move(gpu, ring, stream, a->staged, launch_block_universal_box, launch_block_universal, args,
+                       a->table, kvbm_table_entries(a->dims), a->max_ctas, a->report,
+                       "launching the block/universal kernel", f);
 }
 
 int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
@@ -174,20 +175,21 @@ static cudaError_t launch_paged_box(const void *ctx, const kv_box *box, char *sl
     addresses.flat_base = (uint64_t)(uintptr_t)slot;
     addresses.flat_block = box->mn * box->in * a->staged->unit_bytes;
     uint64_t table[KVBM_TABLE_BY_VALUE_MAX];
-    memcpy(table, a->table + box->i0, (size_t)box->in * sizeof *table);
+    const int64_t per_layer = whole->split_outer ? whole->no : 1, bases = box->in * per_layer;
+    memcpy(table, a->table + box->i0 * per_layer, (size_t)bases * sizeof *table);
     if (addresses.ids != NULL)
         addresses.ids = (const char *)addresses.ids + box->b0 * (addresses.ids_int32 ? 4 : 8);
     else
-        memcpy(table + box->in, a->table + whole->nl + box->b0, (size_t)box->bn * sizeof *table);
+        memcpy(table + bases, a->table + kvbm_paged_bases(whole) + box->b0, (size_t)box->bn * sizeof *table);
     return kvbm_launch_paged(&p, &addresses, table, NULL, a->vector_bytes, max_ctas, stream);
 }
 
 static int enqueue_paged(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
 {
     const kv_paged_args *a = args;
-    return run_move(gpu, ring, stream, a->staged, launch_paged_box, launch_paged, args, a->table,
-                    kvbm_paged_table_entries(a->addresses, a->paged->nl, a->paged->nb), a->max_ctas, a->report,
-                    "launching the paged cache kernel", f);
+    return kv_run_move(gpu, ring, stream, a->staged, launch_paged_box, launch_paged, args, a->table,
+                       kvbm_paged_table_entries(a->addresses, kvbm_paged_bases(a->paged), a->paged->nb), a->max_ctas,
+                       a->report, "launching the paged cache kernel", f);
 }
 
 int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
@@ -201,8 +203,9 @@ int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *pag
     kv_staged bounded;
     if (staged != NULL) {
         bounded = *staged;
-        bounded.max_blocks = addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - paged->nl;
-        if (paged->nl >= KVBM_TABLE_BY_VALUE_MAX) {
+        const int64_t bases = kvbm_paged_bases(paged);
+        bounded.max_blocks = addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
+        if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
             snprintf(report->fallback, sizeof report->fallback, "a table of %lld layers does not fit in a launch's "
                      "parameters", (long long)paged->nl);
             staged = NULL;

@@ -71,9 +71,9 @@ static int64_t selection_top(const kv_selection *sel)
 
 static const char *const INNER_NAMES[] = {"NHD", "HND"};
 
-static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
-                        PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
-                        PyObject *stream, kv_paged_options *o)
+int kv_paged_read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
+                          PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
+                          PyObject *stream, kv_paged_options *o)
 {
     int64_t max_ctas;
     int inner_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
@@ -110,12 +110,8 @@ static void release_call(kv_paged_call *call)
  * that a cache holds no state that calls share. */
 #define SEEN_STACK_BYTES 8192
 
-/* Host ids must be in range and, when the cache is written, each once: 0,
- * or -1 with a ValueError naming the first entry in error. */
-static int check_host_ids(const kv_paged_call *call, const int64_t *ids, Py_ssize_t n)
+int kv_paged_check_ids(const int64_t *ids, Py_ssize_t n, int64_t num_blocks, int written, const char *name)
 {
-    const int64_t num_blocks = call->cache->num_blocks;
-    const int written = !call->form->to_flat;
     uint8_t stack[SEEN_STACK_BYTES], *seen = stack;
     const size_t bytes = (size_t)num_blocks / 8 + 1;
     if (written && bytes > sizeof stack && (seen = PyMem_Malloc(bytes)) == NULL) {
@@ -131,7 +127,7 @@ static int check_host_ids(const kv_paged_call *call, const int64_t *ids, Py_ssiz
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         const int64_t id = ids[i];
         if (id < 0 || id >= num_blocks)
-            rc = kv_error(PyExc_ValueError, "block_ids[%zd]: block id %lld is out of range [0, %lld)", i,
+            rc = kv_error(PyExc_ValueError, "%s[%zd]: block id %lld is out of range [0, %lld)", name, i,
                           (long long)id, (long long)num_blocks);
         else if (written) {
             const uint8_t bit = (uint8_t)(1u << (id % 8));
@@ -139,8 +135,8 @@ static int check_host_ids(const kv_paged_call *call, const int64_t *ids, Py_ssiz
                 Py_ssize_t earlier = 0;
                 while (ids[earlier] != id)
                     earlier++;
-                rc = kv_error(PyExc_ValueError, "block_ids[%zd]: block id %lld repeats block_ids[%zd]; a block can "
-                              "be written once per call", i, (long long)id, earlier);
+                rc = kv_error(PyExc_ValueError, "%s[%zd]: block id %lld repeats %s[%zd]; a block can be written "
+                              "once per call", name, i, (long long)id, name, earlier);
             }
             seen[id / 8] |= bit;
         }
@@ -162,7 +158,8 @@ static int read_block_ids(kv_paged_call *call, PyObject *obj)
         const kv_path path = {"block_ids", {0, 0}, 0};
         return kv_target_add(&call->target, &call->ids.array, &path);
     }
-    return check_host_ids(call, (const int64_t *)call->ids.values, call->ids.count);
+    return kv_paged_check_ids((const int64_t *)call->ids.values, call->ids.count, cache->num_blocks,
+                              !call->form->to_flat, "block_ids");
 }
 
 static kv_path flat_path(const kv_paged_call *call, Py_ssize_t b)
@@ -322,26 +319,26 @@ static int check_aliasing(const kv_paged_call *call)
     return kv_overlap_error(&a, &b);
 }
 
-/* from_*: the cache's layers are the destination.  Each torch layer the
- * call writes is checked as a destination now (requires_grad may have been
- * set since construction), and their version counters are bumped, as the
- * list API does for its destinations (kv_arrays_written): all distinct
- * counters at once when every layer is written, else those of the layers
- * selected.  Inference tensors need neither (kv_torch_counter_owner). */
-static int mark_layers_written(const kv_paged_call *call)
+/* Each torch layer a call writes is checked as a destination now
+ * (requires_grad may have been set since construction), and their version
+ * counters are bumped, as the list API does for its destinations
+ * (kv_arrays_written): all distinct counters at once when every layer is
+ * written, else those of the layers selected.  Inference tensors need
+ * neither (kv_torch_counter_owner). */
+int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *p, const kv_selection *layers)
 {
-    const kv_paged_cache *cache = call->cache;
-    kv_protocols *p = &call->state->protocols;
-    /* One array holds every layer, or array i is layer i. */
-    const kv_selection *layers = &call->options.layers;
-    const int every = cache->narrays == 1 || layers->count == cache->narrays;
-    const Py_ssize_t count = cache->narrays == 1 ? 1 : (Py_ssize_t)layers->count;
+    /* One array holds every layer, or layer l is array l (both of a
+     * (K, V) pair). */
+    const int every = cache->narrays == 1 || layers->count == cache->nl;
+    const int per_layer = cache->kv_pairs ? 2 : 1;
+    const Py_ssize_t count = cache->narrays == 1 ? 1 : (Py_ssize_t)layers->count * per_layer;
     PyObject *bump = NULL;
     if (!every && cache->distinct_counters != NULL && (bump = PyList_New(0)) == NULL)
         return -1;
     int rc = 0;
     for (Py_ssize_t k = 0; rc == 0 && k < count; k++) {
-        const Py_ssize_t i = cache->narrays == 1 ? 0 : (Py_ssize_t)(layers->first + k * layers->step);
+        const Py_ssize_t i = cache->narrays == 1 ? 0
+            : kv_paged_array_of(cache, layers->first + k / per_layer * layers->step, k % per_layer);
         PyObject *owner = PyTuple_GET_ITEM(cache->counters, i);
         if (owner == Py_None)
             continue;
@@ -385,7 +382,8 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (read_options(self, layers, layer_offset, heads, head_offset, backend, num_ctas, inner, stream, &call.options) < 0)
+    if (kv_paged_read_options(self, layers, layer_offset, heads, head_offset, backend, num_ctas, inner, stream,
+                              &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
@@ -410,7 +408,7 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     rc = 0;
     if (call.ids.count > 0 && layers_moved > 0 && self->no * chunk_bytes > 0) {
         rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
-                           : mark_layers_written(&call);
+                           : kv_paged_mark_written(self, &call.state->protocols, &call.options.layers);
         if (rc == 0)
             rc = kv_paged_run(&call);
     }

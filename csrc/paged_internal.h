@@ -11,17 +11,16 @@
 #include "args.h"
 #include "copy.h"
 #include "overlap.h"
+#include "paged_layout.h"
 #include "target.h"
-
-/* The dimension letters of `dims`. */
-enum { DIM_L, DIM_K, DIM_B, DIM_T, DIM_H, DIM_D, DIM_COUNT };
 
 typedef struct {
     PyObject_HEAD
-    PyObject *layers;  /* the arrays as given */
-    PyObject *dims;    /* the dims string */
+    PyObject *layers;  /* the arrays as given (a tuple of (K, V) tuples for kv_pairs) */
+    PyObject *dims;    /* the layout string, normalized */
     kv_array *arrays;  /* borrowed for the cache's life */
     Py_ssize_t narrays;
+    int kv_pairs;      /* K and V are separate arrays: array 2l is layer l's K, 2l + 1 its V */
     /* Whose version counters from_* bumps (kv_torch_counter_owner): per
      * array (None for none), and the distinct ones (NULL when none). */
     PyObject *counters, *distinct_counters;
@@ -30,7 +29,8 @@ typedef struct {
     int device;        /* the CUDA device, or -1 for host memory */
     int readonly;
     int64_t stride[DIM_COUNT];  /* bytes; 0 for a letter dims lacks */
-    uint64_t *layer_addresses;  /* base address of every layer (each call's table takes those it moves) */
+    uint64_t *layer_addresses;  /* base address of every layer, or of every array for kv_pairs (each
+                                   call's table takes those it moves) */
     kv_span *spans;             /* the bytes of every array, sorted, for the aliasing check */
     uint64_t *reach;
     uint64_t alignment;         /* OR of the layer addresses and strides */
@@ -42,6 +42,14 @@ kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i);
 /* Array i of the cache as the caller gave it (borrowed): item i of the
  * tuple of layers, or the one array. */
 PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i);
+
+/* The base address of (layer l, outer o) of every moved layer, first,
+ * first + step, ... (count of them), at out[i * no + o]: the table of a
+ * call whose outers are addressed apart (kvbm_paged's split_outer). */
+void kv_paged_outer_bases(const kv_paged_cache *self, int64_t first, int64_t step, int64_t count, uint64_t *out);
+
+/* The index in self->arrays of the array holding (layer l, outer o). */
+Py_ssize_t kv_paged_array_of(const kv_paged_cache *self, int64_t l, int64_t o);
 
 /* paged_cache.c: the type's tp_new, tp_traverse, tp_clear, tp_dealloc. */
 PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs);
@@ -96,6 +104,21 @@ typedef struct {
     int64_t flat_shape[5]; /* of every flat block */
     int flat_ndim;
 } kv_paged_call;
+
+/* Reads and checks the options every call shares against `self` (the
+ * cache whose layers and heads they select); absent ones are NULL. */
+int kv_paged_read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
+                          PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
+                          PyObject *stream, kv_paged_options *o);
+
+/* Host ids of a cache of num_blocks blocks must be in range and, when the
+ * cache is `written`, each once: 0, or -1 with a ValueError naming the
+ * first entry in error as name[i]. */
+int kv_paged_check_ids(const int64_t *ids, Py_ssize_t n, int64_t num_blocks, int written, const char *name);
+
+/* The cache's selected `layers` are about to be written: each torch layer
+ * is checked as a destination and the version counters are bumped. */
+int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *protocols, const kv_selection *layers);
 
 /* paged_run.c: moves the bytes of a checked call.  Returns 0 or -1. */
 int kv_paged_run(kv_paged_call *call);

@@ -4,6 +4,8 @@
 
 #include <stddef.h>
 
+#include "to_cache.h"
+
 /* The parameters of the four methods: two positional-only, the options
  * keyword-only. */
 static const char *const TO_UNIVERSAL[] = {"block_ids", "universals", "layers", "layer_offset", "heads",
@@ -99,6 +101,32 @@ PyDoc_STRVAR(from_operational_doc,
              COMMON_DOC);
 DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)
 
+PyDoc_STRVAR(to_cache_doc,
+             "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, "
+             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "Copy blocks src_ids[b] of this cache into blocks dst_ids[b] of dst, another\n"
+             "PagedKVCache of the same num_outer, tokens_per_block, head_dim and dtype, in\n"
+             "whatever layout each has:\n"
+             "dst row (dst_ids[b], l + layer_offset, o, t, head_offset + j) = row (src_ids[b], l, o, t, heads[j])\n"
+             "for every layer l in `layers` and every j < len(heads), as to_universal numbers\n"
+             "them.  Other layers, heads and blocks of dst are not touched.\n\n"
+             "dst: a PagedKVCache sharing no memory with this one; on the same CUDA device, or\n"
+             "    one of the two in pinned host memory (the call runs on the device), or both\n"
+             "    in host memory (the call runs on the CPU, without the GIL).\n"
+             "src_ids, dst_ids: as block_ids below, of equal length; dst_ids name blocks of\n"
+             "    dst (each once, where they are on the host).\n"
+             "layers, heads: of this cache, as for to_universal.\n"
+             "layer_offset, head_offset: where they land in dst, as for to_universal.\n"
+             "Device to device: one kernel launch for every layer and block.  With a cache in\n"
+             "pinned host memory whose ids are on the host, \"auto\" stages the move: the copy\n"
+             "engines carry the pinned cache's blocks in its own layout, and a kernel on a\n"
+             "few CTAs rearranges them in device staging memory.\n" COMMON_DOC);
+
+static PyObject *to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return kv_paged_to_cache(self, args, nargs, kwnames);
+}
+
 static PyMethodDef paged_methods[] = {
     {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_FASTCALL | METH_KEYWORDS, to_universal_doc},
     {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_FASTCALL | METH_KEYWORDS,
@@ -107,6 +135,7 @@ static PyMethodDef paged_methods[] = {
      to_operational_doc},
     {"from_operational", (PyCFunction)(void (*)(void))from_operational, METH_FASTCALL | METH_KEYWORDS,
      from_operational_doc},
+    {"to_cache", (PyCFunction)(void (*)(void))to_cache, METH_FASTCALL | METH_KEYWORDS, to_cache_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -148,14 +177,15 @@ static PyObject *get_layers(kv_paged_cache *self, void *unused)
 static PyGetSetDef paged_getset[] = {
     {"num_layers", (getter)get_int, NULL, "nl: layers in the cache", INT_MEMBER(nl)},
     {"num_blocks", (getter)get_int, NULL, "blocks per layer (valid ids: 0 .. num_blocks - 1)", INT_MEMBER(num_blocks)},
-    {"num_heads", (getter)get_int, NULL, "nh: KV heads (1 without an 'h' in dims)", INT_MEMBER(nh)},
+    {"num_heads", (getter)get_int, NULL, "nh: KV heads (1 without an 'h' in the layout)", INT_MEMBER(nh)},
     {"tokens_per_block", (getter)get_int, NULL, "nt: tokens per block", INT_MEMBER(nt)},
     {"head_dim", (getter)get_int, NULL, "hd: elements per head and token", INT_MEMBER(hd)},
-    {"num_outer", (getter)get_int, NULL, "no: 2 for K and V, 1 without a 'k' in dims", INT_MEMBER(no)},
+    {"num_outer", (getter)get_int, NULL, "no: 2 for K and V (a 'k' in the layout, or (K, V) pairs), else 1",
+     INT_MEMBER(no)},
     {"itemsize", (getter)get_int, NULL, "bytes per element", INT_MEMBER(itemsize)},
     {"dtype", (getter)get_dtype, NULL, "element type, e.g. 'bfloat16'", NULL},
     {"device", (getter)get_device, NULL, "'cuda:N', or 'cpu' for a cache in host memory", NULL},
-    {"dims", (getter)get_dims, NULL, "the dims string given at construction, in lower case", NULL},
+    {"dims", (getter)get_dims, NULL, "the layout given at construction, in lower case", NULL},
     {"layers", (getter)get_layers, NULL, "the arrays given at construction (the cache keeps them alive)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -165,8 +195,9 @@ static PyObject *paged_repr(kv_paged_cache *self)
     char dtype[48];
     PyObject *device = get_device(self, NULL);
     PyObject *repr = device == NULL ? NULL
-        : PyUnicode_FromFormat("PagedKVCache(dims=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, num_heads=%lld, "
-                               "tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')", self->dims,
+        : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, "
+                               "num_heads=%lld, tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')",
+                               self->dims,
                                (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
                                (long long)self->nh, (long long)self->nt, (long long)self->hd,
                                kv_dtype_name(self->dtype, dtype, sizeof dtype), device);
@@ -175,17 +206,24 @@ static PyObject *paged_repr(kv_paged_cache *self)
 }
 
 PyDoc_STRVAR(paged_doc,
-             "PagedKVCache(layers, dims)\n--\n\n"
+             "PagedKVCache(layers, layout, *, block_size=None)\n--\n\n"
              "A serving worker's KV cache, described once: the blocks of every layer are\n"
              "addressed by block id, and each call moves nb blocks to or from universal or\n"
              "operational blocks in one kernel launch, with a host cost that does not grow\n"
              "with the number of layers or chunks.\n\n"
-             "layers: a sequence of nl per-layer arrays, or one array holding every layer.\n"
-             "dims: one letter per dimension of each array, in its logical order: l layer\n"
-             "    (only for one all-layer array), k K/V (absent: no = 1), b block, t token,\n"
-             "    h head (absent: nh = 1), d head dim.  E.g. \"kbthd\" (vLLM FlashAttention,\n"
-             "    [2, num_blocks, nt, nh, hd]), \"bkthd\" (FlashInfer), \"btd\" (MLA), \"blkthd\"\n"
-             "    (one cross-layer array).\n\n"
+             "layers: a sequence of nl per-layer arrays, a sequence of nl (K, V) pairs of\n"
+             "    arrays (K and V in separate arrays: no = 2), or one array holding every\n"
+             "    layer.\n"
+             "layout: one letter per dimension of each array, in its logical order: l layer\n"
+             "    (only for one all-layer array), k K/V (absent: no = 1, or 2 for pairs), b\n"
+             "    block, t token, h head (absent: nh = 1), d head dim.  Letters in\n"
+             "    parentheses share one dimension, their row-major product: t's size is\n"
+             "    block_size, k's 2, and one other letter takes the rest.  E.g. \"kbthd\"\n"
+             "    (vLLM FlashAttention before K|V packing, [2, num_blocks, nt, nh, hd]),\n"
+             "    \"bth(kd)\" (vLLM's packed K|V in memory order), \"bkthd\" (FlashInfer),\n"
+             "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
+             "    transformers, K and V pairs, with block_size=).\n"
+             "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
              "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
              "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
              "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"

@@ -144,7 +144,13 @@ _BlockIds = Sequence[int] | _Array
 
 @final
 class PagedKVCache:
-    def __new__(cls, layers: Sequence[_Array] | _Array, dims: str) -> PagedKVCache: ...
+    def __new__(
+        cls,
+        layers: Sequence[_Array] | Sequence[tuple[_Array, _Array] | list[_Array]] | _Array,
+        layout: str,
+        *,
+        block_size: SupportsIndex | None = None,
+    ) -> PagedKVCache: ...
     @property
     def num_layers(self) -> int: ...
     @property
@@ -166,7 +172,7 @@ class PagedKVCache:
     @property
     def dims(self) -> str: ...
     @property
-    def layers(self) -> Sequence[_Array] | _Array: ...
+    def layers(self) -> Sequence[_Array] | Sequence[tuple[_Array, _Array]] | _Array: ...
     def to_universal(
         self,
         block_ids: _BlockIds,
@@ -215,6 +221,20 @@ class PagedKVCache:
         *,
         inner: str = "NHD",
         layers: SupportsIndex | slice | range | None = None,
+        backend: _Backend | str = "auto",
+        num_ctas: int | None = None,
+        stream: _Stream = None,
+    ) -> None: ...
+    def to_cache(
+        self,
+        dst: PagedKVCache,
+        src_ids: _BlockIds,
+        dst_ids: _BlockIds,
+        *,
+        layers: SupportsIndex | slice | range | None = None,
+        heads: SupportsIndex | slice | range | None = None,
+        layer_offset: int = 0,
+        head_offset: int = 0,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,

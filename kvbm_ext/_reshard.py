@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from . import PagedKVCache
@@ -601,14 +602,19 @@ class Resharder:
             return cache, _whole_or(layers, cache.num_layers)
         kept = self._views.get((side, t))
         if kept is None or kept[0] is not cache:
-            arrays: Any = cache.layers         # one array when dims has "l", else one per layer
-            dims = cache.dims
-            if "l" in dims.lower():
-                axis = dims.lower().index("l")
+            arrays: Any = cache.layers         # one array when the layout has "l", else one per layer (or pair)
+            layout = cache.dims
+            if "l" in layout:
+                # One token per array dimension: letters in parentheses share one.
+                axes = re.findall(r"\([^)]*\)|[a-z]", layout)
+                axis = next(i for i, token in enumerate(axes) if "l" in token)
+                if axes[axis] != "l":
+                    raise ValueError(f"layout {layout!r}: layers [{layers.start}, {layers.stop}) of a cache whose "
+                                     "'l' shares an array dimension cannot be moved apart")
                 view = arrays[(slice(None),) * axis + (slice(layers.start, layers.stop),)]
             else:
                 view = list(arrays)[layers.start:layers.stop]
-            kept = (cache, PagedKVCache(view, dims))
+            kept = (cache, PagedKVCache(view, layout, block_size=cache.tokens_per_block))
             self._views[(side, t)] = kept
         return kept[1], None
 

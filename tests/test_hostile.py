@@ -1189,7 +1189,7 @@ def test_dims_name_rejected(dims, shape, gen):
     layers = [random_tensor(shape, torch.float32, generator=gen) for _ in range(2)]
     with pytest.raises(ValueError) as info:
         kvbm_ext.PagedKVCache(layers, dims)
-    assert_value_error_naming(info, "dims")
+    assert_value_error_naming(info, "layout")
 
 
 @pytest.mark.parametrize("dims", ["lbtd\x00", "lbt\u00e9d", "lbt\udfffd"], ids=ascii)
@@ -1197,7 +1197,7 @@ def test_dims_name_rejected_single_array(dims, gen):
     layers = random_tensor((2, 5, 4, 1, 3), torch.float32, generator=gen)
     with pytest.raises(ValueError) as info:
         kvbm_ext.PagedKVCache(layers, dims)
-    assert_value_error_naming(info, "dims")
+    assert_value_error_naming(info, "layout")
 
 
 @pytest.mark.parametrize("bad", list(BAD_NAMES))

@@ -487,15 +487,15 @@ def per_layer(shape, nl=3, dtype=torch.float32):
     ids=["unknown", "repeated-across-case", "repeated-b", "repeated-h", "no-b", "no-t", "no-d"],
 )
 def test_bad_dims_letters(dims, shape, bad):
-    construct_rejected(per_layer(shape), dims, ValueError, "dims", letter(bad))
+    construct_rejected(per_layer(shape), dims, ValueError, "layout", letter(bad))
 
 
 def test_l_with_a_list_of_layers():
-    construct_rejected(per_layer((3, 2, 4, 3, 2, 5)), "lkbthd", ValueError, "(dims|layers)", letter("l"))
+    construct_rejected(per_layer((3, 2, 4, 3, 2, 5)), "lkbthd", ValueError, "(layout|layers)", letter("l"))
 
 
 def test_no_l_with_a_single_array():
-    construct_rejected(random_tensor((2, 4, 3, 2, 5), torch.float32), "kbthd", ValueError, "(dims|layers)", letter("l"))
+    construct_rejected(random_tensor((2, 4, 3, 2, 5), torch.float32), "kbthd", ValueError, "(layout|layers)", letter("l"))
 
 
 @pytest.mark.parametrize(
@@ -506,12 +506,12 @@ def test_no_l_with_a_single_array():
 )
 def test_dims_length_differs_from_ndim(layers_shape, dims, single):
     layers = random_tensor(layers_shape, torch.float32) if single else per_layer(layers_shape)
-    construct_rejected(layers, dims, ValueError, r"(dims|layers(\[0\])?)")
+    construct_rejected(layers, dims, ValueError, r"(layout|layers(\[0\])?)")
 
 
 @pytest.mark.parametrize("bad", [5, None, b"kbthd", ["k", "b", "t", "h", "d"]], ids=["int", "None", "bytes", "list"])
 def test_dims_not_a_str(bad):
-    construct_rejected(per_layer((2, 4, 3, 2, 5)), bad, TypeError, "dims")
+    construct_rejected(per_layer((2, 4, 3, 2, 5)), bad, TypeError, "layout")
 
 
 def test_head_dim_not_stride_1_per_layer():
