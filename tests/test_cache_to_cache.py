@@ -16,10 +16,12 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda, requires_two_gpus
-from engine_layouts import ENGINES, HOST_POOLS, Dims
-from paged_reference import selected
-from reference import SLEEP_CYCLES, _as_int, assert_bitwise_equal, path_regex, poison_, random_tensor, sync
+from support.engines import ENGINES, HOST_POOLS, Dims
+from support.references import selected
+from support.asserts import assert_bitwise_equal, path_regex, poison_
+from support.builders import random_tensor
+from support.devices import SLEEP_CYCLES, sync
+from support.references import as_int
 
 D = Dims(nl=3, nh=2, nt=4, hd=8, blocks=7)
 KV = [n for n, e in ENGINES.items() if e.no == 2]  # every layout with K and V (not MLA)
@@ -29,7 +31,7 @@ PINNED = HOST_POOLS + ["transformers", "vllm_flash_attn", "vllm_packed"]
 
 
 def snapshot(memory):
-    return [_as_int(x.detach()).cpu().clone() for x in memory]
+    return [as_int(x.detach()).cpu().clone() for x in memory]
 
 
 def make(name, gen, device="cpu", pin=False, d=D, dtype=torch.bfloat16):
@@ -63,9 +65,9 @@ def run_and_check(src, src_mem, src_cache, dst, dst_mem, dst_cache, src_ids, dst
     reference(src, dst, src_before, want, src_ids, dst_ids, d_src, d_dst, **{
         k: v for k, v in kwargs.items() if k in ("layers", "heads", "layer_offset", "head_offset")})
     for i, (got, w) in enumerate(zip(dst_mem, want)):
-        assert_bitwise_equal(_as_int(got), w, f"dst memory #{i}")
+        assert_bitwise_equal(as_int(got), w, f"dst memory #{i}")
     for i, (got, w) in enumerate(zip(src_mem, src_before)):
-        assert_bitwise_equal(_as_int(got), w, f"src memory #{i}")
+        assert_bitwise_equal(as_int(got), w, f"src memory #{i}")
 
 
 def random_ids(gen, nb=4, blocks=D.blocks):
@@ -231,7 +233,7 @@ def test_host_errors_before_any_write(case, gen):
         src_cache.to_cache(dst_cache, src_ids, dst_ids, **kwargs)
     assert re.search(re.escape(words), str(info.value)), str(info.value)
     for i, (got, was) in enumerate(zip(dst_arrays, before)):
-        assert_bitwise_equal(_as_int(got), was, f"dst memory #{i} after a refused call")
+        assert_bitwise_equal(as_int(got), was, f"dst memory #{i} after a refused call")
 
 
 def test_host_ids_whose_index_changes_the_call(gen):
@@ -250,7 +252,7 @@ def test_host_ids_whose_index_changes_the_call(gen):
     before = snapshot(dst_mem)
     with pytest.raises(ValueError, match=path_regex("dst_ids")):
         src_cache.to_cache(dst_cache, [1, EmptiesDstIds()], dst_ids)
-    assert_bitwise_equal(_as_int(dst_mem[0]), before[0], "dst memory after a refused call")
+    assert_bitwise_equal(as_int(dst_mem[0]), before[0], "dst memory after a refused call")
     src_ids = [1, 2]
 
     class EmptiesSrcIds:
@@ -283,7 +285,7 @@ def device_ids(ids, dtype):
     return torch.tensor(ids, dtype=dtype, device="cuda")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dst_name", KV)
 @pytest.mark.parametrize("src_name", KV)
 def test_gpu_device_to_device_every_pair(src_name, dst_name, gen):
@@ -299,7 +301,7 @@ def test_gpu_device_to_device_every_pair(src_name, dst_name, gen):
                   call_ids=(device_ids(src_ids, dtype), device_ids(dst_ids, dtype)))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engines", "async"])
 @pytest.mark.parametrize("pool", PINNED)
 @pytest.mark.parametrize("device_name", ["vllm_packed", "vllm_flash_attn", "flashinfer_hnd", "vllm_cross_layer",
@@ -316,7 +318,7 @@ def test_gpu_device_and_pinned_both_directions(device_name, pool, backend, gen):
                   layers=slice(1, 3), heads=1, head_offset=1, num_ctas=3)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("pool", ["universal_pool", "hicache_page_first", "transformers"])
 def test_gpu_pinned_many_blocks_cross_pieces(pool, gen):
     """Enough blocks (Llama-like rows, 64 blocks of 1.5 MiB) that the staged move runs in
@@ -333,7 +335,7 @@ def test_gpu_pinned_many_blocks_cross_pieces(pool, gen):
                   call_ids=(dst_ids, device_ids(back, torch.int32)))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["offload", "onload"])
 def test_gpu_auto_stages_pinned_moves(direction, gen, caplog, monkeypatch):
     """backend="auto" with a pinned pool and host ids for it: the staged path (the debug
@@ -355,7 +357,7 @@ def test_gpu_auto_stages_pinned_moves(direction, gen, caplog, monkeypatch):
 GRAPH_ID_SETS = [([5, 1, 2], [0, 6, 3]), ([6, 6, 0], [1, 2, 4]), ([3, 4, 5], [5, 4, 3])]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dst_place", ["device", "pinned"])
 def test_gpu_cuda_graph_capture_and_replay_with_new_ids(dst_place, gen):
     """Device ids: warm up, capture one call, then for new ids written into the same id
@@ -383,10 +385,10 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_ids(dst_place, gen):
         sync()
         reference(src, dst, src_before, want, new_src, new_dst)
         for i, (got, w) in enumerate(zip(dst_mem, want)):
-            assert_bitwise_equal(_as_int(got), w, f"dst memory #{i} after a replay")
+            assert_bitwise_equal(as_int(got), w, f"dst memory #{i} after a replay")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "kernel"])
 @pytest.mark.parametrize("route", ["device to device", "offload", "onload"])
 def test_gpu_waits_for_work_queued_on_the_callers_stream(route, backend, gen):
@@ -415,12 +417,12 @@ def test_gpu_waits_for_work_queued_on_the_callers_stream(route, backend, gen):
         assert not s.query(), "the call waited for the stream (or the sleep was too short)"
     s.synchronize()
     sync()
-    reference(src, dst, [_as_int(f) for f in fresh], want, [6, 0, 5], [2, 5, 1])
+    reference(src, dst, [as_int(f) for f in fresh], want, [6, 0, 5], [2, 5, 1])
     for i, (got, w) in enumerate(zip(dst_mem, want)):
-        assert_bitwise_equal(_as_int(got), w, f"dst memory #{i}")
+        assert_bitwise_equal(as_int(got), w, f"dst memory #{i}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_pageable_host_cache_refused_before_any_write(gen):
     dev, dev_mem, dev_cache = make("vllm_flash_attn", gen, "cuda")
     host, host_mem, host_cache = make("hicache_layer_first", gen)  # pageable
@@ -429,12 +431,12 @@ def test_gpu_pageable_host_cache_refused_before_any_write(gen):
     with pytest.raises(ValueError, match=path_regex(r"dst\.layers")) as info:
         dev_cache.to_cache(host_cache, [1], [2])
     assert "pageable" in str(info.value)
-    assert_bitwise_equal(_as_int(host_mem[0]), before[0], "pageable pool")
+    assert_bitwise_equal(as_int(host_mem[0]), before[0], "pageable pool")
     with pytest.raises(ValueError, match=path_regex(r"layers")):
         host_cache.to_cache(dev_cache, [1], [2])
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_device_ids_with_host_caches_refused(gen):
     src, src_mem, src_cache = make("vllm_flash_attn", gen)
     dst, dst_mem, dst_cache = make("universal_pool", gen)
@@ -442,7 +444,7 @@ def test_gpu_device_ids_with_host_caches_refused(gen):
         src_cache.to_cache(dst_cache, device_ids([1], torch.int64), [2])
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 def test_gpu_caches_on_two_devices_refused(gen):
     a = kvbm_ext.PagedKVCache([random_tensor((2, 7, 4, 2, 8), torch.bfloat16, "cuda:0", gen)], "kbthd")
     b = kvbm_ext.PagedKVCache([random_tensor((2, 7, 4, 2, 8), torch.bfloat16, "cuda:1", gen)], "kbthd")

@@ -8,22 +8,13 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda
 from kvbm_ext.compat import dynamo as ctk
-from reference import (
-    SLEEP_CYCLES,
-    assert_all_bitwise_equal,
-    assert_poisoned,
-    clone_all,
-    expected_blocks,
-    expected_op,
-    expected_universals,
-    make_case,
-    make_op_case,
-    poison_,
-)
+from support.asserts import assert_all_bitwise_equal, assert_poisoned, poison_
+from support.builders import clone_all, make_case, make_op_case
+from support.devices import DEVICES, SLEEP_CYCLES
+from support.references import expected_blocks, expected_op, expected_universals
 
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
 LAYOUTS = ["NHD", "nhd", "Nhd", "HND", "hnd", "Hnd"]
 # Every spelling Dynamo accepted, and the kvbm_ext backend it names.
 BACKENDS = [
@@ -141,7 +132,7 @@ def test_mixed_dtypes_are_a_type_error_and_write_nothing():
     assert_all_bitwise_equal(blocks, sources, "blocks")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_call_has_finished_when_it_returns():
     """The call queues behind a GPU sleep on the current stream and returns only once it ran."""
     blocks, universals = make_case(*SHAPE, torch.bfloat16, "NHD", "cuda")

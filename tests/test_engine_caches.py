@@ -14,15 +14,17 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda
-from engine_layouts import ENGINES, Dims, by_stride_order
-from paged_reference import selected
-from reference import _as_int, assert_bitwise_equal, path_regex, poison_, random_tensor, sync
+from support.engines import ENGINES, Dims, by_stride_order
+from support.references import selected
+from support.asserts import assert_bitwise_equal, path_regex, poison_
+from support.builders import random_tensor
+from support.devices import sync
+from support.references import as_int
 
 D = Dims(nl=3, nh=2, nt=4, hd=8, blocks=7)
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32, torch.int8]
 NAMES = list(ENGINES)
-WHERE = ["cpu", pytest.param("cuda", marks=requires_cuda), pytest.param("cuda+pinned", marks=requires_cuda)]
+WHERE = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda+pinned", marks=pytest.mark.gpu)]
 
 
 def dtype_of(name):
@@ -35,7 +37,7 @@ def dims_for(name):
 
 
 def snapshot(memory):
-    return [_as_int(x.detach()).cpu().clone() for x in memory]
+    return [as_int(x.detach()).cpu().clone() for x in memory]
 
 
 def universal_shape(e, d, nb):
@@ -87,9 +89,9 @@ def test_described_from_the_engines_own_tensors(name, gen):
         m.copy_(random_tensor(m.shape, m.dtype, generator=gen))
     u = universals(e, d, 2, m.dtype, gen, "cpu", poisoned=True)
     cache.to_universal([1, x.blocks - 1], u)
-    want = poison_(_as_int(u.clone()))
+    want = poison_(as_int(u.clone()))
     ref_to_universal(e, d, snapshot(memory), [1, x.blocks - 1], want)
-    assert_bitwise_equal(_as_int(u), want, "universals")
+    assert_bitwise_equal(as_int(u), want, "universals")
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -101,11 +103,11 @@ def test_to_universal(name, where, gen):
     u = universals(e, d, len(ids), memory[0].dtype, gen, where, poisoned=True)
     cache.to_universal(ids, u)
     sync()
-    want = poison_(_as_int(u.cpu().clone()))
+    want = poison_(as_int(u.cpu().clone()))
     ref_to_universal(e, d, before, ids, want)
-    assert_bitwise_equal(_as_int(u), want, "universals")
+    assert_bitwise_equal(as_int(u), want, "universals")
     for i, (got, was) in enumerate(zip(memory, before)):
-        assert_bitwise_equal(_as_int(got), was, f"source memory #{i}")
+        assert_bitwise_equal(as_int(got), was, f"source memory #{i}")
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -117,13 +119,13 @@ def test_from_universal(name, where, gen):
     want = snapshot(memory)
     ids = torch.randperm(e.dims(d).blocks, generator=gen)[:4].tolist()
     u = universals(e, d, len(ids), memory[0].dtype, gen, where, poisoned=False)
-    source = _as_int(u.cpu().clone())
+    source = as_int(u.cpu().clone())
     cache.from_universal(u, ids)
     sync()
     ref_from_universal(e, d, want, ids, source)
     for i, (got, w) in enumerate(zip(memory, want)):
-        assert_bitwise_equal(_as_int(got), w, f"cache memory #{i}")
-    assert_bitwise_equal(_as_int(u), source, "universals (source)")
+        assert_bitwise_equal(as_int(got), w, f"cache memory #{i}")
+    assert_bitwise_equal(as_int(u), source, "universals (source)")
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -138,12 +140,12 @@ def test_from_universal_device_ids(name, where, gen):
     want = snapshot(memory)
     ids = torch.randperm(e.dims(d).blocks, generator=gen)[:3].tolist()
     u = universals(e, d, len(ids), memory[0].dtype, gen, where, poisoned=False)
-    source = _as_int(u.cpu().clone())
+    source = as_int(u.cpu().clone())
     cache.from_universal(u, torch.tensor(ids, dtype=torch.int32, device="cuda"))
     sync()
     ref_from_universal(e, d, want, ids, source)
     for i, (got, w) in enumerate(zip(memory, want)):
-        assert_bitwise_equal(_as_int(got), w, f"cache memory #{i}")
+        assert_bitwise_equal(as_int(got), w, f"cache memory #{i}")
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -157,7 +159,7 @@ def test_repeated_destination_ids_refused(name, where, gen):
     assert "repeats block_ids[0]" in str(info.value)
     sync()
     for i, (got, was) in enumerate(zip(memory, before)):
-        assert_bitwise_equal(_as_int(got), was, f"cache memory #{i} after a refused call")
+        assert_bitwise_equal(as_int(got), was, f"cache memory #{i} after a refused call")
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -177,7 +179,7 @@ def test_pairs_give_the_canonical_universal_of_the_same_data_in_kbthd(where, gen
     a.to_universal(ids, ua)
     b.to_universal(ids, ub)
     sync()
-    assert_bitwise_equal(_as_int(ub), _as_int(ua), "universal of the pairs against that of kbthd")
+    assert_bitwise_equal(as_int(ub), as_int(ua), "universal of the pairs against that of kbthd")
 
 
 def test_vllm_views_have_the_engines_stride_order():
@@ -247,7 +249,7 @@ def test_pairs_are_snapshotted(gen):
     assert isinstance(kept, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in kept)
     u = poison_(torch.empty((1, 2, 3, 2, 4, 8), dtype=torch.float16))
     cache.to_universal([2], u)
-    assert_bitwise_equal(_as_int(u[0, :, 0, 0]), _as_int(kept[0][0][8:12].transpose(0, 1)), "K of layer 0, block 2")
+    assert_bitwise_equal(as_int(u[0, :, 0, 0]), as_int(kept[0][0][8:12].transpose(0, 1)), "K of layer 0, block 2")
 
 
 @pytest.mark.parametrize("layers", [slice(0, 2), range(2, -1, -2), 1])
@@ -259,10 +261,10 @@ def test_pairs_layer_selection_and_offsets(layers, gen):
     cache = e.build(memory, d)
     u = poison_(torch.empty((2, 3, 4, 2, 4, 8), dtype=torch.float16))
     cache.to_universal([3, 5], u, layers=layers, layer_offset=1, head_offset=1)
-    want = poison_(_as_int(u.clone()))
+    want = poison_(as_int(u.clone()))
     rows = e.rows(snapshot(memory), d)
     for b, i in enumerate([3, 5]):
         for l in selected(3, layers):
             for o in range(2):
                 want[b, 1:3, l + 1, o] = rows[l][o][i].transpose(0, 1)
-    assert_bitwise_equal(_as_int(u), want, "universals")
+    assert_bitwise_equal(as_int(u), want, "universals")

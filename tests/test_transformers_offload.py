@@ -30,12 +30,12 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import offloading_manager  # noqa: E402
 from transformers.generation.continuous_batching.offloading_manager import OffloadingManager  # noqa: E402
 
-import cache_standin  # noqa: E402
+from support import cache_standin  # noqa: E402
 import kvbm_ext  # noqa: E402
-from conftest import REPO_ROOT, requires_cuda  # noqa: E402
+from support import REPO_ROOT
 from kvbm_ext.integrations import transformers as integration  # noqa: E402
 from kvbm_ext.integrations.transformers import KvbmOffloadingManager, kvbm_offloading  # noqa: E402
-from reference import assert_bitwise_equal, poison_  # noqa: E402
+from support.asserts import assert_bitwise_equal, poison_
 
 MIN_REQUESTS_OFFLOADED = 20
 
@@ -229,7 +229,7 @@ def offload_like_transformers(monkeypatch, workload):
     return run.managers[0]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 def test_gpu_offloading_reproduces_transformers(monkeypatch, async_batching):
     assert hasattr(kvbm_ext.PagedKVCache, "to_cache") and hasattr(kvbm_ext, "pinned_empty"), \

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from reference import _as_int, random_tensor
+from support.builders import random_tensor
+from support.references import as_int
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Engine:
 
     def rows(self, memory, d):
         """Integer views [layer][outer] of [blocks, nt, nh, hd] (bit-exact moves)."""
-        return self.views([_as_int(x) for x in memory], self.dims(d))
+        return self.views([as_int(x) for x in memory], self.dims(d))
 
 
 def by_stride_order(physical, order):
