@@ -4,6 +4,7 @@
 
 #include "args.h"
 #include "convert.h"
+#include "host_buffer.h"
 #include "paged.h"
 #include "state.h"
 
@@ -398,7 +399,7 @@ static int module_exec(PyObject *module)
     if (kv_protocols_init(&state->protocols) < 0)
         return -1;
     state->gpu = kv_gpu_new();
-    if (state->gpu == NULL || kv_paged_add_type(module) < 0)
+    if (state->gpu == NULL || kv_paged_add_type(module) < 0 || kv_host_buffer_add_type(module) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }

@@ -31,10 +31,11 @@ PUBLIC_FUNCTIONS = [
     "is_using_stubs",
     "build_info",
     "cuda_devices",
+    "pinned_empty",
     "plan_reshard",
     "reshard",
 ]
-PUBLIC_TYPES = ["PagedKVCache", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
+PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
                 "Transport"]
 
 
