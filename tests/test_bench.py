@@ -227,6 +227,7 @@ WITHOUT_A_GPU = [
     (["beside.py", "--quick"], "no GPU, nothing to measure"),
     (["trace.py", "--beside-gemm", "4"], "no GPU, nothing to trace"),
     (["host_time.py", "--build", f"here={REPO_ROOT}"], "no GPU, nothing to measure"),
+    (["host_pools.py", "--quick"], "no GPU, nothing to measure"),
 ]
 
 

@@ -623,7 +623,9 @@ def test_debug_line_says_how_the_memory_was_made(debug_lines):
 
 def test_example_runs_on_the_cpu():
     script = os.path.join(REPO_ROOT, "examples", "host_pool_offload.py")
-    run = subprocess.run([sys.executable, script, "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    run = subprocess.run([sys.executable, script, "--device", "cpu"], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert "restored bit-exact" in run.stdout, run.stdout
 
