@@ -139,8 +139,8 @@ def host_cache_emptier():
     """torch's call that frees the pinned blocks its caching host allocator keeps, or None
     (its name has changed across torch versions)."""
     accelerator = getattr(torch, "accelerator", None)
-    for found in (getattr(accelerator, "empty_host_cache", None), getattr(torch._C, "_accelerator_emptyHostCache", None),
-                  getattr(torch._C, "_host_emptyCache", None)):
+    for found in (getattr(accelerator, "empty_host_cache", None),
+                  getattr(torch._C, "_accelerator_emptyHostCache", None), getattr(torch._C, "_host_emptyCache", None)):
         if found is not None:
             return found
     return None

@@ -322,17 +322,8 @@ static PyType_Spec host_spec = {
     .slots = host_slots,
 };
 
-int kv_host_buffer_add_type(PyObject *module)
+int kv_host_buffer_add_type(PyObject *module, PyObject **type)
 {
-    PyObject *type = PyType_FromModuleAndSpec(module, &host_spec, NULL);
-    PyObject *name = type == NULL ? NULL : PyModule_GetNameObject(module);
-    PyObject *function = name == NULL ? NULL : PyCFunction_NewEx(&kv_pinned_empty_def, type, name);
-    const int rc = function == NULL || PyModule_AddObjectRef(module, "HostBuffer", type) < 0
-                           || PyModule_AddObjectRef(module, "pinned_empty", function) < 0
-                       ? -1
-                       : 0;
-    Py_XDECREF(function);
-    Py_XDECREF(name);
-    Py_XDECREF(type);
-    return rc;
+    *type = PyType_FromModuleAndSpec(module, &host_spec, NULL);
+    return *type == NULL ? -1 : PyModule_AddObjectRef(module, "HostBuffer", *type);
 }

@@ -38,15 +38,36 @@ typedef struct {
     int address_given;
 } kv_host_buffer;
 
-/* Creates the HostBuffer type and pinned_empty (host_new.c), and adds both
- * to `module`.  Returns 0, or -1 with an exception. */
-int kv_host_buffer_add_type(PyObject *module);
+/* What pinned_empty was asked for (host_args.c), read and checked before
+ * anything is mapped. */
+#define KV_CURRENT_DEVICE (-1)
+typedef struct {
+    int ndim;
+    int64_t shape[KV_MAX_NDIM];
+    int64_t nbytes;
+    const kv_host_dtype *dtype;
+    int64_t numa_node; /* -1: not named */
+    int64_t threads;
+    int huge;   /* a kv_huge_pages */
+    int device; /* KV_CURRENT_DEVICE or an index */
+} kv_pool_request;
+
+/* Reads pinned_empty's arguments (shape, dtype, numa_node, threads,
+ * huge_pages, device; NULL where not given).  Returns 0, or -1 with an
+ * exception naming the argument. */
+int kv_read_pool_request(PyObject *const *v, kv_pool_request *r);
+
+/* Creates the HostBuffer type and adds it to `module`; *type receives a
+ * strong reference (the module state's).  Returns 0, or -1 with an
+ * exception. */
+int kv_host_buffer_add_type(PyObject *module, PyObject **type);
 
 /* A new HostBuffer of `type` owning `pool` (which it takes over). */
 kv_host_buffer *kv_host_buffer_new(PyTypeObject *type, kv_host_pool *pool);
 
-/* pinned_empty(...), a builtin whose self is the HostBuffer type. */
-extern PyMethodDef kv_pinned_empty_def;
+/* pinned_empty(...) (host_new.c), a module function. */
+PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+extern const char kv_pinned_empty_doc[];
 
 /* The DLPack methods of HostBuffer (host_dlpack.c). */
 PyObject *kv_host_buffer_dlpack(kv_host_buffer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
