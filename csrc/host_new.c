@@ -157,7 +157,8 @@ static void allocate(kv_allocation *a)
         snprintf(a->why, sizeof a->why, "%s", strerror(ENOMEM));
         return;
     }
-    if (kv_host_map(a->bytes, &a->huge, &pool->base, &pool->map_bytes, a->why, sizeof a->why) != 0) {
+    size_t unit;
+    if (kv_host_map(a->bytes, &a->huge, &pool->base, &pool->map_bytes, &unit, a->why, sizeof a->why) != 0) {
         free(pool);
         return;
     }
@@ -167,7 +168,9 @@ static void allocate(kv_allocation *a)
         drop_mapping(pool);
         return;
     }
-    a->threads_run = kv_host_touch(pool->base, pool->map_bytes, (size_t)sysconf(_SC_PAGESIZE), a->threads);
+    /* A huge page the mapping is made of is allocated by its first write. */
+    const size_t page = a->huge == KV_HUGE_EXPLICIT ? unit : (size_t)sysconf(_SC_PAGESIZE);
+    a->threads_run = kv_host_touch(pool->base, pool->map_bytes, page, unit, a->threads);
     a->registered = kv_gpu_host_register(a->device, pool->base, pool->map_bytes, a->piece_limit,
                                          &pool->registration, a->why, sizeof a->why);
     if (a->registered < 0) {

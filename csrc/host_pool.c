@@ -84,11 +84,11 @@ static int transparent_huge_pages_on(void)
         && strstr(text, "[never]") == NULL;
 }
 
-static int map_explicit(size_t bytes, char **base, size_t *map_bytes, char *why, size_t why_size)
+static int map_explicit(size_t bytes, char **base, size_t *map_bytes, size_t *unit, char *why, size_t why_size)
 {
     const long long page = meminfo_bytes("Hugepagesize");
-    const size_t unit = page > (long long)KV_HOST_ALIGN ? (size_t)page : KV_HOST_ALIGN;
-    const size_t size = round_up(bytes, unit);
+    *unit = page > (long long)KV_HOST_ALIGN ? (size_t)page : KV_HOST_ALIGN;
+    const size_t size = round_up(bytes, *unit);
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (p == MAP_FAILED) {
         const int error = errno;
@@ -123,11 +123,13 @@ static int map_aligned(size_t bytes, char **base, size_t *map_bytes, char *why, 
     return 0;
 }
 
-int kv_host_map(size_t bytes, kv_huge_pages *huge, char **base, size_t *map_bytes, char *why, size_t why_size)
+int kv_host_map(size_t bytes, kv_huge_pages *huge, char **base, size_t *map_bytes, size_t *unit, char *why,
+                size_t why_size)
 {
     bytes = bytes > KV_HOST_ALIGN ? bytes : KV_HOST_ALIGN;
+    *unit = KV_HOST_ALIGN;
     if (*huge == KV_HUGE_EXPLICIT)
-        return map_explicit(bytes, base, map_bytes, why, why_size);
+        return map_explicit(bytes, base, map_bytes, unit, why, why_size);
     const int error = map_aligned(bytes, base, map_bytes, why, why_size);
     if (error != 0)
         return error;
@@ -226,9 +228,9 @@ static void *touch_thread(void *share)
     return NULL;
 }
 
-int kv_host_touch(char *base, size_t bytes, size_t page, int threads)
+int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int threads)
 {
-    const size_t units = bytes / KV_HOST_ALIGN;
+    const size_t units = bytes / unit;
     const size_t count = threads < 1 ? 1 : (size_t)threads < units ? (size_t)threads : units;
     kv_share *shares = malloc(count * sizeof *shares);
     pthread_t *ids = malloc(count * sizeof *ids);
@@ -243,7 +245,7 @@ int kv_host_touch(char *base, size_t bytes, size_t page, int threads)
     pthread_attr_setstacksize(&attr, (size_t)256 << 10); /* the loop needs little; the default is 8 MiB */
     for (size_t i = 0, first = 0; i < count; i++) {
         const size_t mine = units / count + (i < units % count);
-        shares[i] = (kv_share){base + first * KV_HOST_ALIGN, mine * KV_HOST_ALIGN, page};
+        shares[i] = (kv_share){base + first * unit, mine * unit, page};
         first += mine;
     }
     threads = 1;

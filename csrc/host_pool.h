@@ -35,9 +35,12 @@ typedef struct {
 
 /* Maps at least `bytes` (at least KV_HOST_ALIGN; a multiple of it) as
  * *huge asks; *huge becomes what was taken: KV_HUGE_NONE where the system
- * does not give transparent huge pages (THP disabled or absent).  Returns 0,
- * or an errno with `why` saying what failed (nothing mapped). */
-int kv_host_map(size_t bytes, kv_huge_pages *huge, char **base, size_t *map_bytes, char *why, size_t why_size);
+ * does not give transparent huge pages (THP disabled or absent).  *unit
+ * receives the huge page size the mapping is a multiple of (KV_HOST_ALIGN
+ * but for explicit huge pages larger than that).  Returns 0, or an errno
+ * with `why` saying what failed (nothing mapped). */
+int kv_host_map(size_t bytes, kv_huge_pages *huge, char **base, size_t *map_bytes, size_t *unit, char *why,
+                size_t why_size);
 
 /* The NUMA nodes online, from /sys/devices/system/node/online (node 0 alone
  * where the system has no such file). */
@@ -61,11 +64,11 @@ int kv_numa_node_of_pci(const char *bus_id);
 int kv_numa_prefer(char *base, size_t bytes, int node);
 
 /* Writes one byte per `page` bytes of [base, base + bytes) from `threads`
- * threads (the calling one among them), each a contiguous share aligned to
- * KV_HOST_ALIGN.  Returns the threads that ran: fewer where the memory has
- * fewer KV_HOST_ALIGN units, or where a thread could not be started (the
+ * threads (the calling one among them), each a contiguous share of whole
+ * `unit`s (the huge page size).  Returns the threads that ran: fewer where
+ * the memory has fewer units, or where a thread could not be started (the
  * calling thread then touches its share). */
-int kv_host_touch(char *base, size_t bytes, size_t page, int threads);
+int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int threads);
 
 /* The CPUs this process may run on (sched_getaffinity), at least 1. */
 int kv_cpu_count(void);
