@@ -9,10 +9,11 @@ it, staged offload / onload through PagedKVCache bit-exact, torch's is_pinned(),
 registered after close, registration in pieces.
 """
 
+import ctypes
 import gc
 import logging
 import os
-import resource
+import struct
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,17 @@ def debug_lines(monkeypatch):
     logger.addHandler(handler)
     yield lines
     logger.removeHandler(handler)
+
+
+def capsule_tensor(capsule):
+    """(data address, device type, device id) of a DLPack capsule's tensor, read through
+    ctypes: a DLTensor starts the legacy DLManagedTensor, and follows version, manager_ctx,
+    deleter and flags (8 bytes each) in the versioned one."""
+    versioned = "dltensor_versioned" in repr(capsule)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    tensor = get(capsule, b"dltensor_versioned" if versioned else b"dltensor") + (32 if versioned else 0)
+    return struct.unpack("Pii", ctypes.string_at(tensor, 16))
 
 
 def random_fill_(buf, gen):
@@ -196,9 +208,12 @@ def test_alignment_and_huge_pages(huge_pages):
 def test_dlpack_capsules():
     buf = kvbm_ext.pinned_empty((2, 3), torch.bfloat16)
     assert buf.__dlpack_device__() == ((3, 0) if ON_GPU else (1, 0))
+    start = address_of(buf)
     assert "dltensor" in repr(buf.__dlpack__())
+    assert capsule_tensor(buf.__dlpack__()) == (start, 1, 0)
     assert "dltensor_versioned" in repr(buf.__dlpack__(max_version=(1, 0)))
-    assert "dltensor_versioned" in repr(buf.__dlpack__(max_version=(2, 7), dl_device=(1, 0), copy=False, stream=None))
+    capsule = buf.__dlpack__(max_version=(2, 7), dl_device=(1, 0), copy=False, stream=None)
+    assert "dltensor_versioned" in repr(capsule) and capsule_tensor(capsule) == (start, 1, 0)
     assert torch.from_dlpack(buf.__dlpack__(max_version=(0, 8))).shape == (2, 3)
     with pytest.raises(BufferError, match="copy=True"):
         buf.__dlpack__(copy=True)
@@ -245,6 +260,7 @@ def test_a_mapping_the_kernel_refuses_raises_with_errno_text(tmp_path):
         def mapped():
             with open("/proc/self/maps") as f:
                 return sum(int(b, 16) - int(a, 16) for a, b in (l.split()[0].split("-") for l in f))
+        kvbm_ext.pinned_empty(16, "uint8")       # the CUDA driver loaded, where there is one
         before = mapped()
         resource.setrlimit(resource.RLIMIT_AS, (before + (64 << 20), resource.RLIM_INFINITY))
         try:
@@ -660,7 +676,7 @@ def test_pinned_as_the_driver_sees_it():
         assert kvbm_ext.HostBuffer._pointer_kind(address) == "pinned"
     tensor = torch.from_dlpack(buf)
     assert tensor.is_pinned() and tensor.data_ptr() == start
-    assert torch.from_dlpack(buf.__dlpack__(max_version=(1, 3), dl_device=(3, 0))).data_ptr() == start
+    assert capsule_tensor(buf.__dlpack__(max_version=(1, 3), dl_device=(3, 0))) == (start, 3, 0)
     del tensor
     buf.close()
     assert kvbm_ext.HostBuffer._pointer_kind(start) == "pageable"
