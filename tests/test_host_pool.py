@@ -626,6 +626,32 @@ def test_block_to_universal_writes_a_host_buffer(gen):
         assert all(torch.equal(as_bits(g), as_bits(w)) for g, w in zip(got, want))
 
 
+def test_address_lists_in_host_buffers(gen):
+    """memcpy_batch reads its address lists from HostBuffers: with a GPU it copies between
+    two pinned buffers bit-exact; without one the lists are read and the copy refused."""
+    src, dst = kvbm_ext.pinned_empty(MIB, "uint8"), kvbm_ext.pinned_empty(MIB, "uint8")
+    bits = random_fill_(src, gen)
+    np.asarray(dst)[:] = 0xA5
+    lists = [kvbm_ext.pinned_empty(4, "uint64") for _ in range(3)]
+    offsets = np.array([0, 4096, 300000, 700001], dtype=np.uint64)
+    np.asarray(lists[0])[:] = address_of(src) + offsets
+    np.asarray(lists[1])[:] = address_of(dst) + offsets[::-1]
+    np.asarray(lists[2])[:] = [4096, 100, 5000, 77]
+    empty = kvbm_ext.pinned_empty(0, "uint64")
+    assert kvbm_ext.memcpy_batch(empty, empty, empty) is None
+    if not ON_GPU:
+        with pytest.raises(RuntimeError):
+            kvbm_ext.memcpy_batch(*lists)
+        assert not (np.asarray(dst) != 0xA5).any()
+        return
+    kvbm_ext.memcpy_batch(*lists)
+    torch.cuda.synchronize()
+    expected = np.full(MIB, 0xA5, np.uint8)
+    for s_at, d_at, size in zip(offsets, offsets[::-1], [4096, 100, 5000, 77]):
+        expected[int(d_at):int(d_at) + size] = bits[int(s_at):int(s_at) + size]
+    assert np.array_equal(np.asarray(dst), expected)
+
+
 # --------------------------------------------------------------------------
 # The debug line, the example and the benchmark.
 # --------------------------------------------------------------------------
