@@ -3,6 +3,8 @@
 #include "gpu.h"
 #include "gpu_to_cache.h"
 
+#include <stdio.h>
+
 struct kv_gpu {
     int64_t staging_bytes;
     int staging_lanes;
@@ -120,3 +122,32 @@ int kv_gpu_device_count(void) { return 0; }
 int kv_gpu_current_device(void) { return no_cuda(); }
 
 PyObject *kv_gpu_devices(void) { return PyList_New(0); }
+
+int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, kv_host_registration *out,
+                         char *why, size_t why_size)
+{
+    (void)device, (void)base, (void)bytes, (void)piece_limit;
+    out->pieces = NULL;
+    out->count = 0;
+    snprintf(why, why_size, "kvbm_ext was built without CUDA");
+    return 1;
+}
+
+int kv_gpu_host_unregister(kv_host_registration *registration, char *why, size_t why_size)
+{
+    (void)registration, (void)why, (void)why_size;
+    return 0;
+}
+
+int kv_gpu_pci_bus_id(int device, char *buf, size_t size)
+{
+    (void)device, (void)buf, (void)size;
+    return -1;
+}
+
+const char *kv_gpu_pointer_kind(const void *address)
+{
+    (void)address;
+    no_cuda();
+    return NULL;
+}

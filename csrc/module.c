@@ -4,6 +4,7 @@
 
 #include "args.h"
 #include "convert.h"
+#include "host_buffer.h"
 #include "paged.h"
 #include "state.h"
 
@@ -389,6 +390,8 @@ static PyMethodDef module_methods[] = {
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},
+    {"pinned_empty", (PyCFunction)(void (*)(void))kv_pinned_empty, METH_FASTCALL | METH_KEYWORDS,
+     kv_pinned_empty_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -398,7 +401,8 @@ static int module_exec(PyObject *module)
     if (kv_protocols_init(&state->protocols) < 0)
         return -1;
     state->gpu = kv_gpu_new();
-    if (state->gpu == NULL || kv_paged_add_type(module) < 0)
+    if (state->gpu == NULL || kv_paged_add_type(module) < 0
+        || kv_host_buffer_add_type(module, &state->host_buffer_type) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }
@@ -406,14 +410,18 @@ static int module_exec(PyObject *module)
 static int module_traverse(PyObject *module, visitproc visit, void *arg)
 {
     kv_state *state = state_of(module);
+    if (state != NULL)
+        Py_VISIT(state->host_buffer_type);
     return state == NULL ? 0 : kv_protocols_traverse(&state->protocols, visit, arg);
 }
 
 static int module_clear(PyObject *module)
 {
     kv_state *state = state_of(module);
-    if (state != NULL)
+    if (state != NULL) {
         kv_protocols_clear(&state->protocols);
+        Py_CLEAR(state->host_buffer_type);
+    }
     return 0;
 }
 
@@ -422,6 +430,7 @@ static void module_free(void *module)
     kv_state *state = state_of((PyObject *)module);
     if (state != NULL) {
         kv_protocols_clear(&state->protocols);
+        Py_CLEAR(state->host_buffer_type);
         kv_gpu_free(state->gpu);
         state->gpu = NULL;
     }

@@ -3,6 +3,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence, SupportsIndex, Ty
 
 __all__ = [
     "EngineLayout",
+    "HostBuffer",
     "PagedKVCache",
     "ReshardStats",
     "ReshardTransfer",
@@ -19,6 +20,7 @@ __all__ = [
     "memcpy_batch",
     "operational_to_block",
     "operational_to_universal",
+    "pinned_empty",
     "plan_reshard",
     "reserve_staging",
     "reshard",
@@ -369,3 +371,53 @@ def reshard(
     stream: _Stream = None,
     check: bool = True,
 ) -> ReshardStats: ...
+
+# Host pools: pinned host memory for the offload tier.
+_HugePages = Literal["transparent", "explicit", "none"]
+# A torch dtype, a NumPy dtype or scalar type, or a name ("bfloat16", "float16", "uint8", ...).
+_DType = Any
+
+@final
+class HostBuffer:
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def numa_node(self) -> int | None: ...
+    @property
+    def huge_pages(self) -> _HugePages: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> HostBuffer: ...
+    def __exit__(self, *exc_info: object) -> bool: ...
+
+def pinned_empty(
+    shape: SupportsIndex | Sequence[SupportsIndex],
+    dtype: _DType,
+    *,
+    numa_node: SupportsIndex | None = None,
+    threads: SupportsIndex | None = None,
+    huge_pages: _HugePages = "transparent",
+    device: SupportsIndex | str | Any | None = None,
+) -> HostBuffer: ...

@@ -31,10 +31,11 @@ PUBLIC_FUNCTIONS = [
     "is_using_stubs",
     "build_info",
     "cuda_devices",
+    "pinned_empty",
     "plan_reshard",
     "reshard",
 ]
-PUBLIC_TYPES = ["PagedKVCache", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
+PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
                 "Transport"]
 
 
@@ -282,8 +283,9 @@ def test_paged_methods_have_signatures(method):
 def test_stubs_match_the_extension():
     """python -m mypy.stubtest kvbm_ext: the .pyi says exactly what the C side accepts."""
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "kvbm_ext"], capture_output=True, text=True,
-                            timeout=600, cwd=REPO_ROOT)
+    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "kvbm_ext", "--mypy-config-file", "pyproject.toml",
+                             "--allowlist", "tools/stubtest_allowlist.txt", "--ignore-unused-allowlist"],
+                            capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 

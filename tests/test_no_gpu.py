@@ -97,6 +97,7 @@ SCRIPTS = [
     (["host_time.py", "--build", f"here={REPO_ROOT}"], "host_time"),
     (["reshard.py", "--device", "cuda"], "reshard --device cuda"),
     (["engines.py", "--nb", "1,8"], "engines"),
+    (["host_pools.py", "--quick"], "host_pools"),
     (["engines.py", "--transformers", "--tf-layers", "2"], "engines --transformers"),
 ]
 
