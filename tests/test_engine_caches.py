@@ -173,9 +173,8 @@ def test_pairs_give_the_canonical_universal_of_the_same_data_in_kbthd(where, gen
     a = kvbm_ext.PagedKVCache(kbthd, "kbthd")
     b = kvbm_ext.PagedKVCache(pairs, "(bt)hd", block_size=nt)
     ids = [5, 0, 3]
-    ua = random_tensor((3, nh, nl, 2, nt, hd), torch.bfloat16, device, gen, pin=where == "cuda+pinned")
-    ub = poison_(ua.clone())
-    poison_(ua)
+    ua, ub = (poison_(random_tensor((3, nh, nl, 2, nt, hd), torch.bfloat16, device, gen, pin=where == "cuda+pinned"))
+              for _ in range(2))
     a.to_universal(ids, ua)
     b.to_universal(ids, ub)
     sync()
