@@ -180,12 +180,14 @@ typedef struct {
 /* Registers [base, base + bytes) with `device` current, in pieces of at
  * most `piece_limit` bytes (0: no limit); a piece the driver refuses is
  * split in halves down to a floor, each piece reachable by kernels at its
- * own host address, so that the range is still one array to them.  Returns
+ * own host address, so that the range is still one array to them.  Every
+ * boundary between pieces falls on a multiple of `item` bytes (a piece
+ * grows to whole items where one is larger than the limit).  Returns
  * 0; 1 where nothing can be registered here (a build without CUDA, no
  * driver, no device: `why` says which); or -1 on a CUDA error (`why` names
  * it), with nothing left registered.  Safe without the GIL. */
-int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, kv_host_registration *out,
-                         char *why, size_t why_size);
+int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, size_t item,
+                         kv_host_registration *out, char *why, size_t why_size);
 
 /* Unregisters every piece and frees the record.  Returns 0, or -1 with
  * `why` naming the first CUDA error.  Safe without the GIL. */

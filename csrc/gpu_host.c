@@ -1,6 +1,7 @@
 /* Registering host memory with the driver for kvbm_ext.pinned_empty, and
  * what the driver says of an address.  See gpu.h. */
 #include "gpu_internal.h"
+#include "host_pool.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,7 +9,6 @@
 /* The smallest piece a refused registration is split into: below it, the
  * refusal is not about size. */
 #define KV_REGISTER_FLOOR ((size_t)1 << 30)
-#define KV_REGISTER_ALIGN ((size_t)2 << 20)
 
 static void describe(char *why, size_t why_size, cudaError_t error, const char *what)
 {
@@ -60,11 +60,33 @@ static cudaError_t check_device_addresses(const kv_host_registration *r, const c
     return cudaSuccess;
 }
 
-/* Registers [base, base + bytes) piece by piece, halving a refused piece
- * down to the floor; on failure unregisters what was registered. */
-static cudaError_t register_pieces(char *base, size_t bytes, size_t piece, kv_host_registration *r)
+/* The size every piece but the last is a multiple of: whole leading items
+ * (a block of a pool, so that no single copy of one crosses two
+ * registrations) and KV_HOST_ALIGN (pieces share no page).  `bytes`
+ * where that is larger than the range. */
+static size_t piece_unit(size_t item, size_t bytes)
 {
-    const size_t floor = piece < KV_REGISTER_FLOOR ? piece : KV_REGISTER_FLOOR;
+    if (item == 0)
+        return KV_HOST_ALIGN;
+    size_t divisor = item, rest = KV_HOST_ALIGN; /* Euclid: their greatest common divisor */
+    while (rest != 0) {
+        const size_t next = divisor % rest;
+        divisor = rest;
+        rest = next;
+    }
+    const size_t items = KV_HOST_ALIGN / divisor; /* items in the least common multiple */
+    return item > bytes / items ? bytes : item * items;
+}
+
+/* Registers [base, base + bytes) piece by piece, pieces a multiple of
+ * `unit` but the last, halving a refused piece down to the floor; on
+ * failure unregisters what was registered. */
+static cudaError_t register_pieces(char *base, size_t bytes, size_t piece, size_t unit, kv_host_registration *r)
+{
+    piece = kv_round_up(piece, unit);
+    piece = piece < bytes ? piece : bytes;
+    const size_t least = kv_round_up(KV_REGISTER_FLOOR, unit);
+    const size_t floor = piece < least ? piece : least;
     const size_t most = (bytes + floor - 1) / floor;
     r->pieces = malloc(most * sizeof *r->pieces);
     if (r->pieces == NULL)
@@ -84,14 +106,14 @@ static cudaError_t register_pieces(char *base, size_t bytes, size_t piece, kv_ho
             unregister_pieces(r);
             return error;
         }
-        piece = (piece / 2 + KV_REGISTER_ALIGN - 1) / KV_REGISTER_ALIGN * KV_REGISTER_ALIGN;
+        piece = kv_round_up(piece / 2, unit);
         piece = piece < floor ? floor : piece;
     }
     return cudaSuccess;
 }
 
-int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, kv_host_registration *out,
-                         char *why, size_t why_size)
+int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, size_t item,
+                         kv_host_registration *out, char *why, size_t why_size)
 {
     out->pieces = NULL;
     out->count = 0;
@@ -102,7 +124,8 @@ int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limi
     const char *what = "selecting the device";
     if (error == cudaSuccess) {
         what = "registering host memory (cudaHostRegister)";
-        error = register_pieces(base, bytes, piece_limit == 0 || piece_limit > bytes ? bytes : piece_limit, out);
+        const size_t piece = piece_limit == 0 || piece_limit > bytes ? bytes : piece_limit;
+        error = register_pieces(base, bytes, piece, piece_unit(item, bytes), out);
     }
     if (error == cudaSuccess && (error = check_device_addresses(out, &what)) != cudaSuccess)
         unregister_pieces(out);

@@ -123,10 +123,10 @@ int kv_gpu_current_device(void) { return no_cuda(); }
 
 PyObject *kv_gpu_devices(void) { return PyList_New(0); }
 
-int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, kv_host_registration *out,
-                         char *why, size_t why_size)
+int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, size_t item,
+                         kv_host_registration *out, char *why, size_t why_size)
 {
-    (void)device, (void)base, (void)bytes, (void)piece_limit;
+    (void)device, (void)base, (void)bytes, (void)piece_limit, (void)item;
     out->pieces = NULL;
     out->count = 0;
     snprintf(why, why_size, "kvbm_ext was built without CUDA");

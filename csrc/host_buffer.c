@@ -15,14 +15,34 @@ int kv_host_buffer_check_open(const kv_host_buffer *self, const char *what)
     return -1;
 }
 
+/* The pieces of the pool's registration, as offsets from its start. */
+static PyObject *registration_tuple(const kv_host_pool *pool)
+{
+    const kv_host_registration *r = &pool->registration;
+    PyObject *pieces = PyTuple_New(r->count);
+    for (int i = 0; pieces != NULL && i < r->count; i++) {
+        PyObject *piece = Py_BuildValue("(nn)", (Py_ssize_t)(r->pieces[i].start - pool->base),
+                                        (Py_ssize_t)r->pieces[i].bytes);
+        if (piece == NULL)
+            Py_CLEAR(pieces);
+        else
+            PyTuple_SET_ITEM(pieces, i, piece);
+    }
+    return pieces;
+}
+
 kv_host_buffer *kv_host_buffer_new(PyTypeObject *type, kv_host_pool *pool)
 {
-    kv_host_buffer *self = (kv_host_buffer *)type->tp_alloc(type, 0);
-    if (self != NULL) {
-        self->pool = pool;
-        self->data = pool->base;
-        self->numa_node = -1;
+    PyObject *registrations = registration_tuple(pool);
+    kv_host_buffer *self = registrations == NULL ? NULL : (kv_host_buffer *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_XDECREF(registrations);
+        return NULL;
     }
+    self->pool = pool;
+    self->data = pool->base;
+    self->registrations = registrations;
+    self->numa_node = -1;
     return self;
 }
 
@@ -59,6 +79,7 @@ static void host_dealloc(kv_host_buffer *self)
     char why[192];
     if (let_go(self, why, sizeof why) < 0)
         report_unraisable(why);
+    Py_XDECREF(self->registrations);
     type->tp_free(self);
     Py_DECREF(type);
 }
@@ -186,6 +207,12 @@ static PyObject *get_int(kv_host_buffer *self, void *offset)
     return PyLong_FromLong(*(const int *)((const char *)self + (size_t)offset));
 }
 
+static PyObject *get_registrations(kv_host_buffer *self, void *unused)
+{
+    (void)unused;
+    return Py_NewRef(self->registrations);
+}
+
 static PyObject *get_numa_node(kv_host_buffer *self, void *unused)
 {
     (void)unused;
@@ -231,6 +258,10 @@ static PyGetSetDef host_getset[] = {
     {"dtype", (getter)get_dtype, NULL, "the element type's name, e.g. 'bfloat16'", NULL},
     {"nbytes", (getter)get_nbytes, NULL, "bytes of the array (the mapping is rounded up to 2 MiB)", NULL},
     {"pinned", (getter)get_flag, NULL, "True when registered with the CUDA driver (page-locked)", MEMBER(pinned)},
+    {"registrations", (getter)get_registrations, NULL,
+     "the pieces registered with the driver, ((offset, nbytes), ...) from the start, tiling the\n"
+     "mapping; one unless the driver refused the whole or KVBM_EXT_HOST_REGISTER_PIECE asked;\n"
+     "() when not pinned.  Each shape[0] slice lies inside one piece.", NULL},
     {"numa_node", (getter)get_numa_node, NULL, "the NUMA node the pages were placed on, or None", NULL},
     {"huge_pages", (getter)get_huge_pages, NULL, "what was taken: 'transparent', 'explicit' or 'none'", NULL},
     {"threads", (getter)get_int, NULL, "the threads that touched the pages first", MEMBER(threads)},

@@ -27,6 +27,7 @@ typedef struct {
     int64_t nbytes;
     const kv_host_dtype *dtype;
     int pinned;
+    PyObject *registrations; /* ((offset, nbytes), ...) of the pieces registered; () when not pinned */
     int numa_node; /* -1: not placed */
     kv_huge_pages huge_pages;
     int threads;
@@ -62,7 +63,8 @@ int kv_read_pool_request(PyObject *const *v, kv_pool_request *r);
  * exception. */
 int kv_host_buffer_add_type(PyObject *module, PyObject **type);
 
-/* A new HostBuffer of `type` owning `pool` (which it takes over). */
+/* A new HostBuffer of `type` owning `pool` (which it takes over; on
+ * failure, NULL with an exception, the pool still the caller's). */
 kv_host_buffer *kv_host_buffer_new(PyTypeObject *type, kv_host_pool *pool);
 
 /* pinned_empty(...) (host_new.c), a module function. */

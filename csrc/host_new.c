@@ -57,6 +57,16 @@ static int register_piece_limit(size_t *limit)
     return 0;
 }
 
+/* The bytes of one shape[0] slice (one element for 0 dimensions): a
+ * registration in pieces keeps each inside one piece. */
+static size_t leading_item_bytes(const kv_pool_request *r)
+{
+    size_t bytes = (size_t)r->dtype->dtype.bits / 8;
+    for (int d = 1; d < r->ndim; d++)
+        bytes *= (size_t)r->shape[d];
+    return bytes;
+}
+
 /* Refuses memory that the machine does not have free, before mapping it:
  * touching it would make the kernel kill a process.  Explicit huge pages
  * come from their own reserve, which mmap itself checks. */
@@ -127,7 +137,7 @@ typedef struct {
     kv_huge_pages huge; /* asked, then taken */
     const kv_placement *place;
     int device, threads;
-    size_t piece_limit;
+    size_t piece_limit, item; /* item: the bytes of one leading-dimension slice */
     kv_outcome outcome;
     kv_host_pool *pool;
     int threads_run, registered, bind_error;
@@ -171,7 +181,7 @@ static void allocate(kv_allocation *a)
     /* A huge page the mapping is made of is allocated by its first write. */
     const size_t page = a->huge == KV_HUGE_EXPLICIT ? unit : (size_t)sysconf(_SC_PAGESIZE);
     a->threads_run = kv_host_touch(pool->base, pool->map_bytes, page, unit, a->threads);
-    a->registered = kv_gpu_host_register(a->device, pool->base, pool->map_bytes, a->piece_limit,
+    a->registered = kv_gpu_host_register(a->device, pool->base, pool->map_bytes, a->piece_limit, a->item,
                                          &pool->registration, a->why, sizeof a->why);
     if (a->registered < 0) {
         a->outcome = KV_FAILED_REGISTER;
@@ -274,7 +284,9 @@ const char kv_pinned_empty_doc[] =
     "error when registering fails; either way nothing is left mapped or registered.\n"
     "KVBM_EXT_DEBUG=1 logs bytes, huge pages, node, threads, seconds and whether it\n"
     "was pinned.  KVBM_EXT_HOST_REGISTER_PIECE=<bytes> registers in pieces of at most\n"
-    "that size (where the driver refuses large registrations, pieces are made anyway).";
+    "that size (where the driver refuses large registrations, pieces are made anyway);\n"
+    "each shape[0] slice lies inside one piece (`registrations`).  A single copy-engine\n"
+    "copy must not cross pieces: for a buffer of several, move with backend=\"kernel\".";
 
 PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -291,6 +303,7 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
         || register_piece_limit(&a.piece_limit) < 0 || check_room(&r) < 0)
         return NULL;
     a.bytes = (size_t)r.nbytes;
+    a.item = leading_item_bytes(&r);
     a.huge = (kv_huge_pages)r.huge;
     a.place = &place;
     a.threads = (int)r.threads;

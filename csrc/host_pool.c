@@ -74,8 +74,6 @@ static long long meminfo_bytes(const char *field)
 
 /* ------------------------------------------------------------ mapping */
 
-static size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
-
 /* Whether the kernel gives transparent huge pages to a mapping that asks. */
 static int transparent_huge_pages_on(void)
 {
@@ -88,7 +86,7 @@ static int map_explicit(size_t bytes, char **base, size_t *map_bytes, size_t *un
 {
     const long long page = meminfo_bytes("Hugepagesize");
     *unit = page > (long long)KV_HOST_ALIGN ? (size_t)page : KV_HOST_ALIGN;
-    const size_t size = round_up(bytes, *unit);
+    const size_t size = kv_round_up(bytes, *unit);
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (p == MAP_FAILED) {
         const int error = errno;
@@ -106,14 +104,14 @@ static int map_explicit(size_t bytes, char **base, size_t *map_bytes, size_t *un
  * the ends trimmed. */
 static int map_aligned(size_t bytes, char **base, size_t *map_bytes, char *why, size_t why_size)
 {
-    const size_t size = round_up(bytes, KV_HOST_ALIGN);
+    const size_t size = kv_round_up(bytes, KV_HOST_ALIGN);
     char *p = mmap(NULL, size + KV_HOST_ALIGN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
         const int error = errno;
         snprintf(why, why_size, "cannot map %zu bytes: %s", size, strerror(error));
         return error;
     }
-    const size_t head = round_up((size_t)p, KV_HOST_ALIGN) - (size_t)p;
+    const size_t head = kv_round_up((size_t)p, KV_HOST_ALIGN) - (size_t)p;
     if (head > 0)
         munmap(p, head);
     if (KV_HOST_ALIGN - head > 0)

@@ -16,6 +16,9 @@
  * and the touching threads' shares never split a huge page. */
 #define KV_HOST_ALIGN ((size_t)2 << 20)
 
+/* `n` rounded up to a multiple of `unit`. */
+static inline size_t kv_round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
+
 typedef enum {
     KV_HUGE_TRANSPARENT, /* madvise(MADV_HUGEPAGE): the kernel backs the mapping with huge pages where it can */
     KV_HUGE_EXPLICIT,    /* MAP_HUGETLB: the pages reserved in /proc/sys/vm/nr_hugepages, or an error */
