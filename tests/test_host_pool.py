@@ -6,12 +6,13 @@ nodes, every way the memory is released (the address range is no longer mapped),
 over many allocations, close() with exports alive, hostile arguments, thread counts, and
 kvbm_ext's own functions taking a HostBuffer as an array.  GPU: pinned as the driver sees
 it, staged offload / onload through PagedKVCache bit-exact, torch's is_pinned(), nothing
-registered after close, registration in pieces.
+registered after close, registration in pieces on whole leading items.
 """
 
 import ctypes
 import gc
 import logging
+import math
 import os
 import struct
 import subprocess
@@ -149,11 +150,25 @@ def test_allocation_and_its_attributes(dtype, name, itemsize):
     assert isinstance(buf, kvbm_ext.HostBuffer)
     assert buf.shape == (3, 5, 7) and buf.dtype == name and buf.nbytes == 3 * 5 * 7 * itemsize
     assert buf.pinned is ON_GPU and buf.closed is False
+    assert buf.registrations == (((0, ALIGN),) if ON_GPU else ())
     assert buf.huge_pages in ("transparent", "none")
     assert buf.threads >= 1 and buf.seconds > 0
     assert buf.numa_node is None or buf.numa_node in online_nodes()[1]
     assert "HostBuffer(shape=(3, 5, 7)" in repr(buf)
     assert not np.asarray(buf).view(np.uint8).any()     # fresh pages read as zeros
+
+
+def test_registrations_read_only_and_empty_unpinned(monkeypatch):
+    """3 MiB items, 2 MiB pieces asked: on a GPU a piece grows to whole items that end on
+    2 MiB (6 MiB); unpinned, nothing is registered.  The record reads after close()."""
+    monkeypatch.setenv("KVBM_EXT_HOST_REGISTER_PIECE", str(ALIGN))
+    buf = kvbm_ext.pinned_empty((3, 3 * MIB), "uint8")
+    expected = ((0, 6 * MIB), (6 * MIB, 4 * MIB)) if ON_GPU else ()
+    assert buf.pinned is ON_GPU and buf.registrations == expected
+    with pytest.raises(AttributeError):
+        buf.registrations = ()
+    buf.close()
+    assert buf.registrations == expected
 
 
 def test_an_int_shape_is_one_dimension():
@@ -567,8 +582,8 @@ def test_positional_and_keyword_rules():
 
 # (layers, K/V, heads, tokens per block, head dim, blocks in the cache)
 SMALL = (3, 2, 4, 8, 16, 12)
-# 384 KiB universal blocks: 2 MiB registrations end inside blocks.
-LARGE = (8, 2, 8, 12, 128, 12)
+# 384 KiB universal blocks (3 x 128 KiB: neither divides 2 MiB nor is a multiple of it).
+LARGE = (8, 2, 8, 12, 128, 48)
 NL, NO = SMALL[:2]
 
 
@@ -732,15 +747,21 @@ def test_copies_to_and_from_the_gpu_are_bit_exact(gen):
     assert torch.equal(host, fresh)
 
 
-def staged_round_trip(gen, debug_lines, dims=SMALL):
-    """A GPU PagedKVCache offloaded into a pinned HostBuffer and restored into other blocks,
-    backend "auto": checked bit for bit against plain torch."""
+# What the KVBM_EXT_DEBUG line of a move between a device cache and pinned memory says.
+MOVE_PATHS = {"auto": "path staged (auto: pinned host memory takes part",
+              "kernel": "path kernel (requested; pinned host memory read directly"}
+
+
+def round_trip(gen, debug_lines, dims=SMALL, blocks=7, backend="auto"):
+    """A GPU PagedKVCache offloaded into a pinned HostBuffer and restored into other blocks
+    with `backend`: checked bit for bit against plain torch."""
     layers = random_layers(gen, "cuda", dims)
     cache = kvbm_ext.PagedKVCache(layers, "kbthd")
-    ids, targets = [9, 2, 5, 0, 11, 10, 7], [1, 3, 4, 6, 8, 2, 0]
-    buf = poisoned_universals(len(ids), dims)
+    ids = torch.randperm(dims[-1], generator=gen)[:blocks].tolist()
+    targets = torch.randperm(dims[-1], generator=gen)[:blocks].tolist()
+    buf = poisoned_universals(blocks, dims)
     assert buf.pinned
-    cache.to_universal(ids, buf, backend="auto")
+    cache.to_universal(ids, buf, backend=backend)
     torch.cuda.synchronize()
     assert torch.equal(as_bits(buf), as_bits(universal_reference(layers, ids).cpu()))
     expected = [layer.clone() for layer in layers]
@@ -748,40 +769,57 @@ def staged_round_trip(gen, debug_lines, dims=SMALL):
         layer[:, targets] = layer[:, ids]
     for layer in layers:
         layer.view(torch.int16)[:, targets] = -0x5A5B
-    cache.from_universal(buf, targets, backend="auto")
+    cache.from_universal(buf, targets, backend=backend)
     torch.cuda.synchronize()
     for got, want in zip(layers, expected):
         assert torch.equal(as_bits(got), as_bits(want))
     moves = [line for line in debug_lines if "_universal: path" in line]
-    assert len(moves) == 2 and all("path staged" in line for line in moves), moves
+    assert len(moves) == 2 and all(MOVE_PATHS[backend] in line for line in moves), moves
     return buf
 
 
 @requires_pinning
 def test_staged_offload_and_onload_bit_exact(gen, debug_lines):
-    start = address_of(staged_round_trip(gen, debug_lines))
+    buf = round_trip(gen, debug_lines)
+    assert buf.registrations == ((0, map_bytes(buf)),)
+    start = address_of(buf)
+    del buf
     gc.collect()
     assert kvbm_ext.HostBuffer._pointer_kind(start) == "pageable"
 
 
 @requires_pinning
 def test_registration_in_pieces(gen, debug_lines, monkeypatch):
-    """Registered in 2 MiB pieces, the buffer is still one array: every piece pinned, kernels
-    and copies across the pieces' boundaries bit-exact; after close no piece is registered."""
+    """Pieces asked at 2 MiB for 384 KiB blocks: every boundary falls on whole blocks and
+    2 MiB (6 MiB, 16 blocks), every piece pinned; kernels across the boundaries and one copy
+    per block each way bit-exact; after close no piece is registered."""
     monkeypatch.setenv("KVBM_EXT_HOST_REGISTER_PIECE", str(ALIGN))
-    buf = staged_round_trip(gen, debug_lines, LARGE)
-    pieces = map_bytes(buf) // ALIGN
+    buf = round_trip(gen, debug_lines, LARGE, blocks=40, backend="kernel")
+    block = buf.nbytes // buf.shape[0]
+    assert block == 384 * 1024 and map_bytes(buf) == 16 * MIB
+    assert buf.registrations == ((0, 6 * MIB), (6 * MIB, 6 * MIB), (12 * MIB, 4 * MIB))
+    ends = [offset + nbytes for offset, nbytes in buf.registrations]
+    assert [offset for offset, _ in buf.registrations] == [0] + ends[:-1] and ends[-1] == map_bytes(buf)
+    assert all(end % math.lcm(block, ALIGN) == 0 for end in ends[:-1])
     [made] = [line for line in debug_lines if line.startswith("pinned_empty:")]
-    assert pieces > 1 and f"pinned for cuda:0 ({pieces} registrations)" in made, made
+    assert "pinned for cuda:0 (3 registrations)" in made, made
     start = address_of(buf)
-    starts = [start + i * ALIGN for i in range(pieces)]
-    assert all(kvbm_ext.HostBuffer._pointer_kind(a) == "pinned" for a in starts)
-    host = torch.from_dlpack(buf).reshape(-1).view(torch.uint8)
+    edges = [start + offset + end for offset, nbytes in buf.registrations for end in (0, nbytes - 1)]
+    assert all(kvbm_ext.HostBuffer._pointer_kind(a) == "pinned" for a in edges)
+    host = torch.from_dlpack(buf)
     bits = torch.from_numpy(random_fill_(buf, gen))
-    assert torch.equal(host.cuda().cpu(), bits)              # one copy over every piece, each way
-    fresh = torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=gen)
-    host.copy_(fresh.cuda())
-    assert torch.equal(host, fresh)
+    device = torch.full(host.shape, -0x5A5B, dtype=torch.int16, device="cuda").view(host.dtype)
+    for i in range(host.shape[0]):
+        device[i].copy_(host[i])                                # one block inside one piece each
+    torch.cuda.synchronize()
+    assert torch.equal(as_bits(device).cpu().view(torch.uint8).reshape(-1), bits)
+    fresh = torch.randint(-2 ** 15, 2 ** 15, host.shape, dtype=torch.int16, generator=gen)
+    device.view(torch.int16).copy_(fresh)
+    for i in range(host.shape[0]):
+        host[i].copy_(device[i])
+    torch.cuda.synchronize()
+    assert torch.equal(as_bits(host), fresh)
     del host
     buf.close()
-    assert all(kvbm_ext.HostBuffer._pointer_kind(a) == "pageable" for a in starts)
+    assert buf.registrations[0] == (0, 6 * MIB)                # the record still reads
+    assert all(kvbm_ext.HostBuffer._pointer_kind(a) == "pageable" for a in edges)
