@@ -147,8 +147,9 @@ static int guard_layer(kv_paged_cache *self, kv_protocols *p, Py_ssize_t i)
         return rc;
     }
     PyObject *layer = kv_paged_layer(self, i);
+    /* A layer without a readable base (most producers have none) has nothing to guard. */
     PyObject *base = PyObject_GetAttrString(layer, "base");
-    if (base == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError))
+    if (base == NULL && (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)))
         return -1;
     PyErr_Clear();
     int rc = keep_weak_reference(self, layer);

@@ -162,6 +162,22 @@ class Moving:
         return self.now.__array_interface__
 
 
+class RaisingBase(Moving):
+    """A producer whose `base` attribute raises: nothing to guard, not an error."""
+
+    @property
+    def base(self):
+        raise ZeroDivisionError("base")
+
+
+def test_layer_whose_base_cannot_be_read_is_taken(gen):
+    layer = random_tensor((NO, NB, NT, NH, HD), torch.float32, "cpu", gen).numpy()
+    cache = kvbm_ext.PagedKVCache([RaisingBase(layer)], "kbthd")
+    u = np.zeros((len(IDS), NH, 1, NO, NT, HD), np.float32)
+    cache.to_universal(IDS, u)
+    assert np.array_equal(u[:, :, 0].view(np.uint32), layer[:, IDS].transpose(1, 3, 0, 2, 4).view(np.uint32))
+
+
 def test_other_producer_that_moved_is_refused_under_debug(monkeypatch, gen):
     first = random_tensor((NO, NB, NT, NH, HD), torch.float32, "cpu", gen).numpy()
     layers = [Moving(first), Moving(first.copy())]

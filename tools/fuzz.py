@@ -633,22 +633,26 @@ def main():
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             running.append((first, count, proc))
         first, count, proc = running.pop(0)
+        hung = False
         try:  # a case stuck where the alarm cannot interrupt it
             out, _ = proc.communicate(timeout=count * CASE_SECONDS + 600)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-            out += "\nFAIL ? hang: the worker stopped answering"
+            hung = True
         lines = out.splitlines()
         failed += [line for line in lines if line.startswith("FAIL")]
         started = [int(line.split()[1]) for line in lines if line.startswith("case ")]
-        if proc.returncode not in (0, WORKER_FAILED) or "done" not in lines:
+        if hung or proc.returncode not in (0, WORKER_FAILED) or "done" not in lines:
             last = started[-1] if started else first
-            crashed.append(last)
-            print(f"CRASH (exit status {proc.returncode}) in case {last}: replay with "
-                  f"python3 tools/fuzz.py --replay {last}", flush=True)
-            print("\n".join(lines[-20:]), flush=True)
-            if last + 1 < first + count:  # go on after the crashing case
+            if hung:
+                failed.append(f"FAIL {last}: hang: the worker stopped answering")
+            else:
+                crashed.append(last)
+                print(f"CRASH (exit status {proc.returncode}) in case {last}: replay with "
+                      f"python3 tools/fuzz.py --replay {last}", flush=True)
+                print("\n".join(lines[-20:]), flush=True)
+            if last + 1 < first + count:  # go on after that case
                 pending.append((last + 1, first + count - last - 1))
     for line in failed[:50]:
         print(line)
