@@ -214,7 +214,7 @@ def bitwise_equal(a, b):
 
 @dataclass
 class IdSet:
-    engine_ids: torch.Tensor  # int64 on the device
+    engine_ids: torch.Tensor  # int64, on the host for pinned cases, else on the device
     pool_ids: torch.Tensor
 
 
@@ -237,16 +237,16 @@ def transfer(engine, pool, direction, ids, stream):
 
 def verify(engine, pool, direction, ids, stream):
     """One call on poisoned destinations, compared with the torch gather; the problem or None."""
-    pool_ids = ids.pool_ids.to(pool.blocks.device)
+    pool_ids, engine_ids = ids.pool_ids.to(pool.blocks.device), ids.engine_ids.cuda()
     torch.cuda.synchronize()
     if direction == "offload":
         pool.blocks.view(torch.int16).index_fill_(0, pool_ids, POISON_INT16)
     else:
-        poison_engine_blocks(engine, ids.engine_ids)
+        poison_engine_blocks(engine, engine_ids)
     torch.cuda.synchronize()
     transfer(engine, pool, direction, ids, stream)()
     torch.cuda.synchronize()
-    engine_blocks = gathered(engine, ids.engine_ids)
+    engine_blocks = gathered(engine, engine_ids)
     pool_blocks = pool.blocks.index_select(0, pool_ids).to(engine_blocks.device)
     if not bitwise_equal(pool_blocks, engine_blocks):
         written = "pool" if direction == "offload" else "engine"
@@ -335,8 +335,10 @@ def memcpy_rows(run, model, dims, nb, pinned, on_device, ceiling):
 
 
 def case_row(run, model, engine, pool, path, direction, nb, same_size, ceiling):
+    # An offload manager holds its pool's ids on the host, which lets the move be staged;
+    # device to device, the ids live on the device (no host sync, graph-capturable).
     sets = id_sets(engine, nb, sets_for(path, engine.dims, nb, pool.blocks.shape[0]), pool.blocks.shape[0],
-                   run.device)
+                   "cpu" if path == "pinned" else run.device)
     problem = verify(engine, pool, direction, sets[0], run.stream)
     if problem:
         sys.exit(f"engines: {model} {engine.name} {path} nb={nb}: {problem}; nothing timed after it")

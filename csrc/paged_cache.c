@@ -326,9 +326,10 @@ static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
     self->device = first->place == KV_DEVICE ? first->device_id : -1;
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
-    if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0)
+    if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0 ||
+        build_tables(self) < 0)
         return -1;
-    return build_tables(self);
+    return kv_paged_guard_layers(self, &state->protocols);
 }
 
 PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
@@ -360,6 +361,7 @@ int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg)
     Py_VISIT(self->dims);
     Py_VISIT(self->counters);
     Py_VISIT(self->distinct_counters);
+    Py_VISIT(self->guards);
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         Py_VISIT(self->arrays[i].owner);
     return 0;
@@ -374,6 +376,7 @@ int kv_paged_clear(kv_paged_cache *self)
     Py_CLEAR(self->dims);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->distinct_counters);
+    Py_CLEAR(self->guards);
     return 0;
 }
 
@@ -386,6 +389,7 @@ void kv_paged_dealloc(kv_paged_cache *self)
     PyMem_Free(self->layer_addresses);
     PyMem_Free(self->spans);
     PyMem_Free(self->reach);
+    PyMem_Free(self->exchange);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
 }

@@ -34,6 +34,13 @@ typedef struct {
     kv_span *spans;             /* the bytes of every array, sorted, for the aliasing check */
     uint64_t *reach;
     uint64_t alignment;         /* OR of the layer addresses and strides */
+    int aliased;                /* two layers share memory: a call writing the cache checks the layers it selects */
+    /* Per array, the C exchange API it was read through (asked again at
+     * each call, to catch memory that moved), or NULL. */
+    const struct DLPackExchangeAPI **exchange;
+    /* What keeps those checks valid: the APIs' capsules, and weak
+     * references to the other layers (kv_paged_new). */
+    PyObject *guards;
 } kv_paged_cache;
 
 /* Where array i of the cache is named in errors. */
@@ -74,6 +81,26 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
 typedef struct {
     int64_t first, step, count;
 } kv_selection;
+
+/* paged_select.c: a layers= or heads= argument (NULL: not given) among
+ * the cache's n layers or heads, `what` naming one ("layer", "head"):
+ * None for all, an index (Python's rules for a negative one), a slice
+ * (Python's rules, but a bound outside the n entries is an error rather
+ * than clipped) or a range of indices; never empty.  0, or -1 with
+ * ValueError or TypeError naming `name`. */
+int kv_read_selection(PyObject *obj, int64_t n, const char *name, const char *what, kv_selection *sel);
+
+/* The highest and the lowest index a selection takes. */
+int64_t kv_selection_top(const kv_selection *sel);
+int64_t kv_selection_bottom(const kv_selection *sel);
+
+/* paged_layers.c: at construction, what the checks below need (0, or -1
+ * with an exception); for a call moving `layers` (a call writing them), a
+ * ValueError naming a layer whose memory moved since construction (two
+ * layers that share memory).  Return 0 or -1. */
+int kv_paged_guard_layers(kv_paged_cache *self, kv_protocols *protocols);
+int kv_paged_check_layers(const kv_paged_cache *self, const kv_reader *reader, const kv_selection *layers);
+int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers);
 
 /* A call's keyword options, checked. */
 typedef struct {

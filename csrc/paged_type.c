@@ -31,8 +31,12 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "inn
     "    Device ids are not read on the host (that would need a synchronization): the\n"                               \
     "    kernel skips a block whose id is outside [0, num_blocks), and repeated ids\n"                                 \
     "    are not detected.\n"                                                                                          \
-    "layers: None (every layer), an int, a slice (Python's rules) or a range of cache\n"                                \
-    "    layers.\n"                               \
+    "layers: None (every layer), an int, a slice or a range of cache layers.  One rule\n"                              \
+    "    for layers= and heads=: Python's meaning of negative indices and steps, but a\n"                              \
+    "    bound outside the cache is a ValueError (not clipped), an empty selection is\n"                               \
+    "    a ValueError, and a bound that is not an int (or whose __index__ raises) a\n"                                 \
+    "    TypeError.  A call that writes the cache refuses to write two layers that\n"                                  \
+    "    share memory (ValueError naming both).\n"                                                                     \
     "backend: \"auto\" (default): with universal or operational blocks in pinned host\n"                               \
     "    memory, the copy engines carry the bytes over PCIe and a kernel on a few CTAs\n"                              \
     "    rearranges them through device staging memory (set_staging(),\n"                                             \
@@ -60,9 +64,12 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "inn
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
     "    array [nb, NH, NL, no, nt, hd] whose blocks are C-contiguous, with\n"                                         \
     "    NH >= head_offset + len(heads), NL >= layer_offset + the highest layer moved.\n"                              \
-    "layer_offset: cache layer l is universal layer l + layer_offset.\n"                                               \
-    "heads: None (every head), an int, a slice or a range of the cache's heads: the\n"                                  \
-    "    heads moved, in that order (a receiver's share when resharding).\n"                                          \
+    "layer_offset: cache layer l is universal layer l + layer_offset: layers keep their\n"                             \
+    "    cache index.  It may be negative down to minus the lowest layer moved, so that\n"                             \
+    "    layers=range(a, b), layer_offset=-a fills a block of exactly b - a layers.\n"                                 \
+    "heads: None (every head), an int, a slice or a range of the cache's heads (the\n"                                 \
+    "    rule of layers=): the heads moved, in that order, renumbered from head_offset\n"                              \
+    "    (a receiver's share when resharding).\n"                                                                      \
     "head_offset: the heads moved are universal heads [head_offset, head_offset +\n"                                  \
     "    len(heads)) (a tensor-parallel rank's slice).  Other heads and layers are not\n"                             \
     "    touched.\n"
@@ -230,10 +237,20 @@ PyDoc_STRVAR(paged_doc,
              "and all are on one CUDA device, or all in host memory (then calls run on the\n"
              "CPU, without the GIL).  The cache keeps the memory of its arrays alive (for\n"
              "DLPack producers, through the capsules' managed tensors) and always moves\n"
-             "that memory: re-pointing a layer tensor afterwards (torch's set_ or resize_)\n"
-             "does not change what the cache reads or writes.  It holds no device memory\n"
-             "of its own: constructing or collecting it never allocates, frees or\n"
-             "synchronizes on a device.\n\n"
+             "that memory: re-pointing a layer tensor afterwards with torch's set_ does not\n"
+             "change what the cache reads or writes.  A resize that reallocates a layer's\n"
+             "memory would free it under the cache, so: NumPy refuses to resize a layer (or\n"
+             "the array owning its memory) while the cache lives, even with\n"
+             "refcheck=False (the cache holds weak references to them); a cache of one\n"
+             "array read through DLPack's C exchange API (torch 2.11+) asks the array at\n"
+             "every call where its memory is and raises ValueError naming it if it moved\n"
+             "(torch's resize_ growing it, untyped_storage().resize_()); per-layer arrays\n"
+             "get that check, one C call per layer moved, under KVBM_EXT_DEBUG=1 (other\n"
+             "producers are read again through their protocol then).  Without it, do not\n"
+             "resize a per-layer torch tensor the cache holds.  Layers may share memory\n"
+             "(one tensor given twice): reading them is fine, a call writing two of them\n"
+             "is refused.  The cache holds no device memory of its own: constructing or\n"
+             "collecting it never allocates, frees or synchronizes on a device.\n\n"
              "torch tensors are written as a torch in-place operation would write them:\n"
              "from_universal and from_operational refuse a layer tensor that requires grad\n"
              "(asked at each call: autograd could not see the write; construct the cache\n"

@@ -55,16 +55,9 @@ except ImportError as error:  # pragma: no cover - only without a build
         "(or run `python setup.py build_ext --inplace`) from the source tree"
     ) from error
 
-from ._reshard import (
-    EngineLayout,
-    Resharder,
-    ReshardStats,
-    ReshardTransfer,
-    TorchTransport,
-    Transport,
-    plan_reshard,
-    reshard,
-)
+from ._plan import EngineLayout, ReshardTransfer, plan_reshard
+from ._reshard import Resharder, ReshardStats, reshard
+from ._transport import TorchTransport, Transport
 
 __all__ = [
     "EngineLayout",

@@ -257,7 +257,7 @@ def is_using_stubs() -> bool: ...
 def build_info() -> _BuildInfo: ...
 def cuda_devices() -> list[_CudaDevice]: ...
 
-# Resharding between engines of different TP / PP sizes (kvbm_ext/_reshard.py).
+# Resharding between engines of different TP / PP sizes (kvbm_ext/_plan.py, _transport.py, _reshard.py).
 # Tensors here are torch tensors; torch is imported only when a Resharder is built.
 _Tensor = Any
 
@@ -307,9 +307,9 @@ class Transport(Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
     def start(
-        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]]
+        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]], timeout: float
     ) -> Callable[[], None]: ...
 
 class TorchTransport:
@@ -319,9 +319,9 @@ class TorchTransport:
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
     def start(
-        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]]
+        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]], timeout: float
     ) -> Callable[[], None]: ...
 
 class Resharder:
@@ -342,6 +342,7 @@ class Resharder:
         *,
         group: Any = None,
         transport: Transport | None = None,
+        timeout: float = 120.0,
     ) -> None: ...
     @property
     def staging_nbytes(self) -> int: ...
@@ -354,6 +355,7 @@ class Resharder:
         *,
         stream: _Stream = None,
         check: bool = True,
+        timeout: float = 120.0,
     ) -> ReshardStats: ...
 
 def reshard(
@@ -370,6 +372,7 @@ def reshard(
     transport: Transport | None = None,
     stream: _Stream = None,
     check: bool = True,
+    timeout: float = 120.0,
 ) -> ReshardStats: ...
 
 # Host pools: pinned host memory for the offload tier.

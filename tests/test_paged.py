@@ -655,8 +655,7 @@ def test_host_numpy_cache(layout, np_dtype, gen):
 
 LAYER_SELECTIONS = [
     None, slice(1, 3), slice(None, None, 2), slice(-2, None), slice(-3, -1), slice(None, None, -1),
-    slice(1, 100), range(1, 4, 2), range(0, 4), range(2, 3), 2, -1, np.int64(3),
-    slice(2, 2), range(0), slice(10, 20),  # empty selections do nothing
+    range(1, 4, 2), range(0, 4), range(2, 3), 2, -1, np.int64(3),
 ]
 
 
@@ -726,8 +725,7 @@ def test_host_head_and_layer_offset_together(method, layout, gen):
           layers=slice(1, None))
 
 
-HEAD_SELECTIONS = [slice(1, 3), slice(None, None, -1), slice(0, 4, 2), range(3, 0, -2), 2, -1, np.int64(1),
-                   slice(2, 2), range(0)]
+HEAD_SELECTIONS = [slice(1, 3), slice(None, None, -1), slice(0, 4, 2), range(3, 0, -2), 2, -1, np.int64(1)]
 
 
 # Each selection with one (layout, head_offset), rotating; "btd" (nh = 1) takes head 0 only.
@@ -746,10 +744,10 @@ def test_host_heads(method, heads, layout, head_offset, gen):
           head_offset=head_offset)
 
 
-@pytest.mark.parametrize("heads", [0, slice(None), range(0, 1), slice(1, None)], ids=case_id)
+@pytest.mark.parametrize("heads", [0, slice(None), range(0, 1)], ids=case_id)
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
 def test_host_heads_of_a_single_head_cache(method, heads, gen):
-    """MLA ("btd": nh = 1): heads 0 or none of them."""
+    """MLA ("btd": nh = 1): head 0."""
     case = CacheCase("btd", 3, 6, 1, 1, 3, 8, torch.float16, gen)
     count = len(selected(case.nh, heads))
     check(case, case.build(), method, [4, 1], gen, NH=max(count, 1), heads=heads)
@@ -1436,7 +1434,7 @@ def test_gpu_properties(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", [None, slice(1, 3), slice(None, None, -2), range(0), range(3, 4), 2], ids=case_id)
+@pytest.mark.parametrize("layers", [None, slice(1, 3), slice(None, None, -2), range(3, 4), 2], ids=case_id)
 def test_gpu_layers_and_offsets(layers, gen):
     case = CacheCase("kbthd_hnd", 4, 6, 2, 2, 3, 16, torch.bfloat16, gen, device="cuda")
     cache = case.build()
@@ -1457,7 +1455,7 @@ def test_gpu_heads(heads, layout, head_offset, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", [slice(1, 3), range(0)], ids=case_id)
+@pytest.mark.parametrize("layers", [slice(1, 3), range(1, 2)], ids=case_id)
 @pytest.mark.parametrize("direction", ["to_operational:NHD", "from_operational:HND"])
 def test_gpu_layers_operational(direction, layers, gen):
     case = CacheCase("blkthd", 4, 6, 2, 2, 3, 16, torch.float16, gen, device="cuda")

@@ -337,13 +337,13 @@ class Recording:
     def world_size(self):
         return self.inner.world_size
 
-    def all_gather_object(self, obj):
-        return self.inner.all_gather_object(obj)
+    def all_gather_object(self, obj, timeout):
+        return self.inner.all_gather_object(obj, timeout)
 
-    def start(self, sends, recvs):
+    def start(self, sends, recvs, timeout):
         assert all(t.is_contiguous() for _, t in list(sends) + list(recvs))
         self.calls.append({"sends": [(p, t.nbytes) for p, t in sends], "recvs": [(p, t.nbytes) for p, t in recvs]})
-        return self.inner.start(sends, recvs)
+        return self.inner.start(sends, recvs, timeout)
 
 
 def _ids_arg(ids, form, device):
@@ -433,8 +433,8 @@ def _run_error(backend, name, rank, device):
         elif how == "bystander_cache":
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
     stream = 1 if rank == bad_rank and how == "host_stream" else None
-    resharder = Resharder(case.heads, case.layers, case.src, dst_layout)
     try:
+        resharder = Resharder(case.heads, case.layers, case.src, dst_layout)
         resharder(src_cache, src_ids, dst_cache, dst_ids, stream=stream)
         error = None
     except (TypeError, ValueError) as caught:
