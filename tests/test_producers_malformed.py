@@ -1,4 +1,4 @@
-"""Malformed DLPack producers, built with ctypes (tests/dlpack_producers.py): a NULL shape
+"""Malformed DLPack producers, built with ctypes (tests/support/dlpack_producers.py): a NULL shape
 with dimensions to describe, NULL strides (compact, which is legal), an ndim past what any
 array has (9, 2**31 - 1) or negative, unsupported element types and devices, a NULL data
 pointer. Each is handed over through the C exchange API and through versioned and legacy
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from dlpack_producers import CUDA, Description, compact, producers
+from support.dlpack_producers import CUDA, Description, compact, producers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

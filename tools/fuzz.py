@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), ROOT)
 sys.path.append(os.path.join(ROOT, "tests"))
 
-import dlpack_producers  # noqa: E402
+from support import dlpack_producers  # noqa: E402
 import fuzz_paged  # noqa: E402
 
 ALLOWED = (ValueError, TypeError, RuntimeError)
