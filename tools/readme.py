@@ -37,6 +37,7 @@ API_GROUPS = (
      ("block_to_universal", "universal_to_block", "block_to_operational", "operational_to_block",
       "universal_to_operational", "operational_to_universal")),
     ("A paged cache, described once: blocks moved by id", ("PagedKVCache",)),
+    ("Pinned host pools (docs/host_pools.md)", ("pinned_empty", "HostBuffer")),
     ("Device staging memory of the copy-engine path", ("set_staging", "reserve_staging", "staging_info")),
     ("Raw batched copies: address lists, sizes in bytes", ("vectorized_copy", "memcpy_batch",
                                                           "is_memcpy_batch_available")),
@@ -48,7 +49,7 @@ API_GROUPS = (
 # How the README names an instance of a class whose methods it lists.
 # (Classes the library returns keep their own name.)
 INSTANCE = {"PagedKVCache": "cache", "Resharder": "resharder", "EngineLayout": "layout",
-            "TorchTransport": "transport", "Transport": "transport"}
+            "TorchTransport": "transport", "Transport": "transport", "HostBuffer": "buf"}
 USER_MADE_DATACLASSES = ("EngineLayout",)
 TORCH = "torch==2.13.0"
 TARGET_S = 180          # fresh venv to passing tests on a CPU machine
@@ -172,6 +173,8 @@ def class_lines(node, typed_dicts, listed):
                                subsequent_indent="#     ")
     if any(ast.unparse(base) == "Protocol" for base in node.bases):
         lines.insert(0, f"# a kvbm_ext.{node.name} is any object with these members:")
+    elif maker is None and node.name not in USER_MADE_DATACLASSES and instance != node.name:
+        lines.insert(0, f"# {instance} is a kvbm_ext.{node.name}, which the library returns:")
     return lines
 
 
@@ -254,8 +257,9 @@ def main(argv):
     elif argv == ["api"]:
         print(api_block(read(STUBS)), end="")
     elif argv == ["api", "--write"]:
+        text = with_api_block(read(), api_block(read(STUBS)))    # read before open("w") empties the file
         with open(README, "w") as f:
-            f.write(with_api_block(read(), api_block(read(STUBS))))
+            f.write(text)
     elif argv == ["fresh-venv"]:
         fresh_venv()
     else:
