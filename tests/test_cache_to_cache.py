@@ -1,6 +1,6 @@
 """PagedKVCache.to_cache: blocks of one cache into blocks of another, by two id lists.
 
-Every pair of engine layouts (tests/engine_layouts.py) on the CPU and device to device;
+Every pair of engine layouts (tests/support/engines.py) on the CPU and device to device;
 device caches to and from pinned host pools (the staged copy-engine path, and the kernel);
 ids on the host and the device; CUDA graph capture and replay with new ids; the caller's
 stream busy before the call; errors before any write. The reference moves rows through

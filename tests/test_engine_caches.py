@@ -1,4 +1,4 @@
-"""Every engine's cache described once (tests/engine_layouts.py, docs/engines.md), moved to
+"""Every engine's cache described once (tests/support/engines.py, docs/engines.md), moved to
 and from universal blocks bit for bit.
 
 The reference moves rows through plain-torch views written from each engine's documented
