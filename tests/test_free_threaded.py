@@ -449,6 +449,8 @@ def stress(threads, seconds):
             failures.append(f"{t.name} still running 60 s after the deadline")
     stop.set()
     mutations.close()
+    for t in mutations.threads:
+        t.join(60)
     calls = {}
     for w in workers:
         failures += w.failures
