@@ -432,8 +432,8 @@ static void module_free(void *module)
  * File scope: gpu_ranges.c's found_fn (the driver's cuPointerGetAttributes,
  * one per process, shared by every interpreter), an atomic that two threads
  * finding it at once set to the same value; module_def, which
- * PyModuleDef_Init fills once under the import lock.  Everything else at
- * file scope is const.
+ * PyModuleDef_Init fills in once, under the import lock.  Everything else
+ * at file scope is const, or a method, slot or spec table only read.
  *
  * Module state (state.h), one per interpreter:
  * - gpu: set by module_exec, then only read.  What it points at (the
