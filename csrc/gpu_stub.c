@@ -5,7 +5,10 @@
 
 #include <stdio.h>
 
+#include "lock.h"
+
 struct kv_gpu {
+    kv_lock lock; /* set_staging from several threads at once */
     int64_t staging_bytes;
     int staging_lanes;
 };
@@ -79,10 +82,12 @@ int kv_gpu_to_cache(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_to_cach
 /* The settings are kept, so that they read back as set. */
 int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
 {
+    kv_lock_acquire(&gpu->lock);
     if (bytes >= 0)
         gpu->staging_bytes = bytes;
     if (lanes > 0)
         gpu->staging_lanes = lanes;
+    kv_lock_release(&gpu->lock);
     return 0;
 }
 

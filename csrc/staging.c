@@ -486,14 +486,15 @@ int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
 
 PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
 {
+    PyThreadState *attached = PyEval_SaveThread(); /* the lock's holder may be waiting for the GPU */
     PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
     const kv_ring *ring = device >= 0 && device < KV_MAX_DEVICES ? gpu->rings[device] : NULL;
     const kv_staging *st = ring != NULL ? ring->staging : NULL;
-    const size_t size = gpu->staging_bytes;
     const int lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
-    const size_t lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(size, lanes);
+    const size_t lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(gpu->staging_bytes, lanes);
     const int capture = st != NULL && st->capture_ready;
     PyThread_release_lock(gpu->lock);
+    PyEval_RestoreThread(attached);
     return Py_BuildValue("{s:i,s:K,s:i,s:K,s:O,s:O}", "device", device, "size_bytes",
                          (unsigned long long)(lane_bytes * (size_t)lanes), "lanes", lanes, "lane_bytes",
                          (unsigned long long)lane_bytes, "allocated", st != NULL ? Py_True : Py_False,
