@@ -216,7 +216,7 @@ def test_first_error_in_id_order_for_every_size(blocks):
 
 
 def test_huge_cache_in_a_child_under_a_memory_limit():
-    """With the address space capped at 2 GiB, a 2**40-block cache still takes its ids (the
+    """With the address space capped 2 GiB above the child's imports, a 2**40-block cache still takes its ids (the
     check allocates nothing proportional to the cache; before, a MemoryError)."""
     import subprocess
     import sys
@@ -224,9 +224,13 @@ def test_huge_cache_in_a_child_under_a_memory_limit():
     # AddressSanitizer (tools/sanitize.sh) reserves terabytes of address space for its shadow
     # memory: there the limit is left out, and the call still must not raise MemoryError.
     limit = "libasan" not in os.environ.get("LD_PRELOAD", "")
-    code = (f"import resource, sys; {limit} and resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+    # The cap is 2 GiB above what the child has mapped once its imports are done (torch's
+    # libraries alone map more than 2 GiB where torch is a CUDA build).
+    code = (f"import resource, sys\n"
             f"sys.path[:0] = [{os.path.dirname(os.path.abspath(__file__))!r}]\n"
             "import test_paged_aliasing as t\n"
+            "mapped = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize:')).split()[1]) << 10\n"
+            f"{limit} and resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), mapped + (2 << 30)))\n"
             "memory, universals, cache = t.huge_cache(2**40, nb=50)\n"
             "cache.from_universal(universals, list(range(50)))\n"
             "assert (memory[:50] == universals.reshape(-1)).all()\n"

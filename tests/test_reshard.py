@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 import kvbm_ext
 from kvbm_ext import EngineLayout, Resharder, plan_reshard
 from support import REPO_ROOT
+from support.devices import missing_gpus
 
 LOGICAL = "kbthd"       # a per-layer cache's logical order: K/V, block, token, head, head dim
 
@@ -602,6 +603,11 @@ def _check_error(error, results):
 
 @pytest.fixture(scope="module")
 def nccl_results(tmp_path_factory):
+    # Its tests are marked gpu(count=2); the fixture holds the same line itself, so that no
+    # group is spawned over GPUs that are not there.
+    reason = missing_gpus(2)
+    if reason:
+        pytest.skip(reason)
     return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES) + list(NCCL_ERRORS), tmp_path_factory.mktemp("nccl"))
 
 
