@@ -1,10 +1,14 @@
 /* The address checks of raw copies: every range inside one allocation, as
  * the driver describes it (cuPointerGetAttributes).  See gpu.h. */
+#define _DEFAULT_SOURCE /* mincore */
 #include "gpu_internal.h"
 
 #include <cuda.h>
+#include <errno.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "grow.h"
 
@@ -132,6 +136,22 @@ static int find_range(kv_range_set *set, uint64_t address, kv_range *out, const 
     return remember_range(set, &r);
 }
 
+/* Whether every page of [address, address + size) is mapped in this process:
+ * the driver copies pageable memory with the CPU, so an unmapped address
+ * would crash it where the driver cannot tell (mincore fails with ENOMEM). */
+static int pageable_mapped(uint64_t address, uint64_t size)
+{
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    const uint64_t first = address & ~(page - 1), last = (address + size - 1) & ~(page - 1);
+    unsigned char vector[64];
+    for (uint64_t at = first; at <= last; at += page * sizeof vector) {
+        const uint64_t span = last - at + page < page * sizeof vector ? last - at + page : page * sizeof vector;
+        if (mincore((void *)(uintptr_t)at, (size_t)span, vector) != 0 && errno == ENOMEM)
+            return 0;
+    }
+    return 1;
+}
+
 int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pageable, int *device)
 {
     kv_range_set set = {NULL, 0, 0};
@@ -157,6 +177,12 @@ int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pa
             if (find_range(&set, address, &r, names[side], i) < 0)
                 goto done;
             if (r.device < 0 && !r.pinned) {
+                if (allow_pageable && (size > UINT64_MAX - address || !pageable_mapped(address, size))) {
+                    PyErr_Format(PyExc_ValueError, "%s[%zd]: %llu bytes from 0x%llx are not all mapped in this "
+                                 "process (neither device memory nor host memory)", names[side], i,
+                                 (unsigned long long)size, (unsigned long long)address);
+                    goto done;
+                }
                 if (allow_pageable)
                     continue;
                 PyErr_Format(PyExc_ValueError, "%s[%zd]: address 0x%llx is in pageable host memory, which the copy "

@@ -1075,3 +1075,32 @@ def test_no_debug_output_without_the_variable(fn, kwargs, gen, monkeypatch, capf
     sync()
     assert capfd.readouterr().err == ""
     assert_copied(dst, snapshot, plan)
+
+
+def unmapped_page():
+    """The address of a page this process mapped and unmapped again."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                               ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    address = libc.mmap(None, 4096, 0x3, 0x22, -1, 0)        # PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
+    assert address not in (None, ctypes.c_void_p(-1).value) and libc.munmap(address, 4096) == 0
+    return address
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["src", "dst"])
+@pytest.mark.parametrize("address", [0x1, 0x1000, "unmapped page"], ids=["1", "0x1000", "unmapped page"])
+def test_memcpy_batch_unmapped_host_address_rejected(which, address, gen):
+    """The copy engines copy pageable memory with the CPU: an address no mapping holds is a
+    ValueError naming it, not a crash of the driver's copy."""
+    plan = make_plan([64] * 3, gen)
+    src, snapshot, dst = setup_copy("pageable", "pageable", plan, gen)
+    s, d, z = pair_args(src, dst, plan)
+    bad = unmapped_page() if address == "unmapped page" else address
+    s, d = (_with(s, 1, bad), d) if which == "src" else (s, _with(d, 1, bad))
+    rejected("memcpy_batch", (s, d, z), ValueError, which + r"_ptrs\[1\]", "not all mapped")
+    assert_poisoned(dst)
+    assert_unchanged(src, snapshot)
