@@ -3,7 +3,6 @@ a torch.distributed process group.  torch is imported when a transport is built.
 
 from __future__ import annotations
 
-import datetime
 import pickle
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -129,6 +128,10 @@ class TorchTransport:
         return torch.device("cuda", torch.cuda.current_device())
 
     def _wait(self, work: Any, deadline: float, timeout: float, what: str) -> None:
+        # Imported here, not with the package: CPython 3.12's _datetime cannot load in an
+        # isolated subinterpreter, where kvbm_ext itself can.
+        import datetime
+
         started = time.monotonic()
         left = max(deadline - started, 0.001)
         try:

@@ -334,6 +334,14 @@ SUBINTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
+def test_import_loads_no_module_an_isolated_subinterpreter_refuses():
+    """CPython 3.12's _datetime cannot load in a subinterpreter with its own GIL (it crashed
+    the process once one had tried): importing kvbm_ext must not load it, on any Python."""
+    code = f"import sys; sys.path.insert(0, {REPO_ROOT!r}); import kvbm_ext; print(sorted(m for m in sys.modules if 'datetime' in m))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 @pytest.mark.skipif(sys.version_info < (3, 12), reason="subinterpreters with their own GIL need Python 3.12+")
 def test_imports_and_runs_in_a_subinterpreter_with_its_own_gil():
     """The module declares per-interpreter GIL support (Py_mod_multiple_interpreters): an
