@@ -6,9 +6,6 @@
 #include <string.h>
 
 #include "args.h"
-#include "stream.h"
-
-static const char *const LAYOUT_NAMES[] = {"NHD", "HND"};
 
 /* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
 static const kv_side *side_of(const kv_call *call, Py_ssize_t i)
@@ -325,19 +322,11 @@ int kv_convert(kv_state *state, kv_conversion conversion, int to_flat, PyObject 
     call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
     call.flat_ndim = conversion == KV_BLOCK_OPERATIONAL ? 3 : 5;
     call.function = function_name(conversion, to_flat);
-    call.stream_none = stream == NULL || stream == Py_None;
-    int layout_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
-    int64_t ctas;
-    if (kv_parse_name(layout, "layout", LAYOUT_NAMES, 2, KVBM_NHD, &layout_index) < 0
-        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
-        || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &ctas) < 0
-        || kv_stream_from_object(stream, &call.stream) < 0)
+    if (kv_layout_read(layout, "layout", &call.layout) < 0
+        || kv_move_options_read(backend, num_ctas, stream, &call.options) < 0)
         return -1;
-    call.layout = (kvbm_layout)layout_index;
-    call.backend = (kv_backend)backend_index;
-    call.num_ctas = (uint32_t)ctas;
     call.reader.protocols = &state->protocols;
-    call.reader.dlpack_stream = kv_stream_for_dlpack(call.stream);
+    call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.stream);
     if (call.reader.dlpack_stream == NULL)
         return -1;
 

@@ -4,6 +4,7 @@
 #define KVBM_CONVERT_INTERNAL_H
 
 #include "convert.h"
+#include "options.h"
 
 /* One side of a call as given: a sequence of arrays, one per block, or one
  * array, either a single block (a 5-D universal, a 3-D operational) or a
@@ -29,11 +30,8 @@ typedef struct {
     kv_conversion conversion;
     int to_flat; /* the bytes move into the flat side */
     kvbm_layout layout;
-    kv_backend backend;
-    uint32_t num_ctas; /* 0: not given */
+    kv_move_options options;
     const char *function;
-    intptr_t stream;
-    int stream_none; /* stream=None: the arrays' framework's current stream (kv_target_default_stream) */
     kv_state *state;
     kv_reader reader;
     kv_side flat, other;

@@ -7,8 +7,6 @@
 
 #include "kvbm_kernels.h"
 
-const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
-
 /* CTAs per pair: enough that one CTA moves about KVBM_COPY_TILE_BYTES of
  * the largest pair, or, when the sizes live on the device, enough CTAs to
  * fill the GPU several times over. */
@@ -32,7 +30,7 @@ static uint32_t slices_for(const kv_pairs *pairs)
 
 static int enqueue_copy_kernel(kv_ring *ring, cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
 {
-    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs), pairs->max_ctas};
+    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs), pairs->num_ctas};
     uint64_t *lists[3] = {pairs->src, pairs->dst, pairs->sizes};
     const int on_device[3] = {pairs->src_on_device, pairs->dst_on_device, pairs->sizes_on_device};
     const int nlists = pairs->sizes != NULL ? 3 : 2;

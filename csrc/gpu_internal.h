@@ -1,6 +1,7 @@
 /* What the files behind gpu.h share: the per-device resources and their
  * table ring (gpu_ring.c), the way a failed CUDA step is carried back to
- * Python and the runner every GPU entry point goes through (gpu_launch.c).
+ * Python and the runner every GPU entry point goes through (gpu_launch.c),
+ * a layout move's kernels (move_kernels.c) and its staging (staging.c).
  * Only files built with the CUDA toolkit include it. */
 #ifndef KVBM_GPU_INTERNAL_H
 #define KVBM_GPU_INTERNAL_H
@@ -111,31 +112,33 @@ typedef int (*kv_gpu_work)(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, cons
  * -1 with RuntimeError. */
 int kv_run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args);
 
-/* A launch that reads a table of 8-byte entries: from host memory, by value,
- * when device_table is NULL. */
-typedef cudaError_t (*kv_table_launch)(const void *args, const void *host_table, const void *device_table,
-                                       cudaStream_t stream);
-
-/* Launches with `entries` table entries by value when they fit in the
- * kernel's parameters, else from a copy staged in the ring (not while the
- * stream is captured).  Returns 0 or -1. */
-int kv_launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries, kv_table_launch launch,
-                         const void *args, const char *what, kv_failure *f);
-
 /* Frees a device's staging (staging.c; waits for the work using it). */
 void kv_staging_free(kv_staging *staging);
 
-/* Launches the permute of one piece of a staged move (pieces.h): between
- * the device side of the call and `slot`, which holds the piece's units
- * packed. */
-struct kv_box;
-typedef cudaError_t (*kv_box_launch)(const void *ctx, const struct kv_box *box, char *slot, uint32_t max_ctas,
-                                     cudaStream_t stream);
+/* A layout move's kernel (move_kernels.c): over the whole call, with its
+ * table by value (device_table NULL) or in device memory, on at most
+ * num_ctas CTAs (0: no bound). */
+cudaError_t kv_move_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,
+                           cudaStream_t stream);
 
-/* Runs a staged move on `caller` (under kv_run_on_device), its permute on
- * at most max_ctas CTAs.  Returns 0, -1 with *f set, or 1 when the move
- * cannot be staged (report->fallback says why; nothing was enqueued). */
-int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
-                   const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f);
+/* The step kv_move_launch takes, for errors. */
+const char *kv_move_what(const kv_move *move);
+
+/* The whole blocks a staged piece of `move` may hold, so that its table
+ * travels by value; 0 when not even one block's does (`why` says so). */
+int64_t kv_move_piece_blocks(const kv_move *move, char *why, size_t why_size);
+
+/* The kernel over one piece (pieces.h) of a staged move: between the device
+ * side of the call and `slot`, which holds the piece's units packed. */
+struct kv_box;
+cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
+                                 uint32_t num_ctas, cudaStream_t stream);
+
+/* Runs plan->staged on `caller` (under kv_run_on_device), its permutes on
+ * plan->num_ctas CTAs, plan->edge_num_ctas for the pieces at the call's
+ * ends.  Returns 0, -1 with *f set, or 1 when the move cannot be staged
+ * (report->fallback says why; nothing was enqueued). */
+int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
+                   kv_gpu_report *report, kv_failure *f);
 
 #endif /* KVBM_GPU_INTERNAL_H */

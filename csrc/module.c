@@ -4,6 +4,7 @@
 
 #include "args.h"
 #include "convert.h"
+#include "copy.h"
 #include "paged.h"
 #include "state.h"
 

@@ -7,7 +7,6 @@
 
 #include "args.h"
 #include "state.h"
-#include "stream.h"
 
 /* The layers or heads argument: None (all n), an index (Python's rules for
  * a negative one), a slice (Python's clipping rules) or a range whose every
@@ -69,28 +68,18 @@ static int64_t selection_top(const kv_selection *sel)
     return sel->step > 0 ? sel->first + (sel->count - 1) * sel->step : sel->first;
 }
 
-static const char *const INNER_NAMES[] = {"NHD", "HND"};
-
 static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
                         PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
                         PyObject *stream, kv_paged_options *o)
 {
-    int64_t max_ctas;
-    int inner_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
         || read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
         || kv_parse_int(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
         || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
-        || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &max_ctas) < 0
-        || kv_parse_name(inner, "inner", INNER_NAMES, 2, KVBM_NHD, &inner_index) < 0
-        || kv_stream_from_object(stream, &o->stream) < 0)
+        || kv_layout_read(inner, "inner", &o->inner) < 0
+        || kv_move_options_read(backend, num_ctas, stream, &o->move) < 0)
         return -1;
-    o->max_ctas = (uint32_t)max_ctas;
-    o->backend = (kv_backend)backend_index;
-    o->stream_none = stream == NULL || stream == Py_None;
-    o->inner = (kvbm_layout)inner_index;
     return 0;
 }
 
@@ -374,8 +363,6 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
         inner = v[2], layers = v[3];
         backend = v[4], num_ctas = v[5], stream = v[6];
     }
-    if (stream == NULL)
-        stream = Py_None;
     kv_paged_call call;
     memset(&call, 0, sizeof call);
     call.cache = self;
@@ -391,9 +378,9 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
         goto done;
     }
-    kv_target_init(&call.target, call.options.stream, self->device, "the cache is");
+    kv_target_init(&call.target, call.options.move.stream, self->device, "the cache is");
     call.reader.protocols = &call.state->protocols;
-    call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.stream);
+    call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.move.stream);
     if (call.reader.dlpack_stream == NULL || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0
         || check_aliasing(&call) < 0)
         goto done;

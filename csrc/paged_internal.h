@@ -9,8 +9,9 @@
 
 #include "address_list.h"
 #include "args.h"
-#include "copy.h"
+#include "options.h"
 #include "overlap.h"
+#include "state.h"
 #include "target.h"
 
 /* The dimension letters of `dims`. */
@@ -72,11 +73,8 @@ typedef struct {
     kv_selection layers;        /* the cache layers moved */
     kv_selection heads;         /* the cache heads moved */
     int64_t layer_offset, head_offset;
-    uint32_t max_ctas;          /* 0: not given */
-    kv_backend backend;
     kvbm_layout inner;
-    intptr_t stream;
-    int stream_none;            /* stream=None: the arrays' framework's current stream */
+    kv_move_options move;       /* backend, num_ctas, stream */
 } kv_paged_options;
 
 /* Everything one call reads, released by paged_call.c. */

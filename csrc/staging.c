@@ -51,31 +51,6 @@
 #define KV_MAX_LANES 16
 #define KV_LANE_SLOTS 16
 #define KV_STAGING_ALIGN 256
-/* How a call is cut (pieces.h).  Its first piece holds about
- * KV_LEAD_PIECE_BYTES (a head of a Llama-70B block at nt=16 is 640 KiB), so
- * that the copy engines start after a short permute.  The ramp follows: up
- * to KV_RAMP_GROWTH times more a piece, to KV_RAMP_BYTES, on the edge CTAs,
- * whose permute runs about 10 times faster than PCIe (5 MiB in 9.5 us on
- * 32 CTAs) and so hides behind the short copy before it.  Each next piece
- * holds up to KV_PIECE_GROWTH times more, which the permute on its default
- * 8 CTAs (about 2.4 times faster than PCIe, after a start of about 4 us)
- * still finishes while the piece before crosses PCIe; none over half a
- * lane.  Fewer, larger pieces keep the host's cost (about 5 API calls a
- * piece) low.
- *
- * Llama-70B at nt=16 on the H200 (benchmarks/beside.py): nb = 8 (40 MiB)
- * is cut 0.6, 4.4, 5, 10 and 20 MiB, and reaches 97.5 % (offload) and
- * 96.4 % (onload) of a same-size pinned memcpy; before the ramp (0.6, 1.9,
- * 2.5, 5, 15, 15 MiB, all but the first on 8 CTAs) the copy engines waited
- * 12 us for the second piece's permute: 96.0 and 95.3 %.  nb = 1 (5 MiB) is
- * cut 0.6 and 4.4 MiB: 87.7 and 88.2 %, against 84.9 and 84.1 % as one
- * piece, whose whole permute the copy waited for; beside a memory-bound model
- * it moves 25.4 / 24.3 GB/s at a 1.9 / 2.1 % slowdown instead of 27.5 / 26.2
- * at 2.0 / 2.3 %, the same cost to the model per GB/s. */
-#define KV_LEAD_PIECE_BYTES ((int64_t)1 << 20)
-#define KV_RAMP_BYTES ((int64_t)4 << 20)
-#define KV_RAMP_GROWTH 6
-#define KV_PIECE_GROWTH 2
 
 typedef struct {
     char *base;
@@ -282,8 +257,8 @@ static int grow_scratch(kv_staging *st, int64_t pieces, int64_t units, kv_failur
  * one cudaMemcpyAsync for one run (the usual case: a piece of contiguous
  * blocks), else the batch API, else (no batch API, `async_copies`, or a
  * capture, where the batch API is not promised) one cudaMemcpyAsync a run. */
-static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot, const kv_staged *s, int capturing,
-                     kv_failure *f)
+static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot, const kv_staged *s, int async_copies,
+                     int capturing, kv_failure *f)
 {
     for (int64_t i = 0; i < n; i++) {
         void *pinned = (void *)(uintptr_t)st->runs[i].pinned, *staged = slot + st->runs[i].offset;
@@ -292,7 +267,7 @@ static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot,
         st->sizes[i] = (size_t)st->runs[i].bytes;
     }
 #if CUDART_VERSION >= 12080
-    if (n > 1 && !s->async_copies && !capturing && kv_gpu_batch_available()) {
+    if (n > 1 && !async_copies && !capturing && kv_gpu_batch_available()) {
         struct cudaMemcpyAttributes attributes;
         memset(&attributes, 0, sizeof attributes);
         attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -332,11 +307,13 @@ static int64_t piece_bytes_for(size_t lane_bytes)
  * `freed` event; recorded only where a later piece of the call reuses the
  * slot, since the next call on the lane follows the whole of this one).
  * The piece no copy overlaps (an offload's first, an onload's last) and
- * the ramp next to it permute on edge_ctas CTAs, the others on ctas. */
-static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_staged *s, int64_t count,
-                          size_t slot_bytes, int nslots, kv_box_launch launch, const void *ctx, uint32_t ctas,
-                          uint32_t edge_ctas, int capturing, kv_failure *f)
+ * the ramp next to it permute on plan->edge_num_ctas CTAs, the others on
+ * plan->num_ctas. */
+static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_move *move,
+                          const kv_move_plan *plan, int64_t count, size_t slot_bytes, int nslots, int capturing,
+                          kv_failure *f)
 {
+    const kv_staged *s = plan->staged;
     /* The stream the copies run on (see the top of this file). */
     const cudaStream_t copies = kv_is_default_stream(caller) && !capturing ? lane->copy : caller;
     /* The permutes of an offload, and the copies on the lane's copy stream,
@@ -353,15 +330,16 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
         const int slot = (int)(k % nslots);
         char *memory = lane->base + (size_t)slot * slot_bytes;
         const int64_t runs = kv_box_runs(s, box, st->runs);
+        const uint32_t num_ctas = box->edge ? plan->edge_num_ctas : plan->num_ctas;
         if (s->to_host) {
             if (k >= nslots)
                 CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->freed[slot], 0),
                           "waiting for a free staging slot");
-            CUDA_STEP(f, launch(ctx, box, memory, box->edge ? edge_ctas : ctas, lane->permute),
+            CUDA_STEP(f, kv_move_launch_piece(move, s, box, memory, num_ctas, lane->permute),
                       "launching the staging permute");
             CUDA_STEP(f, cudaEventRecord(lane->ready[slot], lane->permute), "recording a staged piece");
             CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->ready[slot], 0), "ordering a staged piece");
-            if (copy_runs(st, copies, runs, memory, s, capturing, f) < 0)
+            if (copy_runs(st, copies, runs, memory, s, plan->async_copies, capturing, f) < 0)
                 return -1;
             if (k + nslots < count)
                 CUDA_STEP(f, cudaEventRecord(lane->freed[slot], copies), "recording a free staging slot");
@@ -369,11 +347,11 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
         }
         if (k >= nslots)
             CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->freed[slot], 0), "waiting for a free staging slot");
-        if (copy_runs(st, copies, runs, memory, s, capturing, f) < 0)
+        if (copy_runs(st, copies, runs, memory, s, plan->async_copies, capturing, f) < 0)
             return -1;
         CUDA_STEP(f, cudaEventRecord(lane->ready[slot], copies), "recording a staged piece");
         CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->ready[slot], 0), "ordering a staged piece");
-        CUDA_STEP(f, launch(ctx, box, memory, box->edge ? edge_ctas : ctas, lane->permute),
+        CUDA_STEP(f, kv_move_launch_piece(move, s, box, memory, num_ctas, lane->permute),
                   "launching the staging permute");
         if (k + nslots < count)
             CUDA_STEP(f, cudaEventRecord(lane->freed[slot], lane->permute), "recording a free staging slot");
@@ -389,9 +367,10 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
     return 0;
 }
 
-int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
-                   const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f)
+int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
+                   kv_gpu_report *report, kv_failure *f)
 {
+    const kv_staged *s = plan->staged;
     enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_STEP(f, cudaStreamIsCapturing(caller, &capture), "asking whether the stream is capturing");
     const int capturing = capture != cudaStreamCaptureStatusNone;
@@ -407,8 +386,8 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     int index = -1;
     kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
 
-    const int64_t most = piece_bytes_for(lane->bytes);
-    const kv_cut cut = {KV_LEAD_PIECE_BYTES, KV_RAMP_BYTES, KV_RAMP_GROWTH, KV_PIECE_GROWTH, most};
+    kv_cut cut = plan->cut;
+    cut.piece_bytes = piece_bytes_for(lane->bytes);
     int64_t max_units;
     const int64_t count = kv_pieces_cut(s, &cut, NULL, &max_units);
     const size_t slot_bytes = ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN
@@ -428,9 +407,7 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
      * the slots (on this stream the call already follows it). */
     if (!capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller)
         CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "ordering after the lane's last call");
-    const uint32_t ctas = max_ctas != 0 ? max_ctas : KV_PINNED_CTAS;
-    const uint32_t edge_ctas = max_ctas != 0 ? max_ctas : KV_PINNED_EDGE_CTAS;
-    if (enqueue_pieces(st, lane, caller, s, count, slot_bytes, nslots, launch, ctx, ctas, edge_ctas, capturing, f) < 0)
+    if (enqueue_pieces(st, lane, caller, move, plan, count, slot_bytes, nslots, capturing, f) < 0)
         return -1;
     if (!capturing) {
         lane->owner = (intptr_t)caller;
@@ -439,8 +416,6 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     report->staged = 1;
     report->pieces = count;
     report->piece_bytes = max_units * s->unit_bytes;
-    report->ctas = ctas;
-    report->edge_ctas = edge_ctas;
     report->lane = index;
     return 0;
 }

@@ -9,6 +9,7 @@
 #define KVBM_TARGET_H
 
 #include "gpu.h"
+#include "stream.h"
 
 typedef struct {
     kv_gpu_target gpu;   /* what the GPU entry points take; producers point into `producers` */
@@ -38,13 +39,21 @@ int kv_target_fix_device(kv_target *t, kv_array *a, const kv_path *path);
  * to be ordered first.  Returns 0, or -1 with an exception. */
 int kv_target_add(kv_target *t, kv_array *a, const kv_path *path);
 
-/* For stream=None, called over groups of arrays in order of preference:
- * while the target's stream is still the legacy default stream (0), takes
- * the current stream on the call's device of the first array read through
- * a C exchange API (torch: torch.cuda.current_stream(), which
- * `with torch.cuda.stream(s)` sets), else the stream the first device
- * array's producer named (CAI v3).  Returns 0, or -1 with an exception. */
-int kv_target_default_stream(kv_target *t, const kv_array *arrays, Py_ssize_t count);
+/* Some of a call's arrays, asked in turn for the stream of stream=None. */
+typedef struct {
+    const kv_array *arrays;
+    Py_ssize_t count;
+} kv_array_group;
+
+/* For stream=None (the target's stream is KV_STREAM_CURRENT), the stream of
+ * the first group, in order of preference, that names one other than the
+ * legacy default stream: the current stream on the call's device of its
+ * first array read through a C exchange API (torch:
+ * torch.cuda.current_stream(), which `with torch.cuda.stream(s)` sets),
+ * else the stream its first device array's producer named (CAI v3); else
+ * the legacy default stream.  A stream the caller gave is kept.  Returns 0,
+ * or -1 with an exception. */
+int kv_target_resolve_stream(kv_target *t, const kv_array_group *groups, int count);
 
 void kv_target_release(kv_target *t);
 

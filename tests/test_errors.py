@@ -396,7 +396,7 @@ class IndexOnly:
         return self.value
 
 
-STREAM_INTS = {"np.uint64(0)": np.uint64(0), "np.uint64(2**64-1)": np.uint64(2**64 - 1), "np.int64(7)": np.int64(7),
+STREAM_INTS = {"np.uint64(0)": np.uint64(0), "np.uint64(2**64-2)": np.uint64(2**64 - 2), "np.int64(7)": np.int64(7),
                "np.int32(1)": np.int32(1), "__index__": IndexOnly(3)}
 
 
@@ -421,8 +421,8 @@ def test_paged_stream_with_index_is_a_handle_like_an_int(gen):
 
 
 @pytest.mark.parametrize("bad,exc", [(IndexOnly(2**64), ValueError), (IndexOnly(-1), ValueError),
-                                     (True, TypeError), (np.float64(1.0), TypeError)],
-                         ids=["2**64", "-1", "bool", "np.float64"])
+                                     (np.uint64(2**64 - 1), ValueError), (True, TypeError), (np.float64(1.0), TypeError)],
+                         ids=["2**64", "-1", "2**64-1", "bool", "np.float64"])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_stream_index_out_of_range_or_not_an_int(direction, bad, exc, gen):
     blocks, universals = case(gen)
