@@ -1,29 +1,12 @@
 /* The layout conversions between block stacks, universal and operational
  * blocks: reading and checking a call's arguments.  See convert.h;
  * convert_run.c runs the call. */
-#include "convert_internal.h"
+#include "convert.h"
 
 #include <string.h>
 
 #include "args.h"
-
-/* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
-static const kv_side *side_of(const kv_call *call, Py_ssize_t i)
-{
-    return i < call->nb ? &call->flat : call->other_is_blocks ? NULL : &call->other;
-}
-
-kv_path kv_call_path(const kv_call *call, Py_ssize_t i)
-{
-    const kv_side *side = side_of(call, i);
-    if (side == NULL) {
-        const kv_path path = {call->other.name, {(i - call->nb) / call->nchunks, (i - call->nb) % call->nchunks}, 2};
-        return path;
-    }
-    /* A block of one array is named by the array. */
-    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, !side->has_whole};
-    return path;
-}
+#include "convert_run.h"
 
 /* What an array of the other side must look like, for error messages. */
 static const char *other_shape_hint(const kv_call *call)
@@ -53,7 +36,7 @@ static int check_array(const kv_call *call, Py_ssize_t i)
 {
     const kv_array *a = &call->arrays[i];
     const kv_path path = kv_call_path(call, i);
-    const kv_side *side = side_of(call, i);
+    const kv_side *side = kv_call_side(call, i);
     const int is_flat = i < call->nb;
     const int ndim = is_flat ? call->flat_ndim : 3;
     const int64_t *expected = is_flat ? call->flat_shape : call->other_shape;

@@ -4,13 +4,7 @@
 #ifndef KVBM_CONVERT_H
 #define KVBM_CONVERT_H
 
-#include "state.h"
-
-typedef enum {
-    KV_BLOCK_UNIVERSAL,       /* flat side: universals; other: blocks */
-    KV_UNIVERSAL_OPERATIONAL, /* flat side: universals; other: operationals */
-    KV_BLOCK_OPERATIONAL,     /* flat side: operationals; other: blocks */
-} kv_conversion;
+#include "convert_run.h"
 
 /* Validates every argument, then moves the bytes, into the flat side when
  * `to_flat`, else out of it.  Each side but a block stack is a sequence of

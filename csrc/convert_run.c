@@ -1,13 +1,25 @@
 /* Running a conversion whose arguments are read and checked: placement,
  * aliasing, and the move (the layout kernel, the copy backends, or the
- * CPU).  See convert_internal.h. */
-#include "convert_internal.h"
+ * CPU).  See convert_run.h. */
+#include "convert_run.h"
 
 #include <string.h>
 
 #include "cpu_copy.h"
 #include "overlap.h"
 #include "route.h"
+
+kv_path kv_call_path(const kv_call *call, Py_ssize_t i)
+{
+    const kv_side *side = kv_call_side(call, i);
+    if (side == NULL) {
+        const kv_path path = {call->other.name, {(i - call->nb) / call->nchunks, (i - call->nb) % call->nchunks}, 2};
+        return path;
+    }
+    /* A block of one array is named by the array. */
+    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, !side->has_whole};
+    return path;
+}
 
 /* A destination sharing memory with a source or another destination is
  * refused: the result would depend on the order of the copies. */

@@ -1,8 +1,8 @@
 /* What the files behind gpu.h share: the per-device resources and their
- * table ring (gpu_ring.c), the way a failed CUDA step is carried back to
- * Python and the runner every GPU entry point goes through (gpu_launch.c),
- * a layout move's kernels (move_kernels.c) and its staging (staging.c).
- * Only files built with the CUDA toolkit include it. */
+ * table ring (gpu_ring.c), how every GPU entry point holds its device and
+ * carries a failed CUDA step back to Python (gpu_launch.c), a layout
+ * move's kernels (move_kernels.c) and its staging (staging.c).  Only files
+ * built with the CUDA toolkit include it. */
 #ifndef KVBM_GPU_INTERNAL_H
 #define KVBM_GPU_INTERNAL_H
 
@@ -80,6 +80,11 @@ static inline int kv_is_default_stream(cudaStream_t stream)
     return handle == 0 || handle == 1 || handle == 2;
 }
 
+/* cudaMemcpyBatchAsync of `count` copies on `stream`, each source read in
+ * stream order (gpu_batch.c); cudaErrorNotSupported in a build without it.
+ * A failure is left for the caller to clear. */
+cudaError_t kv_batch_copy(void **dsts, void **srcs, size_t *sizes, size_t count, cudaStream_t stream);
+
 /* Raises RuntimeError naming the failed step (GIL held). */
 void kv_raise_failure(const kv_failure *f);
 
@@ -103,17 +108,43 @@ int kv_stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts,
  * `stream` is done.  Returns 0 or -1. */
 int kv_ring_commit(kv_ring *ring, size_t offset, size_t bytes, cudaStream_t stream, kv_failure *f);
 
-/* The work of one call, run by kv_run_on_device without the GIL, under
- * gpu->lock, on the target's device, after the producers' streams. */
-typedef int (*kv_gpu_work)(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f);
+/* One call's hold on its device, from kv_device_enter to kv_device_leave:
+ * the GIL released, gpu->lock held, the target's device current, the
+ * producers' streams ordered before `stream`. */
+typedef struct {
+    kv_gpu *gpu;
+    kv_ring *ring;        /* the device's, once entered */
+    cudaStream_t stream;  /* the target's */
+    kv_failure failure;   /* the step that failed, for kv_device_leave */
+    int previous;         /* the device to make current again, or -1 */
+    PyThreadState *thread;
+} kv_device;
 
-/* Runs `work` for the target: releases the GIL, takes the lock, selects the
- * device, orders the producers' streams before the target's.  Returns 0, or
- * -1 with RuntimeError. */
-int kv_run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args);
+/* Releases the GIL, takes the lock, selects the target's device and
+ * orders the producers' streams before the target's.  Returns 0, or -1
+ * with d->failure set; call kv_device_leave either way. */
+int kv_device_enter(kv_gpu *gpu, const kv_gpu_target *target, kv_device *d);
+
+/* Undoes kv_device_enter and, when `rc` < 0, raises RuntimeError naming
+ * d->failure.  Returns rc. */
+int kv_device_leave(kv_device *d, int rc);
 
 /* Frees a device's staging (staging.c; waits for the work using it). */
 void kv_staging_free(kv_staging *staging);
+
+/* Allocates the staging of the ring's device, the current one, and its
+ * capture lane, unless they are.  Returns 0 or -1. */
+int kv_staging_reserve(kv_gpu *gpu, kv_ring *ring, kv_failure *f);
+
+/* What kvbm_ext.staging_info() says of a device's staging: `st`, or what
+ * the settings would allocate where `st` is NULL. */
+typedef struct {
+    int lanes;
+    size_t lane_bytes;
+    int allocated, capture_reserved;
+} kv_staging_facts;
+
+kv_staging_facts kv_staging_facts_of(const kv_gpu *gpu, const kv_staging *st);
 
 /* A layout move's kernel (move_kernels.c): over the whole call, with its
  * table by value (device_table NULL) or in device memory, on at most
@@ -134,7 +165,8 @@ struct kv_box;
 cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
                                  uint32_t num_ctas, cudaStream_t stream);
 
-/* Runs plan->staged on `caller` (under kv_run_on_device), its permutes on
+/* Runs plan->staged on `caller` (between kv_device_enter and
+ * kv_device_leave), its permutes on
  * plan->num_ctas CTAs, plan->edge_num_ctas for the pieces at the call's
  * ends.  Returns 0, -1 with *f set, or 1 when the move cannot be staged
  * (report->fallback says why; nothing was enqueued). */

@@ -23,26 +23,6 @@ static int launch_whole(kv_ring *ring, cudaStream_t stream, const kv_move *move,
     return kv_ring_commit(ring, offset, bytes, stream, f);
 }
 
-typedef struct {
-    const kv_move *move;
-    const kv_move_plan *plan;
-    kv_gpu_report *report;
-} kv_move_args;
-
-/* Staged when planned so; a move that cannot be staged runs the kernel
- * alone (report->fallback says why). */
-static int enqueue_move(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
-{
-    const kv_move_args *a = args;
-    if (a->plan->staged != NULL) {
-        const int rc = kv_staging_run(gpu, ring, stream, a->move, a->plan, a->report, f);
-        if (rc <= 0)
-            return rc;
-    }
-    a->report->staged = 0;
-    return launch_whole(ring, stream, a->move, a->plan->num_ctas, f);
-}
-
 int kv_gpu_move(kv_gpu *gpu, const kv_gpu_target *target, const kv_move *move, const kv_move_plan *plan,
                 kv_gpu_report *report)
 {
@@ -55,6 +35,17 @@ int kv_gpu_move(kv_gpu *gpu, const kv_gpu_target *target, const kv_move *move, c
         bounded.max_blocks = kv_move_piece_blocks(move, report->fallback, sizeof report->fallback);
         bounded_plan.staged = bounded.max_blocks > 0 ? &bounded : NULL;
     }
-    const kv_move_args args = {move, &bounded_plan, report};
-    return kv_run_on_device(gpu, target, enqueue_move, &args);
+    kv_device device;
+    int rc = kv_device_enter(gpu, target, &device);
+    if (rc == 0 && bounded_plan.staged != NULL)
+        rc = kv_staging_run(gpu, device.ring, device.stream, move, &bounded_plan, report, &device.failure);
+    else if (rc == 0)
+        rc = 1;
+    /* Not staged, or it cannot be (report->fallback says why): the kernel
+     * alone. */
+    if (rc > 0) {
+        report->staged = 0;
+        rc = launch_whole(device.ring, device.stream, move, bounded_plan.num_ctas, &device.failure);
+    }
+    return kv_device_leave(&device, rc);
 }

@@ -266,27 +266,11 @@ static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot,
         st->srcs[i] = s->to_host ? staged : pinned;
         st->sizes[i] = (size_t)st->runs[i].bytes;
     }
-#if CUDART_VERSION >= 12080
     if (n > 1 && !async_copies && !capturing && kv_gpu_batch_available()) {
-        struct cudaMemcpyAttributes attributes;
-        memset(&attributes, 0, sizeof attributes);
-        attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-        size_t attribute_index = 0;
-#if CUDART_VERSION >= 13000
-        cudaError_t error = cudaMemcpyBatchAsync(st->dsts, (const void *const *)st->srcs, st->sizes, (size_t)n,
-                                                 &attributes, &attribute_index, 1, stream);
-#else
-        size_t failed = 0;
-        cudaError_t error = cudaMemcpyBatchAsync(st->dsts, st->srcs, st->sizes, (size_t)n, &attributes,
-                                                 &attribute_index, 1, &failed, stream);
-#endif
-        if (error == cudaSuccess)
+        if (kv_batch_copy(st->dsts, st->srcs, st->sizes, (size_t)n, stream) == cudaSuccess)
             return 0;
         cudaGetLastError(); /* fall back to the loop below */
     }
-#else
-    (void)capturing;
-#endif
     for (int64_t i = 0; i < n; i++)
         CUDA_STEP(f, cudaMemcpyAsync(st->dsts[i], st->srcs[i], st->sizes[i], cudaMemcpyDefault, stream),
                   "copying a staging slot");
@@ -420,57 +404,20 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_mov
     return 0;
 }
 
-/* ------------------------------------------------------------ settings */
+/* ------------------------------------------------------------ reserving and describing */
 
-int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
+int kv_staging_reserve(kv_gpu *gpu, kv_ring *ring, kv_failure *f)
 {
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    if (bytes >= 0)
-        gpu->staging_bytes = (size_t)bytes;
-    if (lanes > 0)
-        gpu->staging_lanes = lanes;
-    for (int device = 0; device < KV_MAX_DEVICES; device++) {
-        kv_ring *ring = gpu->rings[device];
-        int previous = -1;
-        if (ring == NULL || ring->staging == NULL || kv_select_device(device, &previous) != cudaSuccess)
-            continue;
-        kv_staging_free(ring->staging);
-        ring->staging = NULL;
-        kv_gpu_restore_device(previous);
-    }
-    PyThread_release_lock(gpu->lock);
-    Py_END_ALLOW_THREADS
-    return 0;
-}
-
-/* Runs under the lock on `device` (kv_run_on_device), so that it shares the
- * device selection and the ring with the calls. */
-static int reserve(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
-{
-    (void)stream, (void)args;
     kv_staging *st = staging_of(gpu, ring, f);
     return st == NULL ? -1 : reserve_capture_lane(st, f);
 }
 
-int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
+kv_staging_facts kv_staging_facts_of(const kv_gpu *gpu, const kv_staging *st)
 {
-    const kv_gpu_target target = {device, 0, NULL, 0};
-    return kv_run_on_device(gpu, &target, reserve, NULL);
-}
-
-PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
-{
-    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    const kv_ring *ring = device >= 0 && device < KV_MAX_DEVICES ? gpu->rings[device] : NULL;
-    const kv_staging *st = ring != NULL ? ring->staging : NULL;
-    const size_t size = gpu->staging_bytes;
-    const int lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
-    const size_t lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(size, lanes);
-    const int capture = st != NULL && st->capture_ready;
-    PyThread_release_lock(gpu->lock);
-    return Py_BuildValue("{s:i,s:K,s:i,s:K,s:O,s:O}", "device", device, "size_bytes",
-                         (unsigned long long)(lane_bytes * (size_t)lanes), "lanes", lanes, "lane_bytes",
-                         (unsigned long long)lane_bytes, "allocated", st != NULL ? Py_True : Py_False,
-                         "capture_reserved", capture ? Py_True : Py_False);
+    kv_staging_facts facts;
+    facts.allocated = st != NULL;
+    facts.lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
+    facts.lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(gpu->staging_bytes, facts.lanes);
+    facts.capture_reserved = st != NULL && st->capture_ready;
+    return facts;
 }
