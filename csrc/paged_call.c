@@ -68,16 +68,32 @@ static int64_t selection_top(const kv_selection *sel)
     return sel->step > 0 ? sel->first + (sel->count - 1) * sel->step : sel->first;
 }
 
-static int read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
-                        PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
-                        PyObject *stream, kv_paged_options *o)
+/* The chunk order of the operational methods: layout=, or inner=, its
+ * deprecated spelling (a DeprecationWarning; TypeError when both are
+ * given). */
+static int read_layout(const kv_paged_form *form, PyObject *layout, PyObject *inner, kvbm_layout *out)
+{
+    if (inner == NULL)
+        return kv_layout_read(layout, "layout", out);
+    if (layout != NULL)
+        return kv_error(PyExc_TypeError, "%s() got both layout and inner, its deprecated spelling: pass layout only",
+                        form->signature.function);
+    if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead",
+                         form->signature.function) < 0)
+        return -1;
+    return kv_layout_read(inner, "inner", out);
+}
+
+static int read_options(const kv_paged_cache *self, const kv_paged_form *form, PyObject *layers,
+                        PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
+                        PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
 {
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
         || read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
         || kv_parse_int(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
         || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || kv_layout_read(inner, "inner", &o->inner) < 0
+        || read_layout(form, layout, inner, &o->layout) < 0
         || kv_move_options_read(backend, num_ctas, stream, &o->move) < 0)
         return -1;
     return 0;
@@ -353,15 +369,15 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
         return NULL;
     /* The options after the two positional arguments, in each form's order
      * (paged_type.c); those a form lacks stay NULL. */
-    PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *inner = NULL;
-    PyObject *layers, *backend, *num_ctas, *stream;
+    PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *layout = NULL;
+    PyObject *inner = NULL, *layers, *backend, *num_ctas, *stream;
     if (form->universal) {
         layers = v[2], layer_offset = v[3], heads = v[4], head_offset = v[5];
         backend = v[6], num_ctas = v[7], stream = v[8];
     }
     else {
-        inner = v[2], layers = v[3];
-        backend = v[4], num_ctas = v[5], stream = v[6];
+        layout = v[2], layers = v[3];
+        backend = v[4], num_ctas = v[5], stream = v[6], inner = v[7];
     }
     kv_paged_call call;
     memset(&call, 0, sizeof call);
@@ -372,7 +388,8 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (read_options(self, layers, layer_offset, heads, head_offset, backend, num_ctas, inner, stream, &call.options) < 0)
+    if (read_options(self, form, layers, layer_offset, heads, head_offset, backend, num_ctas, layout, inner, stream,
+                     &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");

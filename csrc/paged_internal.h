@@ -73,7 +73,7 @@ typedef struct {
     kv_selection layers;        /* the cache layers moved */
     kv_selection heads;         /* the cache heads moved */
     int64_t layer_offset, head_offset;
-    kvbm_layout inner;
+    kvbm_layout layout;         /* the operationals' chunk order */
     kv_move_options move;       /* backend, num_ctas, stream */
 } kv_paged_options;
 

@@ -37,11 +37,11 @@ static kvbm_paged plan(const kv_paged_call *call)
         p.flat_shift = o->head_offset * p.flat_head + o->layer_offset * p.flat_layer;
     }
     else {
-        /* [nl, no, nt*nh*hd], each chunk in the inner order */
+        /* [nl, no, nt*nh*hd], each chunk in the order `layout` names */
         p.flat_outer = p.nt * p.nh * rb;
         p.flat_layer = p.no * p.flat_outer;
-        p.flat_token = o->inner == KVBM_NHD ? p.nh * rb : rb;
-        p.flat_head = o->inner == KVBM_NHD ? rb : p.nt * rb;
+        p.flat_token = o->layout == KVBM_NHD ? p.nh * rb : rb;
+        p.flat_head = o->layout == KVBM_NHD ? rb : p.nt * rb;
     }
     /* The kernel counts moved layers: fold the first layer and the step in. */
     p.flat_shift += o->layers.first * p.flat_layer;

@@ -61,14 +61,14 @@ static void log_move(const char *function, const kv_route *route, const kv_gpu_r
     if (!kv_debug_enabled())
         return;
     const kv_move_plan *plan = &route->plan;
-    char ctas[80];
+    char bound[80];
     if (plan->num_ctas == 0)
-        snprintf(ctas, sizeof ctas, "every CTA it needs");
+        snprintf(bound, sizeof bound, "every CTA it needs");
     else if (report->staged && plan->edge_num_ctas != plan->num_ctas)
-        snprintf(ctas, sizeof ctas, "at most %u CTAs, %u for the short pieces at the ends", plan->num_ctas,
+        snprintf(bound, sizeof bound, "at most %u CTAs, %u for the short pieces at the ends", plan->num_ctas,
                  plan->edge_num_ctas);
     else
-        snprintf(ctas, sizeof ctas, "at most %u CTAs", plan->num_ctas);
+        snprintf(bound, sizeof bound, "at most %u CTAs", plan->num_ctas);
     if (report->staged) {
         char lane[32];
         if (report->lane < 0)
@@ -76,13 +76,13 @@ static void log_move(const char *function, const kv_route *route, const kv_gpu_r
         else
             snprintf(lane, sizeof lane, "lane %d", report->lane);
         kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, cuda:%d)", function,
-                 route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane, ctas,
+                 route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane, bound,
                  plan->async_copies ? "one cudaMemcpyAsync per run" : "copy engines", device);
     }
     else if (report->fallback[0] != '\0')
-        kv_debug("%s: path kernel (cannot stage: %s; %s, cuda:%d)", function, report->fallback, ctas, device);
+        kv_debug("%s: path kernel (cannot stage: %s; %s, cuda:%d)", function, report->fallback, bound, device);
     else
-        kv_debug("%s: path kernel (%s; %s, cuda:%d)", function, route->why, ctas, device);
+        kv_debug("%s: path kernel (%s; %s, cuda:%d)", function, route->why, bound, device);
 }
 
 int kv_route_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_staged *staged,

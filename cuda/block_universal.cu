@@ -3,7 +3,7 @@
 // The work is pure data movement, so the kernel is shaped around memory
 // traffic: every thread moves kUnroll vectors of V bytes (move_vectors), and
 // CTAs move tiles of chunks (Tiling, kvbm_device.cuh) in a grid-stride loop,
-// so `max_ctas` bounds the SMs a transfer takes without changing what it
+// so `num_ctas` bounds the SMs a transfer takes without changing what it
 // moves.  Where a byte goes is decided by kvbm_layout.h, the same code the
 // CPU path uses.
 #include <stdint.h>
@@ -84,7 +84,7 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
                                                    void *const *device_table,
                                                    kvbm_direction direction,
                                                    int vector_bytes,
-                                                   uint32_t max_ctas,
+                                                   uint32_t num_ctas,
                                                    cudaStream_t stream)
 {
     // The caller has validated that these counts fit: vectors per chunk and
@@ -98,7 +98,7 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
     Params p;
     p.dims = *dims;
     unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, dims->nb * dims->nchunks, max_ctas, &grid, &threads);
+    p.tiling = make_tiling(vectors_per_chunk, dims->nb * dims->nchunks, num_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
     p.to_universal = direction == KVBM_TO_UNIVERSAL;

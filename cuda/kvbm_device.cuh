@@ -68,8 +68,8 @@ struct Tiling {
 };
 
 // The tiling of `chunks` chunks of vectors_per_chunk vectors each, and the
-// launch shape: at most max_ctas CTAs (0: as many as there are tile groups).
-inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t max_ctas, unsigned *grid,
+// launch shape: at most num_ctas CTAs (0: as many as there are tile groups).
+inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t num_ctas, unsigned *grid,
                           unsigned *threads)
 {
     Tiling t;
@@ -83,7 +83,7 @@ inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t m
     t.tiles = (uint32_t)(chunks * tiles_per_chunk);
     t.groups = kThreads / tile_threads;
     const uint32_t groups_needed = (t.tiles + t.groups - 1) / t.groups;
-    *grid = max_ctas != 0 && max_ctas < groups_needed ? max_ctas : groups_needed;
+    *grid = num_ctas != 0 && num_ctas < groups_needed ? num_ctas : groups_needed;
     *threads = t.groups * tile_threads;
     return t;
 }

@@ -1,7 +1,7 @@
 // Paged KV cache <-> universal or operational blocks.
 //
 // A chunk is (block b, moved layer i, outer o); CTAs move tiles of chunks
-// (Tiling, kvbm_device.cuh) in a grid-stride loop, so `max_ctas` bounds the
+// (Tiling, kvbm_device.cuh) in a grid-stride loop, so `num_ctas` bounds the
 // SMs a transfer takes without changing what it moves.  Each thread moves
 // kUnroll vectors (move_vectors).  Block ids and flat addresses come from the
 // launch's parameters, the device or both; where a byte goes is decided by
@@ -91,7 +91,7 @@ static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 40
 
 extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
                                          const uint64_t *host_table, const uint64_t *device_table,
-                                         int vector_bytes, uint32_t max_ctas, cudaStream_t stream)
+                                         int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
 {
     // The caller has validated that the counts below fit in 32 bits and the
     // tiles below 2^31.
@@ -104,7 +104,7 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     p.p = *paged;
     p.a = *addresses;
     unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, chunks, max_ctas, &grid, &threads);
+    p.tiling = make_tiling(vectors_per_chunk, chunks, num_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.outers = kvbm_divisor_make((uint32_t)paged->no);

@@ -201,11 +201,12 @@ class PagedKVCache:
         operationals: Sequence[_Array] | _Array,
         /,
         *,
-        inner: str = "NHD",
+        layout: str = "NHD",
         layers: SupportsIndex | slice | range | None = None,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,
+        inner: str | None = None,
     ) -> None: ...
     def from_operational(
         self,
@@ -213,11 +214,12 @@ class PagedKVCache:
         block_ids: _BlockIds,
         /,
         *,
-        inner: str = "NHD",
+        layout: str = "NHD",
         layers: SupportsIndex | slice | range | None = None,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,
+        inner: str | None = None,
     ) -> None: ...
 
 class _StagingInfo(TypedDict):

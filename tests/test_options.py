@@ -1,0 +1,140 @@
+"""The options every move takes, read the same way on both APIs: the chunk order is
+`layout=` on every function (PagedKVCache's operational methods keep `inner=` as a
+deprecated spelling), and a stream handle of 2**64 - 1 is refused.
+
+References are plain PyTorch indexing; destinations are poisoned before each call and
+compared byte for byte with torch.equal.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kvbm_ext
+
+NL, NO, NB, NT, NH, HD = 3, 2, 6, 4, 5, 8
+POISON = -7.25
+
+
+def make_cache(gen):
+    """A host cache of NL per-layer arrays [no, num_blocks, nt, nh, hd] ("kbthd")."""
+    layers = [torch.randn((NO, NB, NT, NH, HD), generator=gen) for _ in range(NL)]
+    return layers, kvbm_ext.PagedKVCache(layers, "kbthd")
+
+
+def expected_operational(layers, block_id, layout):
+    """operationals[b][l, o] of cache block `block_id`: [nt, nh, hd] (NHD) or [nh, nt, hd] (HND)
+    flattened."""
+    rows = torch.stack([layer[:, block_id] for layer in layers])  # [nl, no, nt, nh, hd]
+    if layout.upper() == "HND":
+        rows = rows.permute(0, 1, 3, 2, 4)
+    return rows.reshape(NL, NO, NT * NH * HD)
+
+
+def poisoned_operationals(count):
+    return [torch.full((NL, NO, NT * NH * HD), POISON) for _ in range(count)]
+
+
+IDS = [4, 1, 5]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "hnd"])
+def test_to_operational_takes_layout(layout, gen):
+    layers, cache = make_cache(gen)
+    ops = poisoned_operationals(len(IDS))
+    cache.to_operational(IDS, ops, layout=layout)
+    for b, block_id in enumerate(IDS):
+        assert torch.equal(ops[b], expected_operational(layers, block_id, layout)), (layout, b)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_from_operational_takes_layout(layout, gen):
+    layers, cache = make_cache(gen)
+    sources = [torch.randn((NL, NO, NT * NH * HD), generator=gen) for _ in IDS]
+    before = [layer.clone() for layer in layers]
+    cache.from_operational(sources, IDS, layout=layout)
+    for b, block_id in enumerate(IDS):
+        assert torch.equal(expected_operational(layers, block_id, layout), sources[b]), (layout, b)
+    untouched = [i for i in range(NB) if i not in IDS]
+    for layer, old in zip(layers, before):
+        assert torch.equal(layer[:, untouched], old[:, untouched])
+
+
+@pytest.mark.parametrize("method", ["to_operational", "from_operational"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_inner_is_a_deprecated_spelling_of_layout(method, layout, gen):
+    """inner= moves the same bytes as layout=, with a DeprecationWarning naming layout=."""
+    layers, cache = make_cache(gen)
+    if method == "to_operational":
+        by_layout, by_inner = poisoned_operationals(len(IDS)), poisoned_operationals(len(IDS))
+        cache.to_operational(IDS, by_layout, layout=layout)
+        with pytest.warns(DeprecationWarning, match="layout="):
+            cache.to_operational(IDS, by_inner, inner=layout)
+        for a, b in zip(by_layout, by_inner):
+            assert torch.equal(a, b)
+        return
+    sources = [torch.randn((NL, NO, NT * NH * HD), generator=gen) for _ in IDS]
+    cache.from_operational(sources, IDS, layout=layout)
+    by_layout = [layer.clone() for layer in layers]
+    for layer in layers:
+        layer.fill_(POISON)
+    with pytest.warns(DeprecationWarning, match="layout="):
+        cache.from_operational(sources, IDS, inner=layout)
+    for b, block_id in enumerate(IDS):
+        assert torch.equal(expected_operational(layers, block_id, layout), sources[b])
+        assert torch.equal(expected_operational(by_layout, block_id, layout), sources[b])
+
+
+@pytest.mark.parametrize("method", ["to_operational", "from_operational"])
+def test_layout_and_inner_together_are_refused(method, gen):
+    layers, cache = make_cache(gen)
+    ops = poisoned_operationals(len(IDS))
+    before = [layer.clone() for layer in layers]
+    args = (IDS, ops) if method == "to_operational" else (ops, IDS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any warning
+        with pytest.raises(TypeError, match=rf"^{method}\(\) got both layout and inner"):
+            getattr(cache, method)(*args, layout="NHD", inner="NHD")
+    for op in ops:
+        assert torch.equal(op, torch.full_like(op, POISON))
+    for layer, old in zip(layers, before):
+        assert torch.equal(layer, old)
+
+
+@pytest.mark.parametrize("name", ["layout", "inner"])
+@pytest.mark.parametrize("value,exc", [("NDH", ValueError), ("", ValueError), (5, TypeError)])
+def test_a_bad_chunk_order_names_the_argument_given(name, value, exc, gen):
+    _, cache = make_cache(gen)
+    ops = poisoned_operationals(len(IDS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(exc, match=rf"^{name}: "):
+            cache.to_operational(IDS, ops, **{name: value})
+    for op in ops:
+        assert torch.equal(op, torch.full_like(op, POISON))
+
+
+def test_layout_is_in_the_signature():
+    import inspect
+
+    for method in ("to_operational", "from_operational"):
+        parameters = inspect.signature(getattr(kvbm_ext.PagedKVCache, method)).parameters
+        assert parameters["layout"].default == "NHD", method
+        assert parameters["inner"].default is None, method
+        assert parameters["layout"].kind == inspect.Parameter.KEYWORD_ONLY, method
+
+
+@pytest.mark.parametrize("value", [2**64 - 1, np.uint64(2**64 - 1)], ids=["int", "np.uint64"])
+def test_stream_handle_all_ones_is_refused(value, gen):
+    """2**64 - 1 is no cudaStream_t; refused on both APIs before anything is read."""
+    layers, cache = make_cache(gen)
+    universals = [torch.full((NH, NL, NO, NT, HD), POISON) for _ in IDS]
+    with pytest.raises(ValueError, match=r"^stream: 2\*\*64 - 1 is not a cudaStream_t handle"):
+        cache.to_universal(IDS, universals, stream=value)
+    blocks = [[torch.randn((NT, NH, HD), generator=gen) for _ in range(NL * NO)] for _ in IDS]
+    with pytest.raises(ValueError, match=r"^stream: 2\*\*64 - 1 is not a cudaStream_t handle"):
+        kvbm_ext.block_to_universal(blocks, universals, stream=value)
+    for u in universals:
+        assert torch.equal(u, torch.full_like(u, POISON))
