@@ -171,13 +171,8 @@ static int read_dimensions(kv_call *call)
         chunk_elements = f->shape[2];
     }
 
-    /* Segment, vector and CTA counts are 32-bit in the kernels. */
     const int64_t chunk_bytes = chunk_elements * f->itemsize;
-    int64_t weight = 0;
-    if (chunk_bytes > (int64_t)UINT32_MAX
-        || (chunk_bytes > 0
-            && (__builtin_mul_overflow((int64_t)call->nb, call->nchunks, &weight)
-                || __builtin_mul_overflow(weight, chunk_bytes / 1024 + 1, &weight) || weight > (int64_t)INT32_MAX)))
+    if (!kvbm_fits_one_launch(call->nb, call->nchunks, chunk_bytes))
         return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld bytes); "
                              "split it into several calls", call->nb, (long long)call->nchunks, (long long)chunk_bytes);
     return check_array(call, 0);

@@ -184,7 +184,7 @@ static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_targe
     move.block.direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
     move.table = table;
     move.entries = kvbm_table_entries(dims);
-    move.vector_bytes = kv_vector_bytes(bits);
+    move.vector_bytes = kvbm_vector_bytes(bits);
     const int rc = kv_route_move(gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
                                  unstageable, &call->options, call->function);
     PyMem_Free(addresses);

@@ -403,9 +403,7 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
         goto done;
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;
     const int64_t layers_moved = call.options.layers.count;
-    int64_t weight;
-    if (__builtin_mul_overflow((int64_t)call.ids.count * layers_moved, self->no * (chunk_bytes / 1024 + 1), &weight)
-        || weight > (int64_t)INT32_MAX) {
+    if (!kvbm_fits_one_launch(call.ids.count, layers_moved * self->no, chunk_bytes)) {
         PyErr_Format(PyExc_ValueError, "block_ids: too much data for one call (%zd blocks of %lld layers of %lld "
                      "bytes); split it into several calls", call.ids.count, (long long)layers_moved,
                      (long long)(self->no * chunk_bytes));

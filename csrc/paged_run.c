@@ -155,7 +155,7 @@ int kv_paged_run(kv_paged_call *call)
     }
     int rc = 0;
     if (cache->device >= 0)
-        rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kv_vector_bytes(alignment));
+        rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kvbm_vector_bytes(alignment));
     else {
         Py_BEGIN_ALLOW_THREADS
         kv_cpu_paged(&p, &addresses, table);

@@ -118,9 +118,3 @@ void kv_target_release(kv_target *t)
     t->gpu.producers = NULL;
     t->capacity = t->gpu.producer_count = 0;
 }
-
-int kv_vector_bytes(uint64_t bits)
-{
-    bits |= 16;
-    return (int)(bits & (~bits + 1));
-}

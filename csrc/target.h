@@ -3,8 +3,7 @@
  * its device-resident lists): the device every device array is on, with no
  * pageable host memory beside it; whether pinned host memory takes part;
  * the stream (for stream=None, the arrays' framework's current one); the
- * producers' streams the call orders first; the widest vector every
- * address allows. */
+ * producers' streams the call orders first. */
 #ifndef KVBM_TARGET_H
 #define KVBM_TARGET_H
 
@@ -56,9 +55,5 @@ typedef struct {
 int kv_target_resolve_stream(kv_target *t, const kv_array_group *groups, int count);
 
 void kv_target_release(kv_target *t);
-
-/* The widest vector (16, 8, 4, 2 or 1 bytes) that `bits`, the OR of every
- * address, stride and row size a kernel moves, allows. */
-int kv_vector_bytes(uint64_t bits);
 
 #endif /* KVBM_TARGET_H */

@@ -77,8 +77,7 @@ copy_pairs_kernel(const __grid_constant__ Table table, const __grid_constant__ P
         const uint64_t size = p.has_sizes ? entry(table, 2, pair, p.count) : p.uniform_size;
 
         // The widest vector that divides both addresses and the size.
-        const uint64_t bits = src | dst | size | 16;
-        const uint32_t v = (uint32_t)(bits & (~bits + 1));
+        const uint32_t v = (uint32_t)kvbm_vector_bytes(src | dst | size);
         const uint64_t n = size / v;
         const uint32_t slices = p.slices.divisor;
         const uint64_t part = n / slices, extra = n % slices;

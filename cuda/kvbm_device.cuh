@@ -5,12 +5,15 @@
 
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "kvbm_kernels.h"
 
 namespace kvbm {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // 8 measured no faster on the H200
+static_assert(kThreads * kUnroll == KVBM_TILE_MIN_BYTES, "the C side bounds a call's tiles with KVBM_TILE_MIN_BYTES");
 
 template <int V> struct VectorOf;
 template <> struct VectorOf<16> { using type = uint4; };
@@ -18,6 +21,21 @@ template <> struct VectorOf<8> { using type = uint2; };
 template <> struct VectorOf<4> { using type = uint32_t; };
 template <> struct VectorOf<2> { using type = uint16_t; };
 template <> struct VectorOf<1> { using type = uint8_t; };
+
+// Returns launch(std::integral_constant<int, V>()) for V = vector_bytes, one
+// of the widths above: the kernels are instantiated for each.
+template <class Launch>
+cudaError_t with_vector_bytes(int vector_bytes, const Launch &launch)
+{
+    switch (vector_bytes) {
+    case 16: return launch(std::integral_constant<int, 16>());
+    case 8: return launch(std::integral_constant<int, 8>());
+    case 4: return launch(std::integral_constant<int, 4>());
+    case 2: return launch(std::integral_constant<int, 2>());
+    case 1: return launch(std::integral_constant<int, 1>());
+    default: return cudaErrorInvalidValue;
+    }
+}
 
 // Moves the vectors j = first + k * stride (k < kUnroll, j < count) of V
 // bytes from src to dst, issuing every load before any store so that each
@@ -64,7 +82,7 @@ struct Tiling {
     uint32_t vectors_per_tile;
     uint32_t tile_threads;
     uint32_t groups;
-    uint32_t tiles;  // in all; the caller keeps this below 2^31
+    uint32_t tiles;  // in all; below 2^31 (kvbm_fits_one_launch)
 };
 
 // The tiling of `chunks` chunks of vectors_per_chunk vectors each, and the

@@ -93,8 +93,8 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
                                          const uint64_t *host_table, const uint64_t *device_table,
                                          int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
 {
-    // The caller has validated that the counts below fit in 32 bits and the
-    // tiles below 2^31.
+    // The call fits one launch (kvbm_fits_one_launch): a chunk's vectors
+    // and segments in 32 bits, the call's tiles below 2^31.
     const uint32_t vectors_per_chunk = (uint32_t)(paged->segments * paged->segment_bytes / vector_bytes);
     const int64_t chunks = paged->nb * paged->nl * paged->no;
     if (chunks == 0 || vectors_per_chunk == 0)
@@ -109,12 +109,7 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.outers = kvbm_divisor_make((uint32_t)paged->no);
 
-    switch (vector_bytes) {
-    case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
-    case 8: return launch<8>(p, host_table, device_table, grid, threads, stream);
-    case 4: return launch<4>(p, host_table, device_table, grid, threads, stream);
-    case 2: return launch<2>(p, host_table, device_table, grid, threads, stream);
-    case 1: return launch<1>(p, host_table, device_table, grid, threads, stream);
-    default: return cudaErrorInvalidValue;
-    }
+    return with_vector_bytes(vector_bytes, [&](auto v) {
+        return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
+    });
 }

@@ -138,3 +138,28 @@ def test_stream_handle_all_ones_is_refused(value, gen):
         kvbm_ext.block_to_universal(blocks, universals, stream=value)
     for u in universals:
         assert torch.equal(u, torch.full_like(u, POISON))
+
+
+# --------------------------------------------------------------------------
+# What one launch can take (kvbm_fits_one_launch), checked before any byte
+# is read.  The arrays below only describe their sizes (the call is refused
+# before it would read them): their data is a small buffer.
+# --------------------------------------------------------------------------
+
+
+class Described:
+    """An array that describes a shape of one-byte elements over a small buffer."""
+
+    def __init__(self, shape):
+        self._buffer = np.zeros(64, np.uint8)
+        self.__array_interface__ = {"shape": tuple(shape), "typestr": "|u1", "version": 3,
+                                    "data": (self._buffer.ctypes.data, False), "strides": None}
+
+
+@pytest.mark.parametrize("nb,nh,nl,no,nt,hd", [(1, 1, 1, 1, 2**16, 2**16 + 1), (2**22, 1, 128, 2, 1, 1024)],
+                         ids=["a chunk of 4 GiB", "2**31 tiles"])
+def test_list_call_too_large_for_one_launch(nb, nh, nl, no, nt, hd):
+    universals = Described((nb, nh, nl, no, nt, hd))
+    operationals = Described((nb, nl, no, nt * nh * hd))
+    with pytest.raises(ValueError, match=r"^universals: too much data for one call .*split it into several calls"):
+        kvbm_ext.universal_to_operational(universals, operationals)
