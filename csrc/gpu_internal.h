@@ -16,9 +16,8 @@
 #define KV_RING_INITIAL_BYTES ((size_t)4 << 20)
 #define KV_RING_ALIGN 256
 /* Device staging memory (staging.c), unless kvbm_ext.set_staging() says
- * otherwise: two lanes, so that an offload and an onload on two streams
- * run side by side, of 48 MiB, so that a call of 64 Llama-70B blocks needs
- * under 20 pieces of up to 24 MiB. */
+ * otherwise: two lanes, so that an offload and an onload on two streams run
+ * side by side, each large enough that a large call needs few pieces. */
 #define KV_STAGING_DEFAULT_BYTES ((size_t)96 << 20)
 #define KV_STAGING_DEFAULT_LANES 2
 

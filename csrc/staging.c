@@ -24,18 +24,9 @@
  * bytes.  A call on a lane that last served another stream first waits for
  * that call to finish with the slots.
  *
- * What a call costs beyond its copies, measured on the H200: in traces of
- * back-to-back calls (benchmarks/trace.py), a permute that follows a copy
- * (the previous call's last copy and this call's first permute, or an
- * onload's last copy and its last permute) started 5 to 9 us after the copy
- * ended, a copy that follows a permute 1.5 to 8 us after it, and a piece's
- * copy 1.3 us after the previous piece's, against about 1 us between plain
- * memcpys (benchmarks/probes/copy_engine_handoffs.cu times the bare
- * hand-offs).  To that adds the permute of the one piece no copy overlaps,
- * which therefore runs on KV_PINNED_EDGE_CTAS when the call leaves num_ctas
- * to the default, as do the short pieces next to it, whose copies are too
- * short to hide a permute on fewer CTAs.  At nb = 1 that is 12 to 14 us on
- * 97 us of PCIe.
+ * Beyond its copies a call pays the hand-offs between the engines and the
+ * permute of the one piece no copy overlaps, which is why the pieces at
+ * its ends run wide (route.c; benchmarks/README.md, "Defaults in the code").
  *
  * Calls made while the caller's stream is captured into a CUDA graph use a
  * separate capture lane, which reserve_staging() allocates (nothing may be

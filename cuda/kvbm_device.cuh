@@ -12,7 +12,7 @@
 namespace kvbm {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // 8 measured no faster on the H200
+constexpr int kUnroll = 4;  // vectors in flight per thread; 8 is no faster (benchmarks/README.md)
 static_assert(kThreads * kUnroll == KVBM_TILE_MIN_BYTES, "the C side bounds a call's tiles with KVBM_TILE_MIN_BYTES");
 
 template <int V> struct VectorOf;
@@ -41,8 +41,7 @@ cudaError_t with_vector_bytes(int vector_bytes, const Launch &launch)
 // bytes from src to dst, issuing every load before any store so that each
 // thread keeps kUnroll vectors in flight.  offsets(j, &from, &to) gives the
 // byte offsets of vector j in the source and the destination.  Plain
-// accesses: the evict-first hints (__ldcs, __stcs) measured 2 to 3 % slower
-// on the H200.
+// accesses: the evict-first hints (__ldcs, __stcs) are slower.
 template <int V, class Offsets>
 __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_t first, uint32_t stride,
                                              uint32_t count, const Offsets &offsets)
@@ -74,8 +73,7 @@ __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_
 // bounded to a few CTAs (the staged permute beside a model) cannot make up
 // for.  CTAs stay at kThreads when the grid is bounded too: the bytes a
 // bounded grid keeps in flight set its share of HBM beside a memory-bound
-// model, and 8 CTAs of 1024 threads measured +3.6 % on such a model where 8
-// of 256 cost +1.7 % (benchmarks/beside.py on the H200).
+// model, so wider CTAs would slow the model more (benchmarks/README.md).
 struct Tiling {
     kvbm_divisor tiles_per_chunk;
     uint32_t vectors_per_chunk;
