@@ -249,7 +249,8 @@ int kv_convert_run(kv_call *call)
     kv_target target;
     kv_target_init(&target, call->options.stream, -1, "the call runs");
     int rc = -1;
-    if ((on_gpu && place_on_gpu(call, &target) < 0) || check_aliasing(call) < 0 || mark_written(call) < 0)
+    if ((on_gpu ? place_on_gpu(call, &target) : kv_move_options_check_host(&call->options)) < 0
+        || check_aliasing(call) < 0 || mark_written(call) < 0)
         goto done;
     kv_gpu *gpu = call->state->gpu;
     const kv_target *where = on_gpu ? &target : NULL;

@@ -138,21 +138,6 @@ static int check_pair_aliasing(const kv_pairs *pairs)
     return rc > 0 ? -1 : rc;
 }
 
-/* Raw copies go through CUDA even between host buffers: without a device
- * (a build without CUDA, no GPU, no driver) they cannot run. */
-static int need_a_device(const char *function)
-{
-    if (kv_gpu_device_count() > 0)
-        return 0;
-    if (kv_gpu_compiled())
-        PyErr_Format(PyExc_RuntimeError, "%s needs a CUDA device (it copies with CUDA, host memory included), and "
-                     "none is visible: no GPU, or no usable driver", function);
-    else
-        PyErr_Format(PyExc_RuntimeError, "%s needs a CUDA device (it copies with CUDA, host memory included), but "
-                     "kvbm_ext was built without CUDA (nvcc was not found at build time)", function);
-    return -1;
-}
-
 /* Both Python functions: read and check the lists, then copy with `engine`.
  * The kernel takes device-resident lists but no pageable memory; the copy
  * engines take pageable memory but only lists they can read on the host. */
@@ -176,7 +161,7 @@ static int copy_pairs(kv_state *state, PyObject *src, PyObject *dst, PyObject *s
                      "split them into several calls", (long long)pairs.count);
         goto done;
     }
-    if (check_pair_aliasing(&pairs) < 0 || need_a_device(function) < 0)
+    if (check_pair_aliasing(&pairs) < 0 || kv_require_device(function, "it copies with CUDA, host memory included") < 0)
         goto done;
     if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0 || resolve_target(&call, device, &target) < 0)
         goto done;

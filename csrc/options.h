@@ -36,6 +36,12 @@ typedef struct {
  * with TypeError/ValueError naming the argument. */
 int kv_move_options_read(PyObject *backend, PyObject *num_ctas, PyObject *stream, kv_move_options *out);
 
+/* For a call that runs on the CPU (no array on a CUDA device): the options
+ * that only a GPU move takes must keep their defaults (backend "auto",
+ * num_ctas and stream None).  Returns 0, or -1 with ValueError naming the
+ * first that does not. */
+int kv_move_options_check_host(const kv_move_options *options);
+
 /* Reads a chunk order, "NHD" or "HND" in any case (NULL: NHD), named
  * `argument` in errors.  Returns 0, or -1 with TypeError/ValueError. */
 int kv_layout_read(PyObject *value, const char *argument, kvbm_layout *out);

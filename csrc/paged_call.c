@@ -411,8 +411,10 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     }
     rc = 0;
     if (call.ids.count > 0 && layers_moved > 0 && self->no * chunk_bytes > 0) {
-        rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
-                           : mark_layers_written(&call);
+        rc = self->device < 0 ? kv_move_options_check_host(&call.options.move) : 0;
+        if (rc == 0)
+            rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
+                               : mark_layers_written(&call);
         if (rc == 0)
             rc = kv_paged_run(&call);
     }

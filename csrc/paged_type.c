@@ -52,7 +52,8 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
     "is written.  With device-resident block_ids and one flat array, a call stages\n"                                  \
     "nothing and synchronizes nothing, so it can be captured in a CUDA graph\n"                                        \
     "(pass the capturing stream) and replayed with new ids written into block_ids;\n"                                  \
-    "on the staged path, call reserve_staging() before capturing.\n"
+    "on the staged path, call reserve_staging() before capturing.  A host cache runs\n"                                \
+    "on the CPU: backend, num_ctas and stream keep their defaults there (ValueError).\n"
 
 #define UNIVERSAL_DOC                                                                                                  \
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \

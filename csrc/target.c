@@ -111,6 +111,17 @@ int kv_target_resolve_stream(kv_target *t, const kv_array_group *groups, int cou
     return 0;
 }
 
+int kv_require_device(const char *function, const char *why)
+{
+    if (kv_gpu_device_count() > 0)
+        return 0;
+    if (kv_gpu_compiled())
+        return kv_error(PyExc_RuntimeError, "%s needs a CUDA device (%s), and none is visible: no GPU, or no usable "
+                        "driver", function, why);
+    return kv_error(PyExc_RuntimeError, "%s needs a CUDA device (%s), but kvbm_ext was built without CUDA (nvcc was "
+                    "not found at build time)", function, why);
+}
+
 void kv_target_release(kv_target *t)
 {
     PyMem_Free(t->producers);

@@ -56,4 +56,9 @@ int kv_target_resolve_stream(kv_target *t, const kv_array_group *groups, int cou
 
 void kv_target_release(kv_target *t);
 
+/* For `function`, which runs only on a CUDA device (`why` says what needs
+ * one): 0 when one is visible, else -1 with RuntimeError saying that none is
+ * (no GPU, no usable driver) or that this build has no CUDA. */
+int kv_require_device(const char *function, const char *why);
+
 #endif /* KVBM_TARGET_H */

@@ -163,3 +163,102 @@ def test_list_call_too_large_for_one_launch(nb, nh, nl, no, nt, hd):
     operationals = Described((nb, nl, no, nt * nh * hd))
     with pytest.raises(ValueError, match=r"^universals: too much data for one call .*split it into several calls"):
         kvbm_ext.universal_to_operational(universals, operationals)
+
+
+# --------------------------------------------------------------------------
+# Options only a GPU move takes, on calls that run on the CPU (no array on a
+# CUDA device): refused naming the option, unless left at their defaults.
+# --------------------------------------------------------------------------
+
+GPU_ONLY = [("backend", "kernel", '"kernel" picks how a GPU moves the bytes'),
+            ("backend", "COPY_ENGINES", '"copy_engines" picks how a GPU moves the bytes'),
+            ("backend", "async", '"async" picks how a GPU moves the bytes'),
+            ("num_ctas", 8, "8 bounds the CUDA blocks of a GPU move"),
+            ("stream", 0, "orders a GPU move"),
+            ("stream", 1, "orders a GPU move")]
+DEFAULTS = {"backend": "auto", "num_ctas": None, "stream": None}
+
+
+def host_universal_call(gen):
+    """block_to_universal on host arrays: (call, destinations, expected destinations)."""
+    blocks = [[torch.randn((NT, NH, HD), generator=gen) for _ in range(NL * NO)] for _ in range(2)]
+    universals = [torch.full((NH, NL, NO, NT, HD), POISON) for _ in range(2)]
+    expected = [torch.stack(chunks).reshape(NL, NO, NT, NH, HD).permute(3, 0, 1, 2, 4) for chunks in blocks]
+    return (lambda **kw: kvbm_ext.block_to_universal(blocks, universals, **kw)), universals, expected
+
+
+@pytest.mark.parametrize("name,value,words", GPU_ONLY, ids=[f"{n}={v}" for n, v, _ in GPU_ONLY])
+def test_gpu_only_option_on_host_arrays_is_refused(name, value, words, gen):
+    call, universals, _ = host_universal_call(gen)
+    with pytest.raises(ValueError, match=rf"^{name}: ") as info:
+        call(**{name: value})
+    assert words in str(info.value) and "runs on the CPU" in str(info.value), str(info.value)
+    for u in universals:
+        assert torch.equal(u, torch.full_like(u, POISON))
+
+
+def test_gpu_only_options_at_their_defaults_run_on_the_cpu(gen):
+    call, universals, expected = host_universal_call(gen)
+    call(**DEFAULTS)
+    for u, e in zip(universals, expected):
+        assert torch.equal(u, e)
+
+
+@pytest.mark.parametrize("method", ["to_universal", "from_universal", "to_operational", "from_operational"])
+@pytest.mark.parametrize("name,value,words", GPU_ONLY, ids=[f"{n}={v}" for n, v, _ in GPU_ONLY])
+def test_gpu_only_option_on_a_host_cache_is_refused(method, name, value, words, gen):
+    layers, cache = make_cache(gen)
+    before = [layer.clone() for layer in layers]
+    shape = (NH, NL, NO, NT, HD) if "universal" in method else (NL, NO, NT * NH * HD)
+    fill = (lambda: torch.full(shape, POISON)) if method.startswith("to_") else (lambda: torch.randn(shape, generator=gen))
+    flats = [fill() for _ in IDS]
+    flats_before = [f.clone() for f in flats]
+    args = (IDS, flats) if method.startswith("to_") else (flats, IDS)
+    with pytest.raises(ValueError, match=rf"^{name}: ") as info:
+        getattr(cache, method)(*args, **{name: value})
+    assert words in str(info.value) and "runs on the CPU" in str(info.value), str(info.value)
+    for f, old in zip(flats, flats_before):
+        assert torch.equal(f, old)
+    for layer, old in zip(layers, before):
+        assert torch.equal(layer, old)
+
+
+@pytest.mark.parametrize("method", ["to_operational", "from_operational"])
+def test_gpu_only_options_at_their_defaults_run_on_a_host_cache(method, gen):
+    layers, cache = make_cache(gen)
+    if method == "to_operational":
+        ops = poisoned_operationals(len(IDS))
+        cache.to_operational(IDS, ops, **DEFAULTS)
+        for b, block_id in enumerate(IDS):
+            assert torch.equal(ops[b], expected_operational(layers, block_id, "NHD"))
+        return
+    sources = [torch.randn((NL, NO, NT * NH * HD), generator=gen) for _ in IDS]
+    cache.from_operational(sources, IDS, **DEFAULTS)
+    for b, block_id in enumerate(IDS):
+        assert torch.equal(expected_operational(layers, block_id, "NHD"), sources[b])
+
+
+# --------------------------------------------------------------------------
+# Without a CUDA device, the staging functions say so as the raw copies do.
+# --------------------------------------------------------------------------
+
+
+NEED_A_DEVICE = [("staging_info", ()), ("staging_info", (0,)), ("staging_info", (None,)), ("reserve_staging", ()),
+                 ("reserve_staging", (0,)), ("reserve_staging", (None,)), ("vectorized_copy", "pairs")]
+
+
+@pytest.mark.skipif(bool(kvbm_ext.cuda_devices()), reason="a CUDA device is visible")
+@pytest.mark.parametrize("fn,args", NEED_A_DEVICE, ids=[f"{fn}{args}" for fn, args in NEED_A_DEVICE])
+def test_without_a_device_the_message_says_one_is_needed(fn, args):
+    a = np.arange(16, dtype=np.uint8)
+    if args == "pairs":
+        args = ([a.ctypes.data], [a.ctypes.data + 8], 8)
+    with pytest.raises(RuntimeError, match=rf"^{fn} needs a CUDA device \(") as info:
+        getattr(kvbm_ext, fn)(*args)
+    message = str(info.value)
+    if kvbm_ext.is_using_stubs():
+        assert message.endswith("but kvbm_ext was built without CUDA (nvcc was not found at build time)"), message
+    else:
+        assert message.endswith("and none is visible: no GPU, or no usable driver"), message
+    assert "insufficient" not in message and "CUDA error" not in message, message
+    assert np.array_equal(a, np.arange(16, dtype=np.uint8))
