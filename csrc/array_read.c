@@ -25,9 +25,8 @@ static int read_protocol(const kv_reader *reader, PyObject *obj, const kv_type_f
         return kv_from_interface(p, obj, path, KV_NAME_ARRAY_INTERFACE, out);
     if (PyObject_CheckBuffer(obj))
         return kv_from_buffer(obj, path, out);
-    return kv_path_error(PyExc_TypeError, path,
-                         "expected an array (DLPack, __cuda_array_interface__, __array_interface__ or a buffer), got %s",
-                         Py_TYPE(obj)->tp_name);
+    return kv_path_error(PyExc_TypeError, path, "expected an array (DLPack, __cuda_array_interface__, "
+                         "__array_interface__ or a buffer), got %s", Py_TYPE(obj)->tp_name);
 }
 
 /* What every later check and copy relies on: no negative extent, an

@@ -173,8 +173,9 @@ static int read_dimensions(kv_call *call)
 
     const int64_t chunk_bytes = chunk_elements * f->itemsize;
     if (!kvbm_fits_one_launch(call->nb, call->nchunks, chunk_bytes))
-        return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld bytes); "
-                             "split it into several calls", call->nb, (long long)call->nchunks, (long long)chunk_bytes);
+        return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld "
+                             "bytes); split it into several calls", call->nb, (long long)call->nchunks,
+                             (long long)chunk_bytes);
     return check_array(call, 0);
 }
 

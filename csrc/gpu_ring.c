@@ -36,7 +36,8 @@ kv_gpu *kv_gpu_new(void)
 
 static int ring_alloc_buffers(kv_ring *ring, size_t capacity, kv_failure *f)
 {
-    CUDA_STEP(f, cudaHostAlloc((void **)&ring->host, capacity, cudaHostAllocDefault), "allocating the pinned table ring");
+    CUDA_STEP(f, cudaHostAlloc((void **)&ring->host, capacity, cudaHostAllocDefault),
+              "allocating the pinned table ring");
     CUDA_STEP(f, cudaMalloc((void **)&ring->device, capacity), "allocating the device table ring");
     ring->capacity = capacity;
     ring->head = 0;

@@ -29,7 +29,8 @@ __device__ __forceinline__ int64_t block_id(const Table &table, const Params &p,
 {
     if (p.a.ids == nullptr)
         return (int64_t)table[p.p.nl + b];
-    return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b] : static_cast<const int64_t *>(p.a.ids)[b];
+    return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b]
+                         : static_cast<const int64_t *>(p.a.ids)[b];
 }
 
 template <class Table>
