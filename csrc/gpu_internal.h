@@ -165,10 +165,10 @@ cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, c
                                  uint32_t num_ctas, cudaStream_t stream);
 
 /* Runs plan->staged on `caller` (between kv_device_enter and
- * kv_device_leave), its permutes on
- * plan->num_ctas CTAs, plan->edge_num_ctas for the pieces at the call's
- * ends.  Returns 0, -1 with *f set, or 1 when the move cannot be staged
- * (report->fallback says why; nothing was enqueued). */
+ * kv_device_leave), its permutes on plan->num_ctas CTAs and on
+ * plan->edge_num_ctas for the pieces at the call's ends.  Returns 0, -1
+ * with *f set, or 1 when the move cannot be staged (report->fallback says
+ * why; nothing was enqueued). */
 int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
                    kv_gpu_report *report, kv_failure *f);
 

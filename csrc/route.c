@@ -23,7 +23,8 @@
  * CTAs, then pieces that double while a permute on KV_PINNED_NUM_CTAS
  * still hides behind the copy before it; fewer, larger pieces keep the
  * host's cost low.  piece_bytes is the staging's (half a lane). */
-static const kv_cut PIECE_CUT = {(int64_t)1 << 20, (int64_t)4 << 20, 6, 2, 0};
+static const kv_cut PIECE_CUT = {
+    .lead_bytes = (int64_t)1 << 20, .ramp_bytes = (int64_t)4 << 20, .ramp_growth = 6, .growth = 2};
 
 static const char *const ENGINE_NAMES[] = {"kernel", "async", "batch"};
 
