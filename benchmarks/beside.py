@@ -52,6 +52,7 @@ import torch
 # Benchmark the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
+from kvbm_ext._no_gpu import require_gpu  # noqa: E402
 from harness import (HD, NH, NL, NO, NT, STEADY_REPS, Tee, calibrate_sleep_cycles_per_us,  # noqa: E402
                      fill_random_, int_list, output_dir, run_stem, steady_host_us)
 from report import csv_cells, fmt  # noqa: E402
@@ -1007,8 +1008,6 @@ def print_targets(results, args, standins):
 # ----------------------------------------------------------------------------- main
 
 def check_build():
-    if kvbm_ext.is_using_stubs():
-        sys.exit("beside: kvbm_ext was built without CUDA (is_using_stubs()); rebuild with nvcc")
     missing = [name for name in REQUIRED if not hasattr(kvbm_ext, name)]
     if missing:
         sys.exit(f"beside: this kvbm_ext build has no {', '.join(missing)} "
@@ -1034,9 +1033,7 @@ def open_outputs(args, gpu_name, date, started):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("beside: torch.cuda.is_available() is False: no GPU, nothing to measure")
-        return 0
+    require_gpu("beside")
     check_build()
     started = time.monotonic()
     device = gpu_device()

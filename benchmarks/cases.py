@@ -243,12 +243,14 @@ class Context:
 
 
 def gbps(nbytes, us):
+    """GB/s (1e9 bytes) of a call that moves nbytes: each byte counted once, as it leaves
+    its source for its destination (never read + written)."""
     return nbytes / (us * 1e3) if us and not math.isnan(us) else math.nan
 
 
-def timed_fields(timing, counted_bytes, ceiling_gbps=None, memcpy_gbps=None):
+def timed_fields(timing, nbytes, ceiling_gbps=None, memcpy_gbps=None):
     """Row fields of a GPU timing; percentages of the ceiling and of the same-size memcpy."""
-    rate = gbps(counted_bytes, timing.gpu_us)
+    rate = gbps(nbytes, timing.gpu_us)
     fields = dict(gpu_us=timing.gpu_us, host_us=timing.host_us, gbps=rate, reps=timing.reps,
                   uncovered_reps=timing.uncovered, gpu_timing=timing.method)
     if ceiling_gbps is not None:
@@ -276,18 +278,18 @@ def run_checked(row, case, synchronize, gen_device, measure):
 
 # ----------------------------------------------------------------------------- ceilings
 
-def time_copy_row(ctx, cycles_per_us, fields, calls, counted_bytes, ceiling_gbps=None):
+def time_copy_row(ctx, cycles_per_us, fields, calls, nbytes, ceiling_gbps=None):
     """A ceiling row: torch copy_ calls, timed after a warm-up run."""
     first = run_once(calls[0], cuda_synchronize)
     timing = time_gpu_calls(calls, ctx.policy, cycles_per_us, first)
     row = make_row(ctx, mode="ceiling", function="copy_", **fields,
-                   **timed_fields(timing, counted_bytes, ceiling_gbps))
+                   **timed_fields(timing, nbytes, ceiling_gbps))
     print_progress(row)
     return row
 
 
 def measure_ceilings(ctx, device, quick, cycles_per_us):
-    """Copy ceilings: device-to-device (bytes read + written), pinned H2D and D2H."""
+    """Copy ceilings: device-to-device, pinned H2D and D2H."""
     d2d_bytes = (256 if quick else 2048) * MIB
     host_bytes = (64 if quick else 1024) * MIB
 
@@ -297,7 +299,7 @@ def measure_ceilings(ctx, device, quick, cycles_per_us):
     fill_random_(dst, device)
     rows = {"d2d": time_copy_row(ctx, cycles_per_us,
                                  dict(direction="d2d", placement="device", bytes=d2d_bytes, sets=1),
-                                 [lambda: dst.copy_(src, non_blocking=True)], 2 * d2d_bytes)}
+                                 [lambda: dst.copy_(src, non_blocking=True)], d2d_bytes)}
     del src, dst
 
     pinned = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
@@ -654,14 +656,13 @@ GROUPS = {
 def run_gpu_case(ctx, gpu, case, memcpys):
     """Verify, then time one case against the ceiling of its link and the same-size memcpy."""
     nbytes = case.fields["bytes"]
-    counted = 2 * nbytes if case.link == "d2d" else nbytes
     ceiling = gpu.ceilings[case.link]["gbps"]
     memcpy = memcpys[case.link]["gbps"] if case.link in memcpys else None
 
     def measure(first):
         timing = time_gpu_calls(case.calls, ctx.policy, gpu.cycles_per_us, first,
                                 case.queue_bound)
-        fields = timed_fields(timing, counted, ceiling, memcpy)
+        fields = timed_fields(timing, nbytes, ceiling, memcpy)
         if case.fields["api"] == "paged" and case.fields["nb"] <= STEADY_MAX_NB:
             fields["host_steady_us"] = steady_host_us(case.calls)
         return fields
@@ -722,11 +723,11 @@ def run_cpu_case(ctx, case, memcpy):
 
     def measure(first):
         timing = time_cpu_calls(case.calls, ctx.policy, first)
-        return dict(host_us=timing.host_us, gbps=gbps(2 * nbytes, timing.host_us),
+        return dict(host_us=timing.host_us, gbps=gbps(nbytes, timing.host_us),
                     pct_of_ceiling=100 * memcpy.host_us / timing.host_us,
                     ratio_vs_memcpy=timing.host_us / memcpy.host_us, reps=timing.reps)
 
-    row = make_row(ctx, **case.fields, ceiling_gbps=gbps(2 * nbytes, memcpy.host_us))
+    row = make_row(ctx, **case.fields, ceiling_gbps=gbps(nbytes, memcpy.host_us))
     return run_checked(row, case, no_synchronize, torch.device("cpu"), measure)
 
 

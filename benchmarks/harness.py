@@ -64,10 +64,11 @@ def slug(name):
 
 
 def run_stem(folder, name, gpu_name, date):
-    """folder/<name>-<gpu>-<date>, with -2, -3, ... when a run of the same day is there."""
+    """folder/<name>-<gpu>-<date>, with -2, -3, ... when a run of the same day is there (its
+    log or CSV)."""
     stem = os.path.join(folder, f"{name}-{slug(gpu_name)}-{date}")
     candidate, n = stem, 1
-    while any(os.path.exists(candidate + ext) for ext in (".csv", ".log", ".png")):
+    while any(os.path.exists(candidate + ext) for ext in (".csv", ".log")):
         n += 1
         candidate = f"{stem}-{n}"
     return candidate

@@ -123,6 +123,15 @@ def time_build(root):
 
 # ----------------------------------------------------------------------------- all builds
 
+def require_a_gpu():
+    """The no-GPU answer every script gives, from the checkout's package.  Imported here, not
+    at the top: a worker must import the build it times, not this one."""
+    sys.path.insert(0, REPO_ROOT)
+    from kvbm_ext._no_gpu import require_gpu
+    sys.path.remove(REPO_ROOT)
+    require_gpu("host_time", build=False)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
@@ -130,9 +139,7 @@ def main(argv=None):
         with open(path, "w") as f:
             json.dump(time_build(root), f)
         return
-    if not torch.cuda.is_available():
-        print("host_time: no GPU, nothing to measure")
-        return
+    require_a_gpu()
     gpu_name = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     folder = output_dir(args.out, "host_time")

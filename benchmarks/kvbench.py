@@ -21,10 +21,11 @@ host implementation of the list API (and of PagedKVCache) against a single-threa
 memcpy.  Every case is checked bit for bit against a pure-torch reference before it is
 timed.
 
-The run writes a CSV, a PNG (GB/s against nb) and a log into --out; --compare OLD.csv
-prints each row's change against an older run.  The parts: cases.py (what is timed),
-harness.py (how), report.py (the tables, targets, CSV, comparison and picture).  See
-benchmarks/README.md.
+GB/s count the bytes a call moves, each once (a copy of N bytes moves N bytes), the
+ceilings too.  The run writes a CSV, PNGs (GB/s against nb, one question each) and a log
+into --out; --compare OLD.csv prints each row's change against an older run.  The parts:
+cases.py (what is timed), harness.py (how), report.py (the tables, targets, CSV and
+comparison), figures.py (the PNGs).  See benchmarks/README.md.
 """
 
 import argparse
@@ -38,10 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kvbm_ext  # noqa: E402
+from kvbm_ext._no_gpu import exit_no_gpu, why_no_gpu  # noqa: E402
 from cases import (CTAS_NB, REQUIRED, Context, Gpu, measure_ceilings, run_cpu_cases,  # noqa: E402
                    run_gpu_cases)
 from harness import RepPolicy, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem  # noqa: E402
-from report import (VERIFIED, annotate_backends, annotate_paged, apply_targets, compare, plot,  # noqa: E402
+from figures import draw  # noqa: E402
+from report import (VERIFIED, annotate_backends, annotate_paged, apply_targets, compare,  # noqa: E402
                     print_comparison, print_summary, read_csv, regressions, targets, write_csv)
 
 APIS = ("list", "operational", "copy", "paged")
@@ -61,8 +64,10 @@ def layout_list(text):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Time kvbm_ext on a Llama-3.1-70B KV cache (nl=80 no=2 nh=8 hd=128 bf16).",
-        epilog="Exit status: 0; 1 when a case was not verified bit-exact; 2 for bad options; 3 when "
-               "--fail-on-regression found a row slower than allowed.")
+        epilog="Exit status: 0; 1 when a case was not verified bit-exact; 2 for bad options, or when "
+               "a GPU is needed and none can be used (the reason on stderr); 3 when "
+               "--fail-on-regression found a row slower than allowed.  GB/s count the bytes moved "
+               "once (a copy of N bytes moves N bytes), ceilings included.")
     parser.add_argument("--api", choices=APIS + ("all",), default="list",
                         help="GPU groups: list (block_to_universal / universal_to_block, plus "
                              "the CPU section), operational (block/universal <-> operational), "
@@ -72,7 +77,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cuda: ceilings and GPU cases (and the CPU sections of the list "
                              "and paged groups); cpu: CPU cases of the list or paged group only; "
-                             "auto (default): cuda when available")
+                             "auto (default): cuda when a GPU can be used, else cpu for the list "
+                             "and paged groups")
     parser.add_argument("--nt", type=int_list, default=[16, 32, 64],
                         help="tokens per block for GPU cases (default 16,32,64)")
     parser.add_argument("--nb", type=int_list, default=[1, 8, 64, 256],
@@ -91,7 +97,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: GPU nt 16, nb 1,8, few repetitions, small ceilings")
     parser.add_argument("--out", default=None,
-                        help="directory for kvbench-<gpu>-<date>.csv, .png and .log (default: "
+                        help="directory for kvbench-<gpu>-<date>.csv, -<figure>.png and .log (default: "
                              "./kvbench-results when the current directory is outside this "
                              "source tree, else a new temporary directory; printed at the end)")
     parser.add_argument("--compare", metavar="OLD.csv", default=None,
@@ -111,6 +117,8 @@ def parse_args(argv=None):
     if args.target_ms is None:
         args.target_ms = 20.0 if args.quick else 100.0
     args.apis = APIS if args.api == "all" else (args.api,)
+    if args.device == "cpu" and cpu_apis(args.apis) != list(args.apis):
+        parser.error("--device cpu times the list and paged groups only (--api list or paged)")
     return args
 
 
@@ -132,12 +140,17 @@ def environment_line(gpu_name):
             f"torch_threads={torch.get_num_threads()}")
 
 
-def resolve_device(choice):
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        sys.exit("kvbench: --device cuda but torch.cuda.is_available() is False")
-    return choice
+def resolve_device(args):
+    """cuda or cpu; auto takes the CPU without a usable GPU when the groups asked for have a
+    CPU section, else (like --device cuda) exits saying why there is no GPU."""
+    if args.device == "cpu":
+        return "cpu"
+    why = why_no_gpu()
+    if why is None:
+        return "cuda"
+    if args.device == "auto" and cpu_apis(args.apis) == list(args.apis):
+        return "cpu"
+    exit_no_gpu(f"kvbench --api {args.api} --device {args.device}", why)
 
 
 def check_required(apis):
@@ -157,9 +170,6 @@ def cpu_apis(apis):
 
 
 def run_gpu_mode(ctx, args):
-    if kvbm_ext.is_using_stubs():
-        sys.exit("kvbench: kvbm_ext was built without CUDA (is_using_stubs()); "
-                 "rebuild with nvcc or use --device cpu")
     check_required(args.apis)
     device = torch.device("cuda", torch.cuda.current_device())
     rows = []
@@ -189,9 +199,7 @@ def read_old(path):
 def main(argv=None):
     args = parse_args(argv)
     old_rows = read_old(args.compare) if args.compare else None
-    device = resolve_device(args.device)
-    if device == "cpu" and cpu_apis(args.apis) != list(args.apis):
-        sys.exit("kvbench: CPU mode times the list and paged groups only (--api list or paged)")
+    device = resolve_device(args)
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "none"
     ctx = Context(gpu_name, datetime.date.today().isoformat(), rep_policy(args))
     folder = output_dir(args.out, "kvbench")
@@ -221,10 +229,7 @@ def run(args, device, ctx, stem, old_rows):
     write_csv(stem + ".csv", rows)
     print()
     print_summary(rows, goals)
-    info = kvbm_ext.build_info()
-    where = ctx.gpu_name if device == "cuda" else "CPU"
-    no_png = plot(rows, stem + ".png", f"kvbm_ext {info['version']} on {where}, {ctx.date}: Llama-3.1-70B KV "
-                                       "cache (nl=80 no=2 nh=8 hd=128 bf16), GB/s against blocks per call")
+    pngs, no_png = draw(rows, stem)
     status = 0
     if old_rows is not None:
         changes, only_new, only_old = compare(old_rows, rows)
@@ -235,7 +240,8 @@ def run(args, device, ctx, stem, old_rows):
             status = EXIT_REGRESSION if worse else 0
     print()
     print(f"CSV: {stem}.csv")
-    print(f"PNG: {no_png or stem + '.png'}")
+    for png in pngs or [no_png]:
+        print(f"PNG: {png}")
     print(f"log: {stem}.log")
     failed = [row for row in rows if row["status"] != VERIFIED]
     if failed:

@@ -1,13 +1,11 @@
 """The report of a kvbench run: the rows and their columns, the tables printed at the end,
-the targets (a PASS/MISS verdict per row), the CSV, the comparison with an older run's CSV
-and the PNG.  Plain Python: it reads and writes rows, it times nothing."""
+the targets (a PASS/MISS verdict per row), the CSV and the comparison with an older run's
+CSV (figures.py draws the PNGs).  Plain Python: it reads and writes rows, it times nothing."""
 
 import csv
 import math
-import os
 import operator
 import statistics
-import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,7 +28,9 @@ COLUMNS = [
     "reps", "sets", "uncovered_reps", "gpu_timing", "status",
     "num_ctas", "sms", "gbps_per_sm", "speedup_vs_torch", "host_steady_us",   # paged rows
     "target", "verdict",      # rows a target covers: the goal, PASS or MISS
+    "gbps_counts",            # "once": GB/s count the bytes moved once (see read_csv)
 ]
+GBPS_COUNTS = "once"
 
 SHORT = {  # names in the printed tables
     "operational": "op", "pinned": "pin", "ceiling": "ceil",
@@ -44,7 +44,7 @@ def make_row(ctx, **fields):
     """A row of the CSV: every column, the run's GPU name and date, status "verified" until
     the case says otherwise."""
     row = {column: "" for column in COLUMNS}
-    row.update(gpu_name=ctx.gpu_name, date=ctx.date, status=VERIFIED)
+    row.update(gpu_name=ctx.gpu_name, date=ctx.date, status=VERIFIED, gbps_counts=GBPS_COUNTS)
     row.update(fields)
     return row
 
@@ -406,7 +406,7 @@ def print_summary(rows, goals):
     ceilings = [row for row in rows if row["mode"] == "ceiling" and row["nt"] == ""]
     if ceilings:
         print("ceilings: " + ", ".join(f"{row['direction']} {fmt(row['gbps'])} GB/s"
-                                       for row in ceilings) + " (d2d: read + written)")
+                                       for row in ceilings) + " (GB/s: bytes moved, counted once)")
     sized = [row for row in rows if row["nt"] != ""]
     print_pivot("% of ceiling (pin: same-size memcpy; d2d: device copy; ceil: 1 GiB memcpy; "
                 "cpu: memcpy time / ours; f: fed timing)",
@@ -455,14 +455,39 @@ def cell_value(column, text):
         return text
 
 
+# Rates that CSVs without a gbps_counts column counted read + written on some rows.
+RATES_ONCE_WRITTEN_TWICE = ("gbps", "ceiling_gbps", "gbps_per_sm")
+
+
+def counted_read_and_written(row):
+    """Whether a row of a CSV without gbps_counts counted its bytes read + written: device
+    to device rows, the device copy ceiling and the CPU rows did; PCIe rows counted once."""
+    return (row.get("mode") == "cpu" or (row.get("mode") == "ceiling" and row.get("direction") == "d2d")
+            or (row.get("mode") == "gpu" and row.get("placement") == "d2d"))
+
+
+def counted_once(row):
+    """A row of a CSV written before gbps_counts, with its rates as bytes moved once."""
+    if counted_read_and_written(row):
+        for column in RATES_ONCE_WRITTEN_TWICE:
+            if isinstance(row.get(column), float):
+                row[column] /= 2
+    row["gbps_counts"] = GBPS_COUNTS
+    return row
+
+
 def read_csv(path):
     """The rows of a kvbench CSV, with the values a run has (an older run's CSV, with fewer
-    columns and status "ok", reads too)."""
+    columns and status "ok", reads too; its read + written rates are halved to bytes moved
+    once, so that every run compares and plots alike)."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames or not {"gbps", "status"} <= set(reader.fieldnames):
             raise ValueError(f"{path} is not a kvbench CSV: it has no gbps and status columns")
-        return [{column: cell_value(column, text) for column, text in row.items()} for row in reader]
+        rows = [{column: cell_value(column, text) for column, text in row.items()} for row in reader]
+    if "gbps_counts" not in reader.fieldnames:
+        rows = [counted_once(row) for row in rows]
+    return rows
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -536,122 +561,3 @@ def print_comparison(old_path, changes, only_new, only_old, threshold):
               f"{figure(change.new):>11}{change.pct:>+8.1f}%{flag}")
     if only_new or only_old:
         print(f"not compared: {only_new} timed row(s) only in this run, {only_old} only in {old_path}")
-
-
-# ----------------------------------------------------------------------------- picture
-
-PANEL_UNITS = {"d2d": "GB/s, bytes read + written", "pinned": "GB/s over PCIe",
-               "host": "GB/s, bytes read + written"}
-CEILING_STYLES = {"d2d": "-", "h2d": "-", "d2h": "-."}     # the 1 GiB (2 GiB device) copies
-OUTBOUND = ("b2u", "b2o", "u2o", "d2h")     # solid lines; the opposite directions are dashed
-
-
-def panel_of(row):
-    """Where a row is drawn: (group, placement), e.g. ("paged", "pinned") or ("cpu list", "host")."""
-    if row["mode"] == "gpu":
-        return (row["api"], row["placement"])
-    if row["mode"] == "cpu":
-        return (f"cpu {row['api']}", "host")
-    return None
-
-
-def grid_of(panels):
-    """(rows, {panel: (row, column)}): a row per GPU group, d2d left and pinned right; the
-    CPU groups share the last row."""
-    gpu_groups = list(dict.fromkeys(group for group, placement in panels if placement != "host"))
-    cpu = [panel for panel in panels if panel[1] == "host"]
-    place = {}
-    for panel in panels:
-        group, placement = panel
-        if placement != "host":
-            place[panel] = (gpu_groups.index(group), 0 if placement == "d2d" else 1)
-    for i, panel in enumerate(cpu):
-        place[panel] = (len(gpu_groups) + i // 2, i % 2)
-    return max(r for r, _ in place.values()) + 1, place
-
-
-def shown_nt(rows):
-    nts = {row["nt"] for row in rows}
-    return TARGET_NT if TARGET_NT in nts else min(nts)
-
-
-def plot(rows, path, title):
-    """A PNG of GB/s against nb: a panel per group and placement at one nt (16 when it was
-    run), a line per path, the run's measured ceilings as horizontal lines and the memcpy of
-    the same bytes as a dotted line.  Returns why no PNG was written, or None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    drawn = [row for row in rows if panel_of(row) and rate(row) and row["nb"] != "" and not is_swept(row)]
-    if not drawn:
-        return "no PNG: no row was timed"
-    panels = list(dict.fromkeys(panel_of(row) for row in drawn))
-    nrows, place = grid_of(panels)
-    figure_, axes = plt.subplots(nrows, 2, figsize=(15, 6 * nrows), squeeze=False, constrained_layout=True)
-    for ax in axes.flat:
-        ax.set_visible(False)
-    for panel in panels:
-        group, placement = panel
-        ax = axes[place[panel]]
-        ax.set_visible(True)
-        mine = [row for row in drawn if panel_of(row) == panel]
-        nt = shown_nt(mine)
-        mine = [row for row in mine if row["nt"] == nt]
-        colors = iter(plt.get_cmap("tab20").colors * 4)
-        for name in dict.fromkeys(label(row) for row in mine):
-            points = sorted((row["nb"], rate(row)) for row in mine if label(row) == name)
-            outbound = any(row["direction"] in OUTBOUND for row in mine if label(row) == name)
-            ax.plot(*zip(*points), marker="o", markersize=3, color=next(colors),
-                    linestyle="-" if outbound else "--", label=name)
-        for row in rows:
-            if (row["mode"] == "ceiling" and row["nt"] == "" and rate(row)
-                    and row["direction"] in ({"d2d"} if placement == "d2d" else {"h2d", "d2h"} if placement == "pinned"
-                                             else set())):
-                ax.axhline(row["gbps"], color="black", linewidth=1, linestyle=CEILING_STYLES[row["direction"]],
-                           label=f"ceiling {row['direction']}: {figure(row['gbps'])} GB/s")
-        if placement == "pinned":
-            for direction in ("d2h", "h2d"):
-                points = sorted((row["nb"], rate(row)) for row in rows
-                                if row["mode"] == "ceiling" and row["nt"] == nt and row["direction"] == direction
-                                and rate(row))
-                if points:
-                    ax.plot(*zip(*points), color="gray", linestyle=":", label=f"memcpy of the same bytes, {direction}")
-        if placement == "host":
-            points = sorted({(row["nb"], row["ceiling_gbps"]) for row in mine if row["ceiling_gbps"] != ""})
-            if points:
-                ax.plot(*zip(*points), color="gray", linestyle=":", label="memcpy of the same bytes")
-        nbs = sorted({row["nb"] for row in mine})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(nbs, [str(nb) for nb in nbs])
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("nb, blocks per call")
-        ax.set_ylabel(PANEL_UNITS[placement])
-        ax.set_title(f"{group}, {placement}, nt={nt}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
-    figure_.suptitle(title, fontsize=11)
-    figure_.savefig(path, dpi=100)
-    plt.close(figure_)
-    return None
-
-
-def main(argv):
-    """python3 benchmarks/report.py plot RUN.csv: the PNG of a run, next to its CSV (for a
-    run made where matplotlib was missing)."""
-    if len(argv) != 2 or argv[0] != "plot":
-        sys.exit("usage: python3 benchmarks/report.py plot RUN.csv")
-    rows = [dict({column: "" for column in COLUMNS}, **row) for row in read_csv(argv[1])]
-    where = rows[0]["gpu_name"] if rows and rows[0]["gpu_name"] != "none" else "CPU"
-    png = os.path.splitext(argv[1])[0] + ".png"
-    why_not = plot(rows, png, f"{where}, {rows[0]['date'] if rows else ''}: Llama-3.1-70B KV cache "
-                              "(nl=80 no=2 nh=8 hd=128 bf16), GB/s against blocks per call")
-    if why_not:
-        sys.exit(f"report: {why_not}")
-    print(f"PNG: {png}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

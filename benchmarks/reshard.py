@@ -34,6 +34,9 @@ are copies); host time <= 1 ms.
 With --device cpu: gloo, host caches, 4 layers and nb 2,4 by default, wall-clock
 times: a check that the benchmark works, not a measurement.
 
+The CSV and the log go to --out (default: ./reshard-results when the current directory is
+outside this source tree, else a new temporary directory; printed at the end).
+
     python3 benchmarks/reshard.py --out "$OUT/reshard"          # two GPUs
     python3 benchmarks/reshard.py --device cpu                  # anywhere, in seconds
 """
@@ -42,7 +45,6 @@ import argparse
 import csv
 import datetime
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -55,6 +57,8 @@ import torch.multiprocessing as mp
 # Benchmark the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
+from harness import Tee, output_dir, run_stem  # noqa: E402
+from kvbm_ext._no_gpu import exit_no_gpu, why_no_gpu  # noqa: E402
 
 NH, NO, HD = 8, 2, 128                # Llama-3.1-70B KV cache
 DTYPE = torch.bfloat16
@@ -82,13 +86,14 @@ def parse_args(argv=None):
     parser.add_argument("--fragment-batch", type=int, default=1024,
                         help="sends posted per batch_isend_irecv in the fragment approach")
     parser.add_argument("--fragment-calls", type=int, default=2, help="back-to-back calls per fragments timing")
-    parser.add_argument("--out", help="directory for the CSV and the log (default ./kvbench-results)")
+    parser.add_argument("--out", help="directory for the CSV and the log (default: ./reshard-results outside "
+                                      "this source tree, else a new temporary directory)")
     args = parser.parse_args(argv)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() and not kvbm_ext.is_using_stubs() else 0
-    if args.device == "auto":
-        args.device = "cuda" if gpus >= 2 else "cpu"
-    if args.device == "cuda" and gpus < 2:
-        parser.error("--device cuda needs two GPUs visible to torch (and a CUDA build of kvbm_ext)")
+    if args.device != "cpu":
+        why = why_no_gpu(count=WORLD)
+        if why is not None and args.device == "cuda":
+            exit_no_gpu("reshard --device cuda", why)
+        args.device = "cpu" if why is not None else "cuda"
     on_gpu = args.device == "cuda"
     args.directions = args.directions.split(",")
     for name in args.directions:
@@ -96,7 +101,6 @@ def parse_args(argv=None):
             parser.error(f"--directions: {name!r} is not one of {', '.join(DIRECTIONS)}")
     args.nb = [int(n) for n in (args.nb or ("8,64" if on_gpu else "2,4")).split(",")]
     args.layers = args.layers or (80 if on_gpu else 4)
-    args.out = os.path.abspath(args.out or os.path.join(os.getcwd(), "kvbench-results"))
     return args
 
 
@@ -243,14 +247,20 @@ def bench_direction(me, name, nb, rows):
     if me.gpu:
         torch.cuda.empty_cache()
 
-    ceiling = results["nccl-one-buffer"][0]
-    for method, (seconds, host, (msgs, copies, link_bytes)) in results.items():
-        rows.append({"device": args.device, "direction": name, "nb": nb, "method": method, "messages": msgs,
-                     "local_copies": copies, "bytes": total, "link_bytes": link_bytes,
-                     "time_us": round(seconds * 1e6, 2), "gbps": round(total / seconds / 1e9, 2),
-                     "pct_of_ceiling": round(100 * ceiling / seconds, 1),
-                     "host_us": round(host * 1e6, 1) if method.startswith("reshard") else ""})
+    rows += result_rows(args.device, name, nb, total, results)
     return expected_pairs(src, dst, args.layers), (messages, local)
+
+
+def result_rows(device, name, nb, total, results):
+    """The CSV rows of one direction and nb: per method, its time and the GB/s of the bytes
+    moved into the destination caches, against the one-buffer NCCL ceiling."""
+    ceiling = results["nccl-one-buffer"][0]
+    return [{"device": device, "direction": name, "nb": nb, "method": method, "messages": msgs,
+             "local_copies": copies, "bytes": total, "link_bytes": link_bytes,
+             "time_us": round(seconds * 1e6, 2), "gbps": round(total / seconds / 1e9, 2),
+             "pct_of_ceiling": round(100 * ceiling / seconds, 1),
+             "host_us": round(host * 1e6, 1) if method.startswith("reshard") else ""}
+            for method, (seconds, host, (msgs, copies, link_bytes)) in results.items()]
 
 
 def run(rank, args, store_path):
@@ -300,9 +310,7 @@ def print_targets(rows, targets, args):
 
 
 def write_csv(rows, args):
-    stamp = datetime.date.today().isoformat()
-    gpu = torch.cuda.get_device_name(0).replace(" ", "-") if args.device == "cuda" else platform.machine()
-    path = os.path.join(args.out, f"reshard-{gpu}-{stamp}.csv")
+    path = args.stem + ".csv"
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
@@ -310,37 +318,20 @@ def write_csv(rows, args):
     print(f"\nCSV: {path}")
 
 
-class Tee:
-    """Writes to the terminal and to the log file."""
-
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, text):
-        for stream in self.streams:
-            stream.write(text)
-
-    def flush(self):
-        for stream in self.streams:
-            stream.flush()
-
-
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S")
-    log_path = os.path.join(args.out, f"reshard-{stamp}.log")
-    print(f"writing the CSV and the log into {args.out}")
+    where = f"{WORLD}x{torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu"
+    args.stem = run_stem(output_dir(args.out, "reshard"), "reshard", where, datetime.date.today().isoformat())
+    print(f"writing the CSV and the log into {os.path.dirname(args.stem)}")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_child, args=(args, os.path.join(tmp, "store"), log_path), nprocs=WORLD,
-                           start_method="spawn")
-    print(f"log: {log_path}")
+        mp.start_processes(_child, args=(args, os.path.join(tmp, "store")), nprocs=WORLD, start_method="spawn")
+    print(f"log: {args.stem}.log")
     return 0
 
 
-def _child(rank, args, store_path, log_path):
+def _child(rank, args, store_path):
     if rank == 0:
-        log = open(log_path, "w")
+        log = open(args.stem + ".log", "w")
         sys.stdout = Tee(sys.__stdout__, log)
         devices = [torch.cuda.get_device_name(i) for i in range(WORLD)] if args.device == "cuda" else ["cpu"]
         print(f"kvbm_ext {kvbm_ext.__version__} {kvbm_ext.build_info()}, torch {torch.__version__}, "

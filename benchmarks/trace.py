@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 # Trace the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
+from kvbm_ext._no_gpu import require_gpu  # noqa: E402
 from harness import HD, NH, NL, NO, NT, Tee, int_list, output_dir, run_stem  # noqa: E402
 
 NUM_BLOCKS = 256
@@ -117,11 +118,7 @@ def gemm_loop(count, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("trace: torch.cuda.is_available() is False: no GPU, nothing to trace")
-        return 0
-    if kvbm_ext.is_using_stubs():
-        sys.exit("trace: kvbm_ext was built without CUDA (is_using_stubs()); rebuild with nvcc")
+    require_gpu("trace")
     device = torch.device("cuda", torch.cuda.current_device())
     gpu_name = torch.cuda.get_device_name(device)
     folder = output_dir(args.out, "trace")

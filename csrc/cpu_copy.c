@@ -29,15 +29,16 @@ void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvb
 
 void kv_cpu_paged(const kvbm_paged *p, const kvbm_paged_addresses *a, const uint64_t *table)
 {
-    /* The table: layer bases, host ids (always, on the CPU), flat blocks. */
-    const uint64_t *ids = table + p->nl, *flats = ids + p->nb;
+    /* The table: bases, host ids (always, on the CPU), flat blocks. */
+    const uint64_t *ids = table + kvbm_paged_bases(p), *flats = ids + p->nb;
     for (int64_t b = 0; b < p->nb; b++) {
         const int64_t id = (int64_t)ids[b];
         char *flat = a->flat_base ? (char *)(uintptr_t)(a->flat_base + (uint64_t)(b * a->flat_block))
                                   : (char *)(uintptr_t)flats[b];
         for (int64_t i = 0; i < p->nl; i++) {
             for (int64_t o = 0; o < p->no; o++) {
-                char *cache_chunk = (char *)(uintptr_t)table[i] + kvbm_paged_cache_chunk(p, id, o);
+                char *cache_chunk =
+                    (char *)(uintptr_t)table[kvbm_paged_base(p, i, o)] + kvbm_paged_cache_chunk(p, id, o);
                 char *flat_chunk = flat + kvbm_paged_flat_chunk(p, i, o);
                 for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
                     int64_t cache_off, flat_off;
@@ -47,6 +48,25 @@ void kv_cpu_paged(const kvbm_paged *p, const kvbm_paged_addresses *a, const uint
                     else
                         memcpy(cache_chunk + cache_off, flat_chunk + flat_off, (size_t)p->segment_bytes);
                 }
+            }
+        }
+    }
+}
+
+void kv_cpu_to_cache(const kvbm_to_cache *m, const uint64_t *table)
+{
+    const kvbm_paged *p = &m->p;
+    const int64_t bases = kvbm_to_cache_bases(m);
+    const uint64_t *src_ids = table + kvbm_to_cache_src_ids_at(m), *dst_ids = src_ids + p->nb;
+    for (int64_t b = 0; b < p->nb; b++) {
+        /* Each (layer, outer) has a base of its own: the outer strides are 0. */
+        for (int64_t entry = 0; entry < bases; entry++) {
+            const char *src = (const char *)(uintptr_t)table[entry] + kvbm_paged_cache_chunk(p, (int64_t)src_ids[b], 0);
+            char *dst = (char *)(uintptr_t)table[bases + entry] + kvbm_to_cache_dst_chunk(m, (int64_t)dst_ids[b], 0);
+            for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
+                int64_t src_off, dst_off;
+                kvbm_paged_segment(p, s, &src_off, &dst_off);
+                memcpy(dst + dst_off, src + src_off, (size_t)p->segment_bytes);
             }
         }
     }

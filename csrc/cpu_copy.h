@@ -3,6 +3,7 @@
 #define KVBM_CPU_COPY_H
 
 #include "gpu.h"
+#include "kvbm_to_cache.h"
 
 /* Same table as kvbm_launch_block_universal (see kvbm_table_entries).  Call
  * without the GIL. */
@@ -11,6 +12,10 @@ void kv_cpu_block_universal(const kvbm_block_dims *dims, void *const *table, kvb
 /* Same arguments as kvbm_launch_paged, with every address in host memory.
  * Call without the GIL. */
 void kv_cpu_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses, const uint64_t *table);
+
+/* Same arguments as kvbm_launch_to_cache, with every address in host
+ * memory and the ids in the table.  Call without the GIL. */
+void kv_cpu_to_cache(const kvbm_to_cache *move, const uint64_t *table);
 
 /* One memcpy per pair (host lists).  Call without the GIL. */
 void kv_cpu_copy_pairs(const kv_pairs *pairs);

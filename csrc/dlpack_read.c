@@ -107,6 +107,11 @@ static int fill_from_dltensor(const DLTensor *t, const kv_path *path, kv_array *
         return unsupported_device(path, type);
     if (kv_check_ndim(path, t->ndim) < 0)
         return -1;
+    /* strides may be NULL (compact row-major); shape may not, where there
+     * are dimensions to describe. */
+    if (t->ndim > 0 && t->shape == NULL)
+        return kv_path_error(PyExc_ValueError, path, "its DLPack tensor has %d dimensions but a NULL shape",
+                             (int)t->ndim);
     if (t->dtype.lanes != 1 || t->dtype.bits % 8 != 0 || t->dtype.bits == 0)
         return kv_path_error(PyExc_TypeError, path, "DLPack element type (code %u, %u bits, %u lanes) is not supported",
                              t->dtype.code, t->dtype.bits, t->dtype.lanes);

@@ -7,6 +7,7 @@
 #include "array.h"
 #include "kvbm_layout.h"
 #include "kvbm_paged.h"
+#include "kvbm_to_cache.h"
 
 /* Per-module GPU resources (pointer-table staging, events), created lazily
  * per device. */
@@ -81,7 +82,10 @@ typedef struct {
 typedef enum {
     KV_MOVE_BLOCK_UNIVERSAL, /* kvbm_launch_block_universal: block stacks or operationals <-> universals */
     KV_MOVE_PAGED,           /* kvbm_launch_paged: a paged cache <-> universals or operationals */
+    KV_MOVE_TO_CACHE,        /* kvbm_launch_to_cache: blocks of one paged cache into another (gpu_to_cache.h) */
 } kv_move_kind;
+
+struct kv_packing;
 
 typedef struct {
     kv_move_kind kind;
@@ -94,8 +98,13 @@ typedef struct {
             const kvbm_paged *paged;
             const kvbm_paged_addresses *addresses;
         } paged;
+        struct {
+            const kvbm_to_cache *move;
+            const kvbm_to_cache_ids *ids;
+            const struct kv_packing *packing; /* staged: how the pinned cache packs into units */
+        } to_cache;
     };
-    const void *table; /* host memory: void * entries (block) or uint64_t (paged), `entries` of them */
+    const void *table; /* host memory: void * entries (block) or uint64_t (paged, to_cache), `entries` of them */
     int64_t entries;
     int vector_bytes;  /* the loads' and stores' width, which every address allows */
 } kv_move;
@@ -180,5 +189,43 @@ int kv_gpu_current_device(void);
 /* A list of dicts describing the visible CUDA devices; [] when there are
  * none, no driver, or no CUDA build. */
 PyObject *kv_gpu_devices(void);
+
+/* Host memory page-locked for the devices (gpu_host.c), for
+ * kvbm_ext.pinned_empty: registered with cudaHostRegister (portable and
+ * mapped) as one range or, where the driver refuses that, in pieces. */
+typedef struct {
+    char *start;
+    size_t bytes;
+} kv_host_piece;
+
+typedef struct {
+    kv_host_piece *pieces; /* malloc'ed: freed without the GIL */
+    int count;             /* 0: not registered */
+} kv_host_registration;
+
+/* Registers [base, base + bytes) with `device` current, in pieces of at
+ * most `piece_limit` bytes (0: no limit); a piece the driver refuses is
+ * split in halves down to a floor, each piece reachable by kernels at its
+ * own host address, so that the range is still one array to them.  Every
+ * boundary between pieces falls on a multiple of `item` bytes (a piece
+ * grows to whole items where one is larger than the limit).  Returns
+ * 0; 1 where nothing can be registered here (a build without CUDA, no
+ * driver, no device: `why` says which); or -1 on a CUDA error (`why` names
+ * it), with nothing left registered.  Safe without the GIL. */
+int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, size_t item,
+                         kv_host_registration *out, char *why, size_t why_size);
+
+/* Unregisters every piece and frees the record.  Returns 0, or -1 with
+ * `why` naming the first CUDA error.  Safe without the GIL. */
+int kv_gpu_host_unregister(kv_host_registration *registration, char *why, size_t why_size);
+
+/* The PCI address of `device` ("0000:1B:00.0").  Returns 0, or -1 without
+ * a device.  Safe without the GIL. */
+int kv_gpu_pci_bus_id(int device, char *buf, size_t size);
+
+/* What the driver says `address` is: "device", "managed", "pinned" or
+ * "pageable".  NULL with RuntimeError when the driver cannot say (or the
+ * build has no CUDA). */
+const char *kv_gpu_pointer_kind(const void *address);
 
 #endif /* KVBM_GPU_H */

@@ -172,4 +172,10 @@ cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, c
 int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
                    kv_gpu_report *report, kv_failure *f);
 
+/* kv_move_piece_blocks and kv_move_launch_piece for a KV_MOVE_TO_CACHE
+ * move (gpu_to_cache.c). */
+int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size);
+cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
+                                     uint32_t num_ctas, cudaStream_t stream);
+
 #endif /* KVBM_GPU_INTERNAL_H */

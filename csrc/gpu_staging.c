@@ -39,10 +39,12 @@ int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
 
 PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
 {
+    PyThreadState *attached = PyEval_SaveThread(); /* the lock's holder may be waiting for the GPU */
     PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
     const kv_ring *ring = device >= 0 && device < KV_MAX_DEVICES ? gpu->rings[device] : NULL;
     const kv_staging_facts facts = kv_staging_facts_of(gpu, ring != NULL ? ring->staging : NULL);
     PyThread_release_lock(gpu->lock);
+    PyEval_RestoreThread(attached);
     return Py_BuildValue("{s:i,s:K,s:i,s:K,s:O,s:O}", "device", device, "size_bytes",
                          (unsigned long long)(facts.lane_bytes * (size_t)facts.lanes), "lanes", facts.lanes,
                          "lane_bytes", (unsigned long long)facts.lane_bytes, "allocated",

@@ -1,8 +1,14 @@
 /* The GPU interface of a build without nvcc: host arrays still work, any
  * device array raises RuntimeError. */
 #include "gpu.h"
+#include "gpu_to_cache.h"
+
+#include <stdio.h>
+
+#include "lock.h"
 
 struct kv_gpu {
+    kv_lock lock; /* set_staging from several threads at once */
     int64_t staging_bytes;
     int staging_lanes;
 };
@@ -56,10 +62,12 @@ int kv_gpu_move(kv_gpu *gpu, const kv_gpu_target *target, const kv_move *move, c
 /* The settings are kept, so that they read back as set. */
 int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
 {
+    kv_lock_acquire(&gpu->lock);
     if (bytes >= 0)
         gpu->staging_bytes = bytes;
     if (lanes > 0)
         gpu->staging_lanes = lanes;
+    kv_lock_release(&gpu->lock);
     return 0;
 }
 
@@ -97,3 +105,32 @@ int kv_gpu_device_count(void) { return 0; }
 int kv_gpu_current_device(void) { return no_cuda(); }
 
 PyObject *kv_gpu_devices(void) { return PyList_New(0); }
+
+int kv_gpu_host_register(int device, char *base, size_t bytes, size_t piece_limit, size_t item,
+                         kv_host_registration *out, char *why, size_t why_size)
+{
+    (void)device, (void)base, (void)bytes, (void)piece_limit, (void)item;
+    out->pieces = NULL;
+    out->count = 0;
+    snprintf(why, why_size, "kvbm_ext was built without CUDA");
+    return 1;
+}
+
+int kv_gpu_host_unregister(kv_host_registration *registration, char *why, size_t why_size)
+{
+    (void)registration, (void)why, (void)why_size;
+    return 0;
+}
+
+int kv_gpu_pci_bus_id(int device, char *buf, size_t size)
+{
+    (void)device, (void)buf, (void)size;
+    return -1;
+}
+
+const char *kv_gpu_pointer_kind(const void *address)
+{
+    (void)address;
+    no_cuda();
+    return NULL;
+}

@@ -5,6 +5,7 @@
 #include "args.h"
 #include "convert.h"
 #include "copy.h"
+#include "host_buffer.h"
 #include "paged.h"
 #include "state.h"
 #include "target.h"
@@ -394,6 +395,8 @@ static PyMethodDef module_methods[] = {
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},
+    {"pinned_empty", (PyCFunction)(void (*)(void))kv_pinned_empty, METH_FASTCALL | METH_KEYWORDS,
+     kv_pinned_empty_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -403,7 +406,8 @@ static int module_exec(PyObject *module)
     if (kv_protocols_init(&state->protocols) < 0)
         return -1;
     state->gpu = kv_gpu_new();
-    if (state->gpu == NULL || kv_paged_add_type(module) < 0)
+    if (state->gpu == NULL || kv_paged_add_type(module) < 0
+        || kv_host_buffer_add_type(module, &state->host_buffer_type) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }
@@ -411,14 +415,18 @@ static int module_exec(PyObject *module)
 static int module_traverse(PyObject *module, visitproc visit, void *arg)
 {
     kv_state *state = state_of(module);
+    if (state != NULL)
+        Py_VISIT(state->host_buffer_type);
     return state == NULL ? 0 : kv_protocols_traverse(&state->protocols, visit, arg);
 }
 
 static int module_clear(PyObject *module)
 {
     kv_state *state = state_of(module);
-    if (state != NULL)
+    if (state != NULL) {
         kv_protocols_clear(&state->protocols);
+        Py_CLEAR(state->host_buffer_type);
+    }
     return 0;
 }
 
@@ -427,29 +435,60 @@ static void module_free(void *module)
     kv_state *state = state_of((PyObject *)module);
     if (state != NULL) {
         kv_protocols_clear(&state->protocols);
+        Py_CLEAR(state->host_buffer_type);
         kv_gpu_free(state->gpu);
         state->gpu = NULL;
     }
 }
 
-/* Subinterpreters: what the module keeps lives in its state, one per
- * interpreter (protocol names and type facts, the GPU resources with their
- * own lock, the PagedKVCache type); the one value shared by the process, the
- * driver's cuPointerGetAttributes (gpu_ranges.c), is stored atomically, and
- * the CUDA runtime is thread-safe.  So each interpreter may have its own GIL.
+/* Thread safety: every mutable the module has, and what guards it.
  *
- * Free-threaded CPython: no Py_mod_gil slot, so importing the module there
- * turns the GIL back on.  Safe without it: the GPU resources (per-device
- * table rings, staging memory, events and streams), behind their lock; the
- * driver entry point and torch's increment_version, each stored once with a
- * compare-and-swap and never replaced; PagedKVCache, which nothing changes
- * after construction (a call's repeated-id check has bits of its own).  Not
- * guarded, relying on the GIL: the state's cache of per-type facts, whose
- * slots are recycled in turn. */
+ * File scope: gpu_ranges.c's found_fn (the driver's cuPointerGetAttributes,
+ * one per process, shared by every interpreter), an atomic that two threads
+ * finding it at once set to the same value; module_def, which
+ * PyModuleDef_Init fills in once, under the import lock.  Everything else
+ * at file scope is const, or a method, slot or spec table only read.
+ *
+ * Module state (state.h), one per interpreter:
+ * - gpu: set by module_exec, then only read.  What it points at (the
+ *   per-device pointer-table rings, staging memory and its lanes, events,
+ *   streams, the staging settings) is used with the GIL released, so it has
+ *   its own PyThread lock on every build: each GPU call holds it from
+ *   choosing a lane or a ring region to its last enqueue (kv_run_on_device),
+ *   set_staging and staging_info take it too.  The build without CUDA
+ *   keeps only the settings, under a kv_lock (lock.h).
+ * - protocols: the names and argument tuples are made by module_exec, then
+ *   only read; increment_version is stored once by compare-and-swap and
+ *   not replaced before the module is cleared; the cache of type facts
+ *   (types, next_type) is read and written under types_lock, a kv_lock.
+ * - the PagedKVCache type: immutable.  A cache is written by its
+ *   constructor, before another thread can see it, and by tp_clear and
+ *   tp_dealloc, once none can; a call's scratch (its repeated-id bits) is
+ *   its own.
+ * kv_lock is a PyMutex on free-threaded CPython; with a GIL it is nothing,
+ * since that GIL already serializes every user of what it guards.
+ *
+ * Arguments: sequences are read from a tuple snapshot (kv_as_sequence),
+ * array-interface dicts from a copy, so no item is borrowed from a
+ * container that another thread (or the item's own Python code) can change
+ * while the call reads it.  The copies themselves run without the GIL and
+ * touch only the call's arrays and tables.
+ *
+ * Outside the module: the CUDA runtime is thread-safe, and a call restores
+ * the calling thread's current device; KVBM_EXT_DEBUG is read with getenv
+ * at each call, so changing the environment while other threads call in is
+ * as unsafe as for any C code.
+ *
+ * So the module declares Py_mod_gil: importing it leaves the GIL of
+ * free-threaded CPython off.  And each interpreter may have its own GIL:
+ * what the module keeps lives in its state, but for found_fn. */
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
 #if PY_VERSION_HEX >= 0x030C0000
     {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
 #endif
     {0, NULL},
 };

@@ -21,25 +21,35 @@ cudaError_t kv_move_launch(const kv_move *m, const void *host_table, const void 
     case KV_MOVE_PAGED:
         return kvbm_launch_paged(m->paged.paged, m->paged.addresses, host_table, device_table, m->vector_bytes,
                                  num_ctas, stream);
+    case KV_MOVE_TO_CACHE:
+        return kvbm_launch_to_cache(m->to_cache.move, m->to_cache.ids, host_table, device_table, m->vector_bytes,
+                                    num_ctas, stream);
     }
     return cudaErrorInvalidValue;
 }
 
 const char *kv_move_what(const kv_move *m)
 {
-    return m->kind == KV_MOVE_PAGED ? "launching the paged cache kernel" : "launching the block/universal kernel";
+    switch (m->kind) {
+    case KV_MOVE_PAGED: return "launching the paged cache kernel";
+    case KV_MOVE_TO_CACHE: return "launching the cache-to-cache kernel";
+    default: return "launching the block/universal kernel";
+    }
 }
 
 int64_t kv_move_piece_blocks(const kv_move *m, char *why, size_t why_size)
 {
+    if (m->kind == KV_MOVE_TO_CACHE)
+        return kv_to_cache_piece_blocks(m, why, why_size);
     if (m->kind == KV_MOVE_PAGED) {
         /* A piece's layers, and its host ids, travel by value. */
         const kvbm_paged *p = m->paged.paged;
-        if (p->nl >= KVBM_TABLE_BY_VALUE_MAX) {
+        const int64_t bases = kvbm_paged_bases(p);
+        if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
             snprintf(why, why_size, "a table of %lld layers does not fit in a launch's parameters", (long long)p->nl);
             return 0;
         }
-        return m->paged.addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - p->nl;
+        return m->paged.addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
     }
     /* Whole blocks up to the by-value table's size, and a block's table must
      * fit. */
@@ -100,7 +110,8 @@ static cudaError_t launch_block_universal_piece(const kv_move *m, const kv_stage
  * head the two packings agree), the cache's heads [m0, m0 + mn), into (or
  * out of) the slot as packed flat blocks: [mn, in, no, nt, hd] universals,
  * [in, no, nt*nh*hd] operationals (each chunk in its own order).  Its
- * table, by value: the piece's layers, then its host ids. */
+ * table, by value: the piece's layers' bases (one per layer, or one per
+ * (layer, outer) when K and V are separate arrays), then its host ids. */
 static cudaError_t launch_paged_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot,
                                       uint32_t num_ctas, cudaStream_t stream)
 {
@@ -127,11 +138,12 @@ static cudaError_t launch_paged_piece(const kv_move *m, const kv_staged *s, cons
     addresses.flat_base = (uint64_t)(uintptr_t)slot;
     addresses.flat_block = box->mn * box->in * s->unit_bytes;
     uint64_t piece_table[KVBM_TABLE_BY_VALUE_MAX];
-    memcpy(piece_table, table + box->i0, (size_t)box->in * sizeof *piece_table);
+    const int64_t per_layer = whole->split_outer ? whole->no : 1, bases = box->in * per_layer;
+    memcpy(piece_table, table + box->i0 * per_layer, (size_t)bases * sizeof *piece_table);
     if (addresses.ids != NULL)
         addresses.ids = (const char *)addresses.ids + box->b0 * (addresses.ids_int32 ? 4 : 8);
     else
-        memcpy(piece_table + box->in, table + whole->nl + box->b0, (size_t)box->bn * sizeof *piece_table);
+        memcpy(piece_table + bases, table + kvbm_paged_bases(whole) + box->b0, (size_t)box->bn * sizeof *piece_table);
     return kvbm_launch_paged(&p, &addresses, piece_table, NULL, m->vector_bytes, num_ctas, stream);
 }
 
@@ -143,6 +155,8 @@ cudaError_t kv_move_launch_piece(const kv_move *m, const kv_staged *s, const kv_
         return launch_block_universal_piece(m, s, box, slot, num_ctas, stream);
     case KV_MOVE_PAGED:
         return launch_paged_piece(m, s, box, slot, num_ctas, stream);
+    case KV_MOVE_TO_CACHE:
+        return kv_to_cache_launch_piece(m, s, box, slot, num_ctas, stream);
     }
     return cudaErrorInvalidValue;
 }

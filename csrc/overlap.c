@@ -1,6 +1,7 @@
 /* Aliasing between a call's arguments.  See overlap.h. */
 #include "overlap.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 kv_span kv_span_of(const kv_array *a, Py_ssize_t index, int destination)
@@ -139,6 +140,83 @@ Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssiz
         if (spans[k].end > s->start && spans[k].end != spans[k].start)
             return spans[k].index;
     return -1;
+}
+
+/* ------------------------------------------------------------ lattices */
+
+/* The dimensions that move (extent above 1), strides made positive (the
+ * difference of two offsets is symmetric) and sorted largest first. */
+static kv_lattice sorted_lattice(const kv_lattice *g)
+{
+    kv_lattice s = {0, {0}, {0}, g->itemsize};
+    for (int i = 0; i < g->ndim; i++) {
+        if (g->extent[i] <= 1)
+            continue;
+        const int64_t stride = g->stride[i] < 0 ? -g->stride[i] : g->stride[i];
+        int k = s.ndim++;
+        for (; k > 0 && s.stride[k - 1] < stride; k--) {
+            s.stride[k] = s.stride[k - 1];
+            s.extent[k] = s.extent[k - 1];
+        }
+        s.stride[k] = stride;
+        s.extent[k] = g->extent[i];
+    }
+    return s;
+}
+
+/* Whether delta = sum of stride[j] * m[j] + r over dimensions k.., for some
+ * |m[j]| < extent[j] and |r| < itemsize.  Only the multiples of stride[k]
+ * that leave the rest within `reach` of the smaller dimensions are tried:
+ * at most two where each stride exceeds the reach of the smaller ones (any
+ * layout of distinct elements, sorted).  Past `*budget` steps, which only
+ * layouts that do not nest reach, the answer is yes: undecided is taken as
+ * shared. */
+static int meets_from(const kv_lattice *g, const __int128 *reach, int k, __int128 delta, int *budget)
+{
+    if (k == g->ndim)
+        return delta > -g->itemsize && delta < g->itemsize;
+    if (--*budget < 0)
+        return 1;
+    const __int128 s = g->stride[k], r = reach[k + 1];
+    if (s == 0)
+        return meets_from(g, reach, k + 1, delta, budget);
+    __int128 lo = delta - r, hi = delta + r;
+    lo = lo >= 0 ? (lo + s - 1) / s : -((-lo) / s);  /* ceil(lo / s) */
+    hi = hi >= 0 ? hi / s : -((-hi + s - 1) / s);     /* floor(hi / s) */
+    const __int128 most = g->extent[k] - 1;
+    for (__int128 m = lo < -most ? -most : lo; m <= (hi > most ? most : hi); m++)
+        if (meets_from(g, reach, k + 1, delta - m * s, budget))
+            return 1;
+    return 0;
+}
+
+static int by_address(const void *a, const void *b)
+{
+    const uint64_t x = ((const kv_placed *)a)->address, y = ((const kv_placed *)b)->address;
+    return (x > y) - (x < y);
+}
+
+/* Sorted by address, each array is compared with those that start within
+ * its hull. */
+int kv_find_meeting(const kv_lattice *given, kv_placed *placed, int64_t count, int64_t *first, int64_t *second)
+{
+    const kv_lattice g = sorted_lattice(given);
+    __int128 reach[KV_MAX_NDIM + 1];
+    reach[g.ndim] = g.itemsize - 1;
+    for (int k = g.ndim - 1; k >= 0; k--)
+        reach[k] = reach[k + 1] + (__int128)g.stride[k] * (g.extent[k] - 1);
+    qsort(placed, (size_t)count, sizeof *placed, by_address);
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t j = i + 1; j < count && (__int128)(placed[j].address - placed[i].address) <= reach[0]; j++) {
+            int budget = 1 << 16;
+            if (meets_from(&g, reach, 0, (__int128)(placed[j].address - placed[i].address), &budget)) {
+                *first = placed[i].index < placed[j].index ? placed[i].index : placed[j].index;
+                *second = placed[i].index < placed[j].index ? placed[j].index : placed[i].index;
+                return 1;
+            }
+        }
+    }
+    return 0;
 }
 
 int kv_overlap_error(const kv_path *destination, const kv_path *other)

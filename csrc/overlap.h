@@ -36,6 +36,28 @@ int kv_sort_spans(kv_span *spans, Py_ssize_t count, uint64_t *reach);
  * `s`, or -1: a binary search. */
 Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssize_t count, const kv_span *s);
 
+/* The byte layout of one of several arrays that differ only by their
+ * address (a cache's layers): its extents, strides in bytes (any sign) and
+ * element size. */
+typedef struct {
+    int ndim;
+    int64_t extent[KV_MAX_NDIM];
+    int64_t stride[KV_MAX_NDIM];
+    int64_t itemsize;
+} kv_lattice;
+
+/* One of those arrays: where it starts, and which it is. */
+typedef struct {
+    uint64_t address;
+    int64_t index;
+} kv_placed;
+
+/* Two of `count` arrays laid out as `g` at placed[i].address that share a
+ * byte: exact where their hulls overlap but their elements interleave
+ * (views of one buffer), not a comparison of hulls.  Reorders `placed`.
+ * Returns 1 with their indexes in *first < *second, or 0. */
+int kv_find_meeting(const kv_lattice *g, kv_placed *placed, int64_t count, int64_t *first, int64_t *second);
+
 /* Raises ValueError "destination: destination shares memory with other".
  * Returns -1. */
 int kv_overlap_error(const kv_path *destination, const kv_path *other);

@@ -16,65 +16,49 @@
 #include "args.h"
 #include "state.h"
 
-static const char DIM_LETTERS[] = "lkbthd";
-static const char *const DIM_NAMES[DIM_COUNT] = {"layer", "K/V", "block", "token", "head", "head dim"};
-
-/* Fills position[letter] with the letter's index in dims, or -1. */
-static int parse_dims(PyObject *dims, int position[DIM_COUNT])
-{
-    if (!PyUnicode_Check(dims))
-        return kv_error(PyExc_TypeError, "dims: expected a str such as \"kbthd\", got %s", Py_TYPE(dims)->tp_name);
-    for (int i = 0; i < DIM_COUNT; i++)
-        position[i] = -1;
-    const Py_ssize_t n = PyUnicode_GET_LENGTH(dims);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const Py_UCS4 read = PyUnicode_READ_CHAR(dims, i);
-        /* Letters in either case, as `layout` and `inner` take any case. */
-        const Py_UCS4 c = read >= 'A' && read <= 'Z' ? read - 'A' + 'a' : read;
-        const char *found = c != 0 && c < 128 ? strchr(DIM_LETTERS, (int)c) : NULL;
-        if (found == NULL) {
-            PyObject *letter = PyUnicode_FromOrdinal((int)read);
-            if (letter != NULL)
-                kv_error(PyExc_ValueError, "dims: %R at position %zd of %R is not one of l (layer), k (K/V), b (block), "
-                     "t (token), h (head), d (head dim)", letter, i, dims);
-            Py_XDECREF(letter);
-            return -1;
-        }
-        const int letter = (int)(found - DIM_LETTERS);
-        if (position[letter] >= 0)
-            return kv_error(PyExc_ValueError, "dims: letter '%c' (%s) appears twice in %R", DIM_LETTERS[letter],
-                        DIM_NAMES[letter], dims);
-        position[letter] = (int)i;
-    }
-    const int required[] = {DIM_B, DIM_T, DIM_D};
-    for (int i = 0; i < 3; i++)
-        if (position[required[i]] < 0)
-            return kv_error(PyExc_ValueError, "dims: %R has no '%c' (%s); every cache has b, t and d", dims,
-                        DIM_LETTERS[required[i]], DIM_NAMES[required[i]]);
-    return 0;
-}
-
 kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i)
 {
+    if (self->kv_pairs) {
+        const kv_path pair = {"layers", {i / 2, i % 2}, 2};
+        return pair;
+    }
     const kv_path path = {"layers", {i, 0}, PyList_Check(self->layers) || PyTuple_Check(self->layers) ? 1 : 0};
     return path;
 }
 
 PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i)
 {
+    if (self->kv_pairs)
+        return PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->layers, i / 2), i % 2);
     return PyTuple_Check(self->layers) ? PyTuple_GET_ITEM(self->layers, i) : self->layers;
 }
 
-/* Checks arrays[i] against arrays[0]: dimensions, element type, strides, place. */
-static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, Py_ssize_t ndim)
+Py_ssize_t kv_paged_array_of(const kv_paged_cache *self, int64_t l, int64_t o)
 {
+    return self->kv_pairs ? (Py_ssize_t)(2 * l + o) : self->narrays == 1 ? 0 : (Py_ssize_t)l;
+}
+
+void kv_paged_outer_bases(const kv_paged_cache *self, int64_t first, int64_t step, int64_t count, uint64_t *out)
+{
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t l = first + i * step;
+        for (int64_t o = 0; o < self->no; o++)
+            out[i * self->no + o] = self->kv_pairs ? self->layer_addresses[2 * l + o]
+                                                   : self->layer_addresses[l] + (uint64_t)(o * self->stride[DIM_K]);
+    }
+}
+
+/* Checks arrays[i] against arrays[0]: dimensions, element type, strides, place. */
+static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, const kv_layout *layout)
+{
+    const int ndim = layout->ndim;
     kv_array *a = &self->arrays[i];
     const kv_array *first = &self->arrays[0];
     const kv_path path = kv_paged_layer_path(self, i);
     char got[96], want[96];
     kv_format_shape(a->shape, a->ndim, got, sizeof got); /* once per array, at construction */
     if (a->ndim != ndim)
-        return kv_path_error(PyExc_ValueError, &path, "dims %R names %zd dimensions, but the array has shape %s",
+        return kv_path_error(PyExc_ValueError, &path, "layout %R names %d dimensions, but the array has shape %s",
                              self->dims, ndim, got);
     if (a->place == KV_DEVICE && kv_gpu_locate(a, &path) < 0)
         return -1;
@@ -87,12 +71,14 @@ static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, Py_ssize_t ndim
     if (a->dtype.code != first->dtype.code || a->dtype.bits != first->dtype.bits)
         return kv_path_error(PyExc_TypeError, &path, "element type %s differs from layers[0]'s %s",
                              kv_dtype_name(a->dtype, got, sizeof got), kv_dtype_name(first->dtype, want, sizeof want));
-    for (int d = 0; d < ndim; d++)
-        if (a->shape[d] != 1 && a->strides[d] != first->strides[d])
-            return kv_path_error(PyExc_ValueError, &path, "dimension '%c' has stride %lld bytes, but layers[0]'s has "
-                                 "%lld; the layers must share one memory layout",
-                                 PyUnicode_AsUTF8(self->dims)[d], (long long)a->strides[d],
-                                 (long long)first->strides[d]);
+    for (int d = 0; d < ndim; d++) {
+        if (a->shape[d] == 1 || a->strides[d] == first->strides[d])
+            continue;
+        kv_layout_dim_text(layout, d, want, sizeof want);
+        return kv_path_error(PyExc_ValueError, &path, "dimension '%s' has stride %lld bytes, but layers[0]'s has "
+                             "%lld; the layers must share one memory layout", want, (long long)a->strides[d],
+                             (long long)first->strides[d]);
+    }
     if ((a->place == KV_DEVICE) != (first->place == KV_DEVICE) || a->device_id != first->device_id) {
         const int on_device = a->place == KV_DEVICE;
         return kv_path_error(PyExc_ValueError, &path, "%s %s, but layers[0] is %s %s; a cache lives on one device or "
@@ -104,7 +90,7 @@ static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, Py_ssize_t ndim
 }
 
 /* Reads dimensions and strides from arrays[0] and checks the strides. */
-static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
+static int read_geometry(kv_paged_cache *self, const kv_layout *layout, int64_t block_size)
 {
     const kv_array *a = &self->arrays[0];
     const kv_path path = kv_paged_layer_path(self, 0);
@@ -116,25 +102,24 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
     if (kv_check_itemsize(a, &path) < 0)
         return -1;
     int64_t size[DIM_COUNT];
+    if (kv_layout_geometry(layout, a, block_size, &path, size, self->stride) < 0)
+        return -1;
     for (int letter = 0; letter < DIM_COUNT; letter++) {
-        const int d = position[letter];
-        size[letter] = d < 0 ? 1 : a->shape[d];
-        self->stride[letter] = d < 0 ? 0 : a->strides[d];
-        if (d < 0)
+        if (layout->dim[letter] < 0)
             continue;
         if (self->stride[letter] < 0)
             return kv_path_error(PyExc_ValueError, &path, "dimension '%c' (%s) has a negative stride (%lld bytes)",
-                                 DIM_LETTERS[letter], DIM_NAMES[letter], (long long)self->stride[letter]);
+                                 KV_LAYOUT_LETTERS[letter], KV_LAYOUT_NAMES[letter], (long long)self->stride[letter]);
         if (self->stride[letter] == 0 && size[letter] > 1)
             return kv_path_error(PyExc_ValueError, &path, "dimension '%c' (%s) has stride 0 and size %lld: its "
-                                 "entries would share memory", DIM_LETTERS[letter], DIM_NAMES[letter],
+                                 "entries would share memory", KV_LAYOUT_LETTERS[letter], KV_LAYOUT_NAMES[letter],
                                  (long long)size[letter]);
     }
     if (size[DIM_D] > 1 && self->stride[DIM_D] != a->itemsize)
         return kv_path_error(PyExc_ValueError, &path, "dimension 'd' (head dim) must have stride 1 element, got %lld "
                              "bytes for %lld-byte elements", (long long)self->stride[DIM_D], (long long)a->itemsize);
-    self->nl = position[DIM_L] >= 0 ? size[DIM_L] : self->narrays;
-    self->no = size[DIM_K];
+    self->nl = layout->dim[DIM_L] >= 0 ? size[DIM_L] : self->kv_pairs ? self->narrays / 2 : self->narrays;
+    self->no = self->kv_pairs ? 2 : size[DIM_K];
     self->num_blocks = size[DIM_B];
     self->nt = size[DIM_T];
     self->nh = size[DIM_H];
@@ -153,7 +138,7 @@ static int read_geometry(kv_paged_cache *self, const int position[DIM_COUNT])
  * graph capture). */
 static int build_tables(kv_paged_cache *self)
 {
-    const size_t count = self->nl > 0 ? (size_t)self->nl : 1;
+    const size_t count = (size_t)(self->kv_pairs ? self->narrays : self->nl > 0 ? self->nl : 1);
     self->layer_addresses = PyMem_Malloc(count * sizeof(uint64_t));
     self->spans = PyMem_Malloc((size_t)self->narrays * sizeof(kv_span));
     self->reach = PyMem_Malloc((size_t)self->narrays * sizeof(uint64_t));
@@ -170,9 +155,9 @@ static int build_tables(kv_paged_cache *self)
     self->alignment = 0;
     for (int letter = DIM_L; letter < DIM_D; letter++)
         self->alignment |= (uint64_t)self->stride[letter];
-    for (int64_t l = 0; l < self->nl; l++) {
-        /* Per-layer arrays, or one array with an 'l' dimension. */
-        const uint64_t base = self->narrays == self->nl
+    for (int64_t l = 0; l < (int64_t)count; l++) {
+        /* Per-layer (or per-K/V) arrays, or one array with an 'l' dimension. */
+        const uint64_t base = self->narrays > 1
                                   ? (uint64_t)(uintptr_t)self->arrays[l].data
                                   : (uint64_t)(uintptr_t)self->arrays[0].data + (uint64_t)(l * self->stride[DIM_L]);
         self->layer_addresses[l] = base;
@@ -181,16 +166,47 @@ static int build_tables(kv_paged_cache *self)
     return 0;
 }
 
-/* An 'l' in dims goes with one array holding every layer, and only with it. */
-static int check_layer_letter(PyObject *dims, int single, const int position[DIM_COUNT])
+/* An 'l' in the layout goes with one array holding every layer, and only
+ * with it; a 'k' never with (K, V) pairs. */
+static int check_layer_letter(PyObject *dims, int single, int pairs, const kv_layout *layout)
 {
-    if (single && position[DIM_L] < 0)
-        return kv_error(PyExc_ValueError, "dims: %R has no 'l' (layer), but layers is one array; name its layer "
-                    "dimension, or pass a sequence of per-layer arrays", dims);
-    if (!single && position[DIM_L] >= 0)
-        return kv_error(PyExc_ValueError, "dims: %R has an 'l' (layer), which is only for one array holding every layer; "
-                    "layers is a sequence of per-layer arrays", dims);
+    if (single && layout->dim[DIM_L] < 0)
+        return kv_error(PyExc_ValueError, "layout: %R has no 'l' (layer), but layers is one array; name its layer "
+                        "dimension, or pass a sequence of per-layer arrays", dims);
+    if (!single && layout->dim[DIM_L] >= 0)
+        return kv_error(PyExc_ValueError, "layout: %R has an 'l' (layer), which is only for one array holding every "
+                        "layer; layers is a sequence of per-layer %s", dims, pairs ? "(K, V) pairs" : "arrays");
+    if (pairs && layout->dim[DIM_K] >= 0)
+        return kv_error(PyExc_ValueError, "layout: %R has a 'k' (K/V), but layers are (K, V) pairs: the layout "
+                        "describes each of the two arrays", dims);
     return 0;
+}
+
+/* layers as a sequence of (K, V) pairs: the 2n arrays, K then V of each
+ * layer (a new tuple), and *pairs the pairs as read, each a tuple (new). */
+static PyObject *flatten_pairs(PyObject *seq, PyObject **pairs)
+{
+    const Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    PyObject *arrays = PyTuple_New(2 * n);
+    *pairs = arrays == NULL ? NULL : PyTuple_New(n);
+    for (Py_ssize_t i = 0; *pairs != NULL && i < n; i++) {
+        const kv_path path = {"layers", {i, 0}, 1};
+        PyObject *pair = kv_as_sequence(PyTuple_GET_ITEM(seq, i), &path, "a (K, V) pair of arrays, as layers[0] is");
+        if (pair != NULL && PyTuple_GET_SIZE(pair) != 2) {
+            kv_path_error(PyExc_ValueError, &path, "a (K, V) pair has 2 arrays, got %zd", PyTuple_GET_SIZE(pair));
+            Py_CLEAR(pair);
+        }
+        if (pair == NULL) {
+            Py_CLEAR(*pairs);
+            break;
+        }
+        PyTuple_SET_ITEM(*pairs, i, pair);
+        PyTuple_SET_ITEM(arrays, 2 * i, Py_NewRef(PyTuple_GET_ITEM(pair, 0)));
+        PyTuple_SET_ITEM(arrays, 2 * i + 1, Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
+    }
+    if (*pairs == NULL)
+        Py_CLEAR(arrays);
+    return arrays;
 }
 
 static int compare_addresses(const void *a, const void *b)
@@ -234,53 +250,75 @@ static int find_counters(kv_paged_cache *self, kv_protocols *p)
     return distinct > 0 && self->distinct_counters == NULL ? -1 : 0;
 }
 
-static int describe(kv_paged_cache *self, kv_state *state)
+/* Keeps the n arrays of `seq` (borrowed for the cache's life) and checks
+ * each against the first. */
+static int keep_arrays(kv_paged_cache *self, kv_state *state, const kv_layout *layout, PyObject *seq)
 {
-    int position[DIM_COUNT];
-    if (parse_dims(self->dims, position) < 0)
-        return -1;
-    /* Keep dims in lower case: letters are distinct, so at most DIM_COUNT. */
-    const Py_ssize_t ndim = PyUnicode_GetLength(self->dims);
-    char lower[DIM_COUNT];
-    for (int letter = 0; letter < DIM_COUNT; letter++)
-        if (position[letter] >= 0)
-            lower[position[letter]] = DIM_LETTERS[letter];
-    PyObject *normalized = PyUnicode_FromStringAndSize(lower, ndim);
-    if (normalized == NULL)
-        return -1;
-    Py_SETREF(self->dims, normalized);
-    const kv_path whole = {"layers", {0, 0}, 0};
-    int single;
-    PyObject *seq = kv_array_items(self->layers, &whole, "a sequence of per-layer arrays, or one array", &single);
-    if (seq == NULL)
-        return -1;
-    /* Keep the arrays as read, not the caller's (mutable) list. */
-    if (!single)
-        Py_SETREF(self->layers, Py_NewRef(seq));
-    if (check_layer_letter(self->dims, single, position) < 0) {
-        Py_DECREF(seq);
-        return -1;
-    }
-    int rc = -1;
     const Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    if (n == 0)
+        return kv_error(PyExc_ValueError, "layers: no arrays; expected one per layer");
     /* __dlpack__(stream=-1): only addresses are taken here. */
     const kv_reader reader = {&state->protocols, PyLong_FromLong(-1)};
-    if (n == 0)
-        PyErr_SetString(PyExc_ValueError, "layers: no arrays; expected one per layer");
-    else if (reader.dlpack_stream != NULL && (self->arrays = PyMem_Calloc((size_t)n, sizeof(kv_array))) == NULL)
+    if (reader.dlpack_stream == NULL)
+        return -1;
+    int rc = -1;
+    if ((self->arrays = PyMem_Calloc((size_t)n, sizeof(kv_array))) == NULL)
         PyErr_NoMemory();
-    else if (reader.dlpack_stream != NULL) {
+    else {
         rc = 0;
         for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
             const kv_path path = kv_paged_layer_path(self, i);
             rc = kv_array_keep(&reader, PyTuple_GET_ITEM(seq, i), &path, &self->arrays[i]);
             if (rc == 0) {
                 self->narrays = i + 1;
-                rc = check_layer_array(self, i, ndim);
+                rc = check_layer_array(self, i, layout);
             }
         }
     }
-    Py_XDECREF(reader.dlpack_stream);
+    Py_DECREF(reader.dlpack_stream);
+    return rc;
+}
+
+/* The arrays `layers` names, as a tuple (new reference): the one array,
+ * the per-layer arrays, or K then V of each (K, V) pair, which sets
+ * kv_pairs.  self->layers becomes what was read, not the caller's
+ * (mutable) sequence. */
+static PyObject *layer_arrays(kv_paged_cache *self, const kv_layout *layout)
+{
+    const kv_path whole = {"layers", {0, 0}, 0};
+    int single;
+    PyObject *seq = kv_array_items(self->layers, &whole, "a sequence of per-layer arrays or (K, V) pairs, or one "
+                                   "array", &single);
+    if (seq == NULL)
+        return NULL;
+    PyObject *first = PyTuple_GET_SIZE(seq) > 0 ? PyTuple_GET_ITEM(seq, 0) : NULL;
+    self->kv_pairs = !single && first != NULL && (PyList_Check(first) || PyTuple_Check(first));
+    if (self->kv_pairs) {
+        PyObject *pairs;
+        Py_SETREF(seq, flatten_pairs(seq, &pairs));
+        if (seq != NULL)
+            Py_SETREF(self->layers, pairs);
+    }
+    else if (!single)
+        Py_SETREF(self->layers, Py_NewRef(seq));
+    if (seq != NULL && check_layer_letter(self->dims, single, self->kv_pairs, layout) < 0)
+        Py_CLEAR(seq);
+    return seq;
+}
+
+static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
+{
+    kv_layout layout;
+    if (kv_layout_parse(self->dims, &layout) < 0)
+        return -1;
+    PyObject *normalized = kv_layout_text(&layout);
+    if (normalized == NULL)
+        return -1;
+    Py_SETREF(self->dims, normalized);
+    PyObject *seq = layer_arrays(self, &layout);
+    if (seq == NULL)
+        return -1;
+    const int rc = keep_arrays(self, state, &layout, seq);
     Py_DECREF(seq);
     if (rc < 0)
         return -1;
@@ -288,25 +326,28 @@ static int describe(kv_paged_cache *self, kv_state *state)
     self->device = first->place == KV_DEVICE ? first->device_id : -1;
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
-    if (read_geometry(self, position) < 0 || find_counters(self, &state->protocols) < 0)
+    if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0 ||
+        build_tables(self) < 0)
         return -1;
-    return build_tables(self);
+    return kv_paged_guard_layers(self, &state->protocols);
 }
 
 PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"layers", "dims", NULL};
-    PyObject *layers, *dims;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:PagedKVCache", keywords, &layers, &dims))
+    static char *keywords[] = {"layers", "layout", "block_size", NULL};
+    PyObject *layers, *layout, *block_size_arg = NULL;
+    int64_t block_size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$O:PagedKVCache", keywords, &layers, &layout, &block_size_arg)
+        || kv_parse_int(block_size_arg, "block_size", 1, INT64_MAX, 0, 1, &block_size) < 0)
         return NULL;
     kv_paged_cache *self = (kv_paged_cache *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->device = -1;
     self->layers = Py_NewRef(layers);
-    self->dims = Py_NewRef(dims);
+    self->dims = Py_NewRef(layout);
     /* The type is not subclassable: `type` is the module's own. */
-    if (describe(self, PyType_GetModuleState(type)) < 0) {
+    if (describe(self, PyType_GetModuleState(type), block_size) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -320,6 +361,7 @@ int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg)
     Py_VISIT(self->dims);
     Py_VISIT(self->counters);
     Py_VISIT(self->distinct_counters);
+    Py_VISIT(self->guards);
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         Py_VISIT(self->arrays[i].owner);
     return 0;
@@ -334,6 +376,7 @@ int kv_paged_clear(kv_paged_cache *self)
     Py_CLEAR(self->dims);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->distinct_counters);
+    Py_CLEAR(self->guards);
     return 0;
 }
 
@@ -346,6 +389,7 @@ void kv_paged_dealloc(kv_paged_cache *self)
     PyMem_Free(self->layer_addresses);
     PyMem_Free(self->spans);
     PyMem_Free(self->reach);
+    PyMem_Free(self->exchange);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
 }

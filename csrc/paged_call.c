@@ -3,99 +3,46 @@
 #include "paged_internal.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "args.h"
 #include "state.h"
 
-/* The layers or heads argument: None (all n), an index (Python's rules for
- * a negative one), a slice (Python's clipping rules) or a range whose every
- * value is an index.  `what` names one entry in errors ("layer", "head"). */
-static int read_selection(PyObject *obj, int64_t n, const char *name, const char *what, kv_selection *sel)
-{
-    sel->first = 0, sel->step = 1, sel->count = n;
-    if (obj == NULL || obj == Py_None)
-        return 0;
-    if (PySlice_Check(obj)) {
-        Py_ssize_t start, stop, step;
-        if (PySlice_Unpack(obj, &start, &stop, &step) < 0) {
-            PyErr_Clear();
-            return kv_error(PyExc_ValueError, "%s: %R has step 0", name, obj);
-        }
-        sel->count = PySlice_AdjustIndices((Py_ssize_t)n, &start, &stop, step);
-        sel->first = start, sel->step = step;
-        return 0;
-    }
-    if (!PyBool_Check(obj) && PyIndex_Check(obj)) {
-        int64_t index;
-        if (kv_parse_int(obj, name, INT64_MIN, INT64_MAX, 0, 0, &index) < 0)
-            return -1;
-        if (index < -n || index >= n)
-            return kv_error(PyExc_ValueError, "%s: %s %lld is outside the cache's %lld %ss", name, what, (long long)index,
-                        (long long)n, what);
-        sel->first = index < 0 ? index + n : index, sel->count = 1;
-        return 0;
-    }
-    if (!PyObject_TypeCheck(obj, &PyRange_Type))
-        return kv_error(PyExc_TypeError, "%s: expected None, an int, a slice or a range of %s indices, got %s", name,
-                    what, Py_TYPE(obj)->tp_name);
-    PyObject *start = PyObject_GetAttrString(obj, "start"), *step = PyObject_GetAttrString(obj, "step");
-    sel->first = start == NULL ? -1 : PyLong_AsLongLong(start);
-    sel->step = step == NULL ? -1 : PyLong_AsLongLong(step);
-    sel->count = PyErr_Occurred() ? -1 : PyObject_Size(obj);
-    Py_XDECREF(start);
-    Py_XDECREF(step);
-    int64_t last = 0;
-    if (!PyErr_Occurred() && sel->count > 0
-        && (__builtin_mul_overflow(sel->count - 1, sel->step, &last) || __builtin_add_overflow(last, sel->first, &last)))
-        PyErr_SetString(PyExc_OverflowError, "");
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return kv_error(PyExc_ValueError, "%s: %R selects %ss outside the cache's 0 to %lld", name, obj, what,
-                    (long long)n - 1);
-    }
-    if (sel->count > 0 && (sel->first < 0 || sel->first >= n || last < 0 || last >= n))
-        return kv_error(PyExc_ValueError, "%s: %R selects %s %lld, but the cache has %ss 0 to %lld", name, obj, what,
-                    (long long)(sel->first < 0 || sel->first >= n ? sel->first : last), what, (long long)n - 1);
-    return 0;
-}
-
-/* The highest index a selection takes, or -1 for none. */
-static int64_t selection_top(const kv_selection *sel)
-{
-    if (sel->count <= 0)
-        return -1;
-    return sel->step > 0 ? sel->first + (sel->count - 1) * sel->step : sel->first;
-}
-
 /* The chunk order of the operational methods: layout=, or inner=, its
  * deprecated spelling (a DeprecationWarning; TypeError when both are
  * given). */
-static int read_layout(const kv_paged_form *form, PyObject *layout, PyObject *inner, kvbm_layout *out)
+static int read_layout(const char *function, PyObject *layout, PyObject *inner, kvbm_layout *out)
 {
     if (inner == NULL)
         return kv_layout_read(layout, "layout", out);
     if (layout != NULL)
         return kv_error(PyExc_TypeError, "%s() got both layout and inner, its deprecated spelling: pass layout only",
-                        form->signature.function);
-    if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead",
-                         form->signature.function) < 0)
+                        function);
+    if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead", function)
+        < 0)
         return -1;
     return kv_layout_read(inner, "inner", out);
 }
 
-static int read_options(const kv_paged_cache *self, const kv_paged_form *form, PyObject *layers,
-                        PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
-                        PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
+                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
+                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
 {
     /* Offsets are bounded so that no sum with a dimension overflows. */
-    if (read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
-        || read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
-        || kv_parse_int(layer_offset, "layer_offset", 0, INT32_MAX, 0, 0, &o->layer_offset) < 0
+    if (kv_read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
+        || kv_read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
+        || kv_parse_int(layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, 0, 0, &o->layer_offset) < 0
         || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || read_layout(form, layout, inner, &o->layout) < 0
+        || read_layout(function, layout, inner, &o->layout) < 0
         || kv_move_options_read(backend, num_ctas, stream, &o->move) < 0)
         return -1;
+    /* Any selection packs into exactly as many universal layers. */
+    const int64_t bottom = kv_selection_bottom(&o->layers);
+    if (o->layer_offset < -bottom)
+        return kv_error(PyExc_ValueError, "layer_offset: %lld would put cache layer %lld at universal layer %lld; it "
+                        "must be at least %lld (minus the lowest layer moved)", (long long)o->layer_offset,
+                        (long long)bottom, (long long)(bottom + o->layer_offset), (long long)-bottom);
     return 0;
 }
 
@@ -110,49 +57,100 @@ static void release_call(kv_paged_call *call)
     Py_XDECREF(call->reader.dlpack_stream);
 }
 
-/* Bits for the repeated-id check of one call, on the stack up to this many
- * bytes (caches of up to 65,536 blocks), else on the heap.  Per call, so
- * that a cache holds no state that calls share. */
+/* The repeated-id check of one call uses memory of its own (a cache holds
+ * no state that calls share), sized by the ids: a bit per block, on the
+ * stack up to this many bytes (caches of up to 65,536 blocks), else on the
+ * heap while no larger than a copy of the ids; past that, a sorted copy. */
 #define SEEN_STACK_BYTES 8192
 
-/* Host ids must be in range and, when the cache is written, each once: 0,
- * or -1 with a ValueError naming the first entry in error. */
-static int check_host_ids(const kv_paged_call *call, const int64_t *ids, Py_ssize_t n)
+typedef struct {
+    int64_t id;
+    Py_ssize_t at;
+} placed_id;
+
+/* The first position of ids[0 .. n) (all in range) repeating an earlier
+ * id, that one in *earlier; n when none.  Only the bytes of `seen` the ids
+ * touch are cleared: no pass over the whole bit set. */
+static Py_ssize_t repeat_in_bits(const int64_t *ids, Py_ssize_t n, uint8_t *seen, Py_ssize_t *earlier)
 {
-    const int64_t num_blocks = call->cache->num_blocks;
-    const int written = !call->form->to_flat;
-    uint8_t stack[SEEN_STACK_BYTES], *seen = stack;
-    const size_t bytes = (size_t)num_blocks / 8 + 1;
-    if (written && bytes > sizeof stack && (seen = PyMem_Malloc(bytes)) == NULL) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        seen[ids[i] / 8] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t bit = (uint8_t)(1u << (ids[i] % 8));
+        if (seen[ids[i] / 8] & bit) {
+            for (*earlier = 0; ids[*earlier] != ids[i]; ++*earlier)
+                ;
+            return i;
+        }
+        seen[ids[i] / 8] |= bit;
+    }
+    return n;
+}
+
+static int by_id_then_position(const void *a, const void *b)
+{
+    const placed_id *x = a, *y = b;
+    return x->id != y->id ? (x->id > y->id) - (x->id < y->id) : (x->at > y->at) - (x->at < y->at);
+}
+
+/* The same through a sorted copy: in each run of one id, the second is its
+ * first repeat.  -1 with MemoryError. */
+static Py_ssize_t repeat_in_sorted(const int64_t *ids, Py_ssize_t n, Py_ssize_t *earlier)
+{
+    placed_id *sorted = PyMem_Malloc((size_t)n * sizeof *sorted);
+    if (sorted == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    /* Only the bytes the ids touch need clearing: no pass over the whole
-     * bit set, whatever the cache's size. */
-    for (Py_ssize_t i = 0; written && i < n; i++)
-        if (ids[i] >= 0 && ids[i] < num_blocks)
-            seen[ids[i] / 8] = 0;
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
-        const int64_t id = ids[i];
-        if (id < 0 || id >= num_blocks)
-            rc = kv_error(PyExc_ValueError, "block_ids[%zd]: block id %lld is out of range [0, %lld)", i,
-                          (long long)id, (long long)num_blocks);
-        else if (written) {
-            const uint8_t bit = (uint8_t)(1u << (id % 8));
-            if (seen[id / 8] & bit) {
-                Py_ssize_t earlier = 0;
-                while (ids[earlier] != id)
-                    earlier++;
-                rc = kv_error(PyExc_ValueError, "block_ids[%zd]: block id %lld repeats block_ids[%zd]; a block can "
-                              "be written once per call", i, (long long)id, earlier);
-            }
-            seen[id / 8] |= bit;
-        }
+    for (Py_ssize_t i = 0; i < n; i++)
+        sorted[i].id = ids[i], sorted[i].at = i;
+    qsort(sorted, (size_t)n, sizeof *sorted, by_id_then_position);
+    Py_ssize_t first = n;
+    for (Py_ssize_t k = 1, run = 0; k < n; k++) {
+        if (sorted[k].id != sorted[k - 1].id)
+            run = k;
+        else if (k == run + 1 && sorted[k].at < first)
+            first = sorted[k].at, *earlier = sorted[run].at;
     }
-    if (seen != stack)
-        PyMem_Free(seen);
-    return rc;
+    PyMem_Free(sorted);
+    return first;
+}
+
+static Py_ssize_t first_repeat(const int64_t *ids, Py_ssize_t n, int64_t num_blocks, Py_ssize_t *earlier)
+{
+    uint8_t stack[SEEN_STACK_BYTES];
+    const uint64_t bytes = (uint64_t)num_blocks / 8 + 1;
+    if (bytes <= sizeof stack)
+        return repeat_in_bits(ids, n, stack, earlier);
+    if (bytes > (uint64_t)n * sizeof(placed_id))
+        return repeat_in_sorted(ids, n, earlier);
+    uint8_t *seen = PyMem_Malloc((size_t)bytes);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    const Py_ssize_t first = repeat_in_bits(ids, n, seen, earlier);
+    PyMem_Free(seen);
+    return first;
+}
+
+/* Host ids must be in range and, when `written`, each once: 0, or -1 with a
+ * ValueError naming the first entry in error as name[i]. */
+int kv_paged_check_ids(const int64_t *ids, Py_ssize_t n, int64_t num_blocks, int written, const char *name)
+{
+    Py_ssize_t bad = 0, earlier = 0;
+    while (bad < n && ids[bad] >= 0 && ids[bad] < num_blocks)
+        bad++;
+    const Py_ssize_t repeat = !written || bad < 2 ? bad : first_repeat(ids, bad, num_blocks, &earlier);
+    if (repeat < 0)
+        return -1;
+    if (repeat < bad)
+        return kv_error(PyExc_ValueError, "%s[%zd]: block id %lld repeats %s[%zd]; a block can be written once per "
+                        "call", name, repeat, (long long)ids[repeat], name, earlier);
+    if (bad < n)
+        return kv_error(PyExc_ValueError, "%s[%zd]: block id %lld is out of range [0, %lld)", name, bad,
+                        (long long)ids[bad], (long long)num_blocks);
+    return 0;
 }
 
 /* Reads block_ids and checks them: on the cache's device or in host memory;
@@ -167,7 +165,8 @@ static int read_block_ids(kv_paged_call *call, PyObject *obj)
         const kv_path path = {"block_ids", {0, 0}, 0};
         return kv_target_add(&call->target, &call->ids.array, &path);
     }
-    return check_host_ids(call, (const int64_t *)call->ids.values, call->ids.count);
+    return kv_paged_check_ids((const int64_t *)call->ids.values, call->ids.count, cache->num_blocks,
+                              !call->form->to_flat, "block_ids");
 }
 
 static kv_path flat_path(const kv_paged_call *call, Py_ssize_t b)
@@ -182,7 +181,7 @@ static void expected_flat(const kv_paged_call *call, char *buf, size_t size)
     const kv_paged_cache *c = call->cache;
     const kv_paged_options *o = &call->options;
     if (call->form->universal) {
-        const int64_t top = selection_top(&o->layers);
+        const int64_t top = kv_selection_top(&o->layers);
         snprintf(buf, size, "[NH >= %lld, NL >= %lld, %lld, %lld, %lld] ([heads, layers, no, nt, hd], head_offset %lld "
                  "+ %lld heads moved, layer_offset %lld + layers up to %lld)",
                  (long long)(o->head_offset + o->heads.count), (long long)(o->layer_offset + top + 1),
@@ -202,7 +201,8 @@ static int flat_shape_fits(const kv_paged_call *call, const int64_t *shape)
     const kv_paged_options *o = &call->options;
     if (!call->form->universal)
         return shape[0] == c->nl && shape[1] == c->no && shape[2] == c->nt * c->nh * c->hd;
-    return shape[0] >= o->head_offset + o->heads.count && shape[1] >= o->layer_offset + selection_top(&o->layers) + 1
+    return shape[0] >= o->head_offset + o->heads.count
+        && shape[1] >= o->layer_offset + kv_selection_top(&o->layers) + 1
         && shape[2] == c->no && shape[3] == c->nt && shape[4] == c->hd;
 }
 
@@ -327,26 +327,26 @@ static int check_aliasing(const kv_paged_call *call)
     return kv_overlap_error(&a, &b);
 }
 
-/* from_*: the cache's layers are the destination.  Each torch layer the
- * call writes is checked as a destination now (requires_grad may have been
- * set since construction), and their version counters are bumped, as the
- * list API does for its destinations (kv_arrays_written): all distinct
- * counters at once when every layer is written, else those of the layers
- * selected.  Inference tensors need neither (kv_torch_counter_owner). */
-static int mark_layers_written(const kv_paged_call *call)
+/* Each torch layer a call writes is checked as a destination now
+ * (requires_grad may have been set since construction), and their version
+ * counters are bumped, as the list API does for its destinations
+ * (kv_arrays_written): all distinct counters at once when every layer is
+ * written, else those of the layers selected.  Inference tensors need
+ * neither (kv_torch_counter_owner). */
+int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *p, const kv_selection *layers)
 {
-    const kv_paged_cache *cache = call->cache;
-    kv_protocols *p = &call->state->protocols;
-    /* One array holds every layer, or array i is layer i. */
-    const kv_selection *layers = &call->options.layers;
-    const int every = cache->narrays == 1 || layers->count == cache->narrays;
-    const Py_ssize_t count = cache->narrays == 1 ? 1 : (Py_ssize_t)layers->count;
+    /* One array holds every layer, or layer l is array l (both of a
+     * (K, V) pair). */
+    const int every = cache->narrays == 1 || layers->count == cache->nl;
+    const int per_layer = cache->kv_pairs ? 2 : 1;
+    const Py_ssize_t count = cache->narrays == 1 ? 1 : (Py_ssize_t)layers->count * per_layer;
     PyObject *bump = NULL;
     if (!every && cache->distinct_counters != NULL && (bump = PyList_New(0)) == NULL)
         return -1;
     int rc = 0;
     for (Py_ssize_t k = 0; rc == 0 && k < count; k++) {
-        const Py_ssize_t i = cache->narrays == 1 ? 0 : (Py_ssize_t)(layers->first + k * layers->step);
+        const Py_ssize_t i = cache->narrays == 1 ? 0
+            : kv_paged_array_of(cache, layers->first + k / per_layer * layers->step, k % per_layer);
         PyObject *owner = PyTuple_GET_ITEM(cache->counters, i);
         if (owner == Py_None)
             continue;
@@ -388,8 +388,8 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (read_options(self, form, layers, layer_offset, heads, head_offset, backend, num_ctas, layout, inner, stream,
-                     &call.options) < 0)
+    if (kv_paged_read_options(self, form->signature.function, layers, layer_offset, heads, head_offset, backend,
+                              num_ctas, layout, inner, stream, &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
@@ -398,8 +398,9 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     kv_target_init(&call.target, call.options.move.stream, self->device, "the cache is");
     call.reader.protocols = &call.state->protocols;
     call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.move.stream);
-    if (call.reader.dlpack_stream == NULL || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0
-        || check_aliasing(&call) < 0)
+    if (call.reader.dlpack_stream == NULL || kv_paged_check_layers(self, &call.reader, &call.options.layers) < 0
+        || (!form->to_flat && kv_paged_check_aliasing(self, &call.options.layers) < 0)
+        || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0 || check_aliasing(&call) < 0)
         goto done;
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;
     const int64_t layers_moved = call.options.layers.count;
@@ -414,7 +415,7 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
         rc = self->device < 0 ? kv_move_options_check_host(&call.options.move) : 0;
         if (rc == 0)
             rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
-                               : mark_layers_written(&call);
+                               : kv_paged_mark_written(self, &call.state->protocols, &call.options.layers);
         if (rc == 0)
             rc = kv_paged_run(&call);
     }

@@ -11,18 +11,17 @@
 #include "args.h"
 #include "options.h"
 #include "overlap.h"
+#include "paged_layout.h"
 #include "state.h"
 #include "target.h"
 
-/* The dimension letters of `dims`. */
-enum { DIM_L, DIM_K, DIM_B, DIM_T, DIM_H, DIM_D, DIM_COUNT };
-
 typedef struct {
     PyObject_HEAD
-    PyObject *layers;  /* the arrays as given */
-    PyObject *dims;    /* the dims string */
+    PyObject *layers;  /* the arrays as given (a tuple of (K, V) tuples for kv_pairs) */
+    PyObject *dims;    /* the layout string, normalized */
     kv_array *arrays;  /* borrowed for the cache's life */
     Py_ssize_t narrays;
+    int kv_pairs;      /* K and V are separate arrays: array 2l is layer l's K, 2l + 1 its V */
     /* Whose version counters from_* bumps (kv_torch_counter_owner): per
      * array (None for none), and the distinct ones (NULL when none). */
     PyObject *counters, *distinct_counters;
@@ -31,10 +30,18 @@ typedef struct {
     int device;        /* the CUDA device, or -1 for host memory */
     int readonly;
     int64_t stride[DIM_COUNT];  /* bytes; 0 for a letter dims lacks */
-    uint64_t *layer_addresses;  /* base address of every layer (each call's table takes those it moves) */
+    uint64_t *layer_addresses;  /* base address of every layer, or of every array for kv_pairs (each
+                                   call's table takes those it moves) */
     kv_span *spans;             /* the bytes of every array, sorted, for the aliasing check */
     uint64_t *reach;
     uint64_t alignment;         /* OR of the layer addresses and strides */
+    int aliased;                /* two layers share memory: a call writing the cache checks the layers it selects */
+    /* Per array, the C exchange API it was read through (asked again at
+     * each call, to catch memory that moved), or NULL. */
+    const struct DLPackExchangeAPI **exchange;
+    /* What keeps those checks valid: the APIs' capsules, and weak
+     * references to the other layers (kv_paged_new). */
+    PyObject *guards;
 } kv_paged_cache;
 
 /* Where array i of the cache is named in errors. */
@@ -43,6 +50,14 @@ kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i);
 /* Array i of the cache as the caller gave it (borrowed): item i of the
  * tuple of layers, or the one array. */
 PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i);
+
+/* The base address of (layer l, outer o) of every moved layer, first,
+ * first + step, ... (count of them), at out[i * no + o]: the table of a
+ * call whose outers are addressed apart (kvbm_paged's split_outer). */
+void kv_paged_outer_bases(const kv_paged_cache *self, int64_t first, int64_t step, int64_t count, uint64_t *out);
+
+/* The index in self->arrays of the array holding (layer l, outer o). */
+Py_ssize_t kv_paged_array_of(const kv_paged_cache *self, int64_t l, int64_t o);
 
 /* paged_cache.c: the type's tp_new, tp_traverse, tp_clear, tp_dealloc. */
 PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs);
@@ -67,6 +82,26 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
 typedef struct {
     int64_t first, step, count;
 } kv_selection;
+
+/* paged_select.c: a layers= or heads= argument (NULL: not given) among
+ * the cache's n layers or heads, `what` naming one ("layer", "head"):
+ * None for all, an index (Python's rules for a negative one), a slice
+ * (Python's rules, but a bound outside the n entries is an error rather
+ * than clipped) or a range of indices; never empty.  0, or -1 with
+ * ValueError or TypeError naming `name`. */
+int kv_read_selection(PyObject *obj, int64_t n, const char *name, const char *what, kv_selection *sel);
+
+/* The highest and the lowest index a selection takes. */
+int64_t kv_selection_top(const kv_selection *sel);
+int64_t kv_selection_bottom(const kv_selection *sel);
+
+/* paged_layers.c: at construction, what the checks below need (0, or -1
+ * with an exception); for a call moving `layers` (a call writing them), a
+ * ValueError naming a layer whose memory moved since construction (two
+ * layers that share memory).  Return 0 or -1. */
+int kv_paged_guard_layers(kv_paged_cache *self, kv_protocols *protocols);
+int kv_paged_check_layers(const kv_paged_cache *self, const kv_reader *reader, const kv_selection *layers);
+int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers);
 
 /* A call's keyword options, checked. */
 typedef struct {
@@ -94,6 +129,22 @@ typedef struct {
     int64_t flat_shape[5]; /* of every flat block */
     int flat_ndim;
 } kv_paged_call;
+
+/* Reads and checks the options every call shares against `self` (the
+ * cache whose layers and heads they select); absent ones are NULL.
+ * `function` names the method in the layout/inner messages. */
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
+                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
+                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o);
+
+/* Host ids of a cache of num_blocks blocks must be in range and, when the
+ * cache is `written`, each once: 0, or -1 with a ValueError naming the
+ * first entry in error as name[i]. */
+int kv_paged_check_ids(const int64_t *ids, Py_ssize_t n, int64_t num_blocks, int written, const char *name);
+
+/* The cache's selected `layers` are about to be written: each torch layer
+ * is checked as a destination and the version counters are bumped. */
+int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *protocols, const kv_selection *layers);
 
 /* paged_run.c: moves the bytes of a checked call.  Returns 0 or -1. */
 int kv_paged_run(kv_paged_call *call);

@@ -22,6 +22,7 @@ static kvbm_paged plan(const kv_paged_call *call)
     p.row_bytes = c->hd * c->itemsize;
     p.num_blocks = c->num_blocks;
     p.cache_outer = c->stride[DIM_K];
+    p.split_outer = c->kv_pairs;
     p.cache_block = c->stride[DIM_B];
     /* The kernel counts moved heads: fold the first head and the step in. */
     p.cache_shift = o->heads.first * c->stride[DIM_H];
@@ -110,7 +111,7 @@ static int run_on_gpu(kv_gpu *gpu, kv_paged_call *call, const kvbm_paged *p, con
     move.paged.paged = p;
     move.paged.addresses = a;
     move.table = table;
-    move.entries = kvbm_paged_table_entries(a, p->nl, p->nb);
+    move.entries = kvbm_paged_table_entries(a, kvbm_paged_bases(p), p->nb);
     move.vector_bytes = vector_bytes;
     const int rc = kv_route_move(gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
                                  unstageable, &call->options.move, call->form->name);
@@ -136,15 +137,19 @@ int kv_paged_run(kv_paged_call *call)
         addresses.flat_block = call->flats[0].strides[0];
         alignment |= addresses.flat_base | (uint64_t)addresses.flat_block;
     }
-    const int64_t entries = kvbm_paged_table_entries(&addresses, p.nl, nb);
+    const int64_t bases = kvbm_paged_bases(&p);
+    const int64_t entries = kvbm_paged_table_entries(&addresses, bases, nb);
     uint64_t *table = PyMem_Malloc((size_t)entries * sizeof(uint64_t));
     if (table == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    uint64_t *slot = table;
-    for (int64_t i = 0; i < p.nl; i++)
-        *slot++ = cache->layer_addresses[call->options.layers.first + i * call->options.layers.step];
+    const kv_selection *layers = &call->options.layers;
+    if (p.split_outer)
+        kv_paged_outer_bases(cache, layers->first, layers->step, p.nl, table);
+    for (int64_t i = 0; !p.split_outer && i < p.nl; i++)
+        table[i] = cache->layer_addresses[layers->first + i * layers->step];
+    uint64_t *slot = table + bases;
     if (!call->ids.on_device) {
         memcpy(slot, call->ids.values, (size_t)nb * sizeof(uint64_t));
         slot += nb;

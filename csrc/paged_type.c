@@ -4,6 +4,8 @@
 
 #include <stddef.h>
 
+#include "to_cache.h"
+
 /* The parameters of the four methods: two positional-only, the options
  * keyword-only. */
 static const char *const TO_UNIVERSAL[] = {"block_ids", "universals", "layers", "layer_offset", "heads",
@@ -29,8 +31,12 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
     "    Device ids are not read on the host (that would need a synchronization): the\n"                               \
     "    kernel skips a block whose id is outside [0, num_blocks), and repeated ids\n"                                 \
     "    are not detected.\n"                                                                                          \
-    "layers: None (every layer), an int, a slice (Python's rules) or a range of cache\n"                                \
-    "    layers.\n"                               \
+    "layers: None (every layer), an int, a slice or a range of cache layers.  One rule\n"                              \
+    "    for layers= and heads=: Python's meaning of negative indices and steps, but a\n"                              \
+    "    bound outside the cache is a ValueError (not clipped), an empty selection is\n"                               \
+    "    a ValueError, and a bound that is not an int (or whose __index__ raises) a\n"                                 \
+    "    TypeError.  A call that writes the cache refuses to write two layers that\n"                                  \
+    "    share memory (ValueError naming both).\n"                                                                     \
     "backend: \"auto\" (default): with universal or operational blocks in pinned host\n"                               \
     "    memory, the copy engines carry the bytes over PCIe and a kernel on a few CTAs\n"                              \
     "    rearranges them through device staging memory (set_staging(),\n"                                             \
@@ -59,9 +65,12 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
     "    array [nb, NH, NL, no, nt, hd] whose blocks are C-contiguous, with\n"                                         \
     "    NH >= head_offset + len(heads), NL >= layer_offset + the highest layer moved.\n"                              \
-    "layer_offset: cache layer l is universal layer l + layer_offset.\n"                                               \
-    "heads: None (every head), an int, a slice or a range of the cache's heads: the\n"                                  \
-    "    heads moved, in that order (a receiver's share when resharding).\n"                                          \
+    "layer_offset: cache layer l is universal layer l + layer_offset: layers keep their\n"                             \
+    "    cache index.  It may be negative down to minus the lowest layer moved, so that\n"                             \
+    "    layers=range(a, b), layer_offset=-a fills a block of exactly b - a layers.\n"                                 \
+    "heads: None (every head), an int, a slice or a range of the cache's heads (the\n"                                 \
+    "    rule of layers=): the heads moved, in that order, renumbered from head_offset\n"                              \
+    "    (a receiver's share when resharding).\n"                                                                      \
     "head_offset: the heads moved are universal heads [head_offset, head_offset +\n"                                  \
     "    len(heads)) (a tensor-parallel rank's slice).  Other heads and layers are not\n"                             \
     "    touched.\n"
@@ -103,6 +112,32 @@ PyDoc_STRVAR(from_operational_doc,
              COMMON_DOC);
 DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)
 
+PyDoc_STRVAR(to_cache_doc,
+             "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, "
+             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "Copy blocks src_ids[b] of this cache into blocks dst_ids[b] of dst, another\n"
+             "PagedKVCache of the same num_outer, tokens_per_block, head_dim and dtype, in\n"
+             "whatever layout each has:\n"
+             "dst row (dst_ids[b], l + layer_offset, o, t, head_offset + j) = row (src_ids[b], l, o, t, heads[j])\n"
+             "for every layer l in `layers` and every j < len(heads), as to_universal numbers\n"
+             "them.  Other layers, heads and blocks of dst are not touched.\n\n"
+             "dst: a PagedKVCache sharing no memory with this one; on the same CUDA device, or\n"
+             "    one of the two in pinned host memory (the call runs on the device), or both\n"
+             "    in host memory (the call runs on the CPU, without the GIL).\n"
+             "src_ids, dst_ids: as block_ids below, of equal length; dst_ids name blocks of\n"
+             "    dst (each once, where they are on the host).\n"
+             "layers, heads: of this cache, as for to_universal.\n"
+             "layer_offset, head_offset: where they land in dst, as for to_universal.\n"
+             "Device to device: one kernel launch for every layer and block.  With a cache in\n"
+             "pinned host memory whose ids are on the host, \"auto\" stages the move: the copy\n"
+             "engines carry the pinned cache's blocks in its own layout, and a kernel on a\n"
+             "few CTAs rearranges them in device staging memory.\n" COMMON_DOC);
+
+static PyObject *to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    return kv_paged_to_cache(self, args, nargs, kwnames);
+}
+
 static PyMethodDef paged_methods[] = {
     {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_FASTCALL | METH_KEYWORDS, to_universal_doc},
     {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_FASTCALL | METH_KEYWORDS,
@@ -111,6 +146,7 @@ static PyMethodDef paged_methods[] = {
      to_operational_doc},
     {"from_operational", (PyCFunction)(void (*)(void))from_operational, METH_FASTCALL | METH_KEYWORDS,
      from_operational_doc},
+    {"to_cache", (PyCFunction)(void (*)(void))to_cache, METH_FASTCALL | METH_KEYWORDS, to_cache_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -152,14 +188,15 @@ static PyObject *get_layers(kv_paged_cache *self, void *unused)
 static PyGetSetDef paged_getset[] = {
     {"num_layers", (getter)get_int, NULL, "nl: layers in the cache", INT_MEMBER(nl)},
     {"num_blocks", (getter)get_int, NULL, "blocks per layer (valid ids: 0 .. num_blocks - 1)", INT_MEMBER(num_blocks)},
-    {"num_heads", (getter)get_int, NULL, "nh: KV heads (1 without an 'h' in dims)", INT_MEMBER(nh)},
+    {"num_heads", (getter)get_int, NULL, "nh: KV heads (1 without an 'h' in the layout)", INT_MEMBER(nh)},
     {"tokens_per_block", (getter)get_int, NULL, "nt: tokens per block", INT_MEMBER(nt)},
     {"head_dim", (getter)get_int, NULL, "hd: elements per head and token", INT_MEMBER(hd)},
-    {"num_outer", (getter)get_int, NULL, "no: 2 for K and V, 1 without a 'k' in dims", INT_MEMBER(no)},
+    {"num_outer", (getter)get_int, NULL, "no: 2 for K and V (a 'k' in the layout, or (K, V) pairs), else 1",
+     INT_MEMBER(no)},
     {"itemsize", (getter)get_int, NULL, "bytes per element", INT_MEMBER(itemsize)},
     {"dtype", (getter)get_dtype, NULL, "element type, e.g. 'bfloat16'", NULL},
     {"device", (getter)get_device, NULL, "'cuda:N', or 'cpu' for a cache in host memory", NULL},
-    {"dims", (getter)get_dims, NULL, "the dims string given at construction, in lower case", NULL},
+    {"dims", (getter)get_dims, NULL, "the layout given at construction, in lower case", NULL},
     {"layers", (getter)get_layers, NULL, "the arrays given at construction (the cache keeps them alive)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -169,8 +206,9 @@ static PyObject *paged_repr(kv_paged_cache *self)
     char dtype[48];
     PyObject *device = get_device(self, NULL);
     PyObject *repr = device == NULL ? NULL
-        : PyUnicode_FromFormat("PagedKVCache(dims=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, num_heads=%lld, "
-                               "tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')", self->dims,
+        : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, "
+                               "num_heads=%lld, tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')",
+                               self->dims,
                                (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
                                (long long)self->nh, (long long)self->nt, (long long)self->hd,
                                kv_dtype_name(self->dtype, dtype, sizeof dtype), device);
@@ -179,27 +217,44 @@ static PyObject *paged_repr(kv_paged_cache *self)
 }
 
 PyDoc_STRVAR(paged_doc,
-             "PagedKVCache(layers, dims)\n--\n\n"
+             "PagedKVCache(layers, layout, *, block_size=None)\n--\n\n"
              "A serving worker's KV cache, described once: the blocks of every layer are\n"
              "addressed by block id, and each call moves nb blocks to or from universal or\n"
              "operational blocks in one kernel launch, with a host cost that does not grow\n"
              "with the number of layers or chunks.\n\n"
-             "layers: a sequence of nl per-layer arrays, or one array holding every layer.\n"
-             "dims: one letter per dimension of each array, in its logical order: l layer\n"
-             "    (only for one all-layer array), k K/V (absent: no = 1), b block, t token,\n"
-             "    h head (absent: nh = 1), d head dim.  E.g. \"kbthd\" (vLLM FlashAttention,\n"
-             "    [2, num_blocks, nt, nh, hd]), \"bkthd\" (FlashInfer), \"btd\" (MLA), \"blkthd\"\n"
-             "    (one cross-layer array).\n\n"
+             "layers: a sequence of nl per-layer arrays, a sequence of nl (K, V) pairs of\n"
+             "    arrays (K and V in separate arrays: no = 2), or one array holding every\n"
+             "    layer.\n"
+             "layout: one letter per dimension of each array, in its logical order: l layer\n"
+             "    (only for one all-layer array), k K/V (absent: no = 1, or 2 for pairs), b\n"
+             "    block, t token, h head (absent: nh = 1), d head dim.  Letters in\n"
+             "    parentheses share one dimension, their row-major product: t's size is\n"
+             "    block_size, k's 2, and one other letter takes the rest.  E.g. \"kbthd\"\n"
+             "    (vLLM FlashAttention before K|V packing, [2, num_blocks, nt, nh, hd]),\n"
+             "    \"bth(kd)\" (vLLM's packed K|V in memory order), \"bkthd\" (FlashInfer),\n"
+             "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
+             "    transformers, K and V pairs, with block_size=).\n"
+             "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
              "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
              "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
              "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
              "and all are on one CUDA device, or all in host memory (then calls run on the\n"
              "CPU, without the GIL).  The cache keeps the memory of its arrays alive (for\n"
              "DLPack producers, through the capsules' managed tensors) and always moves\n"
-             "that memory: re-pointing a layer tensor afterwards (torch's set_ or resize_)\n"
-             "does not change what the cache reads or writes.  It holds no device memory\n"
-             "of its own: constructing or collecting it never allocates, frees or\n"
-             "synchronizes on a device.\n\n"
+             "that memory: re-pointing a layer tensor afterwards with torch's set_ does not\n"
+             "change what the cache reads or writes.  A resize that reallocates a layer's\n"
+             "memory would free it under the cache, so: NumPy refuses to resize a layer (or\n"
+             "the array owning its memory) while the cache lives, even with\n"
+             "refcheck=False (the cache holds weak references to them); a cache of one\n"
+             "array read through DLPack's C exchange API (torch 2.11+) asks the array at\n"
+             "every call where its memory is and raises ValueError naming it if it moved\n"
+             "(torch's resize_ growing it, untyped_storage().resize_()); per-layer arrays\n"
+             "get that check, one C call per layer moved, under KVBM_EXT_DEBUG=1 (other\n"
+             "producers are read again through their protocol then).  Without it, do not\n"
+             "resize a per-layer torch tensor the cache holds.  Layers may share memory\n"
+             "(one tensor given twice): reading them is fine, a call writing two of them\n"
+             "is refused.  The cache holds no device memory of its own: constructing or\n"
+             "collecting it never allocates, frees or synchronizes on a device.\n\n"
              "torch tensors are written as a torch in-place operation would write them:\n"
              "from_universal and from_operational refuse a layer tensor that requires grad\n"
              "(asked at each call: autograd could not see the write; construct the cache\n"

@@ -120,29 +120,56 @@ static void find_torch_flags(const kv_protocols *p, PyTypeObject *type, kv_type_
     PyErr_Clear();
 }
 
-kv_type_facts kv_type_facts_of(kv_protocols *p, PyTypeObject *type)
+/* The slot caching `type`, or -1.  Under the lock. */
+static int slot_of(const kv_protocols *p, PyTypeObject *type)
 {
-    for (int i = 0; i < KV_TYPES_CACHED; i++) {
-        if (p->types[i].type == type) {
-            kv_type_facts facts = p->types[i];
-            Py_XINCREF(facts.is_neg);
-            Py_XINCREF(facts.is_conj);
-            Py_XINCREF(facts.exchange_capsule);
-            return facts;
-        }
-    }
-    kv_type_facts facts = {type, NULL, NULL, NULL, NULL};
-    find_exchange_api(p, type, &facts);
-    find_torch_flags(p, type, &facts);
+    for (int i = 0; i < KV_TYPES_CACHED; i++)
+        if (p->types[i].type == type)
+            return i;
+    return -1;
+}
+
+/* Caches `facts` in the next slot, unless another thread cached the type
+ * meanwhile; *evicted receives what the slot held, for the caller to clear
+ * once the lock is released.  Under the lock. */
+static void cache_facts(kv_protocols *p, const kv_type_facts *facts, kv_type_facts *evicted)
+{
+    memset(evicted, 0, sizeof *evicted);
+    if (slot_of(p, facts->type) >= 0)
+        return;
     kv_type_facts *slot = &p->types[p->next_type];
     p->next_type = (p->next_type + 1) % KV_TYPES_CACHED;
-    kv_type_facts old = *slot;
-    slot->type = (PyTypeObject *)Py_NewRef(type);
-    slot->exchange = facts.exchange;
-    slot->exchange_capsule = Py_XNewRef(facts.exchange_capsule);
-    slot->is_neg = Py_XNewRef(facts.is_neg);
-    slot->is_conj = Py_XNewRef(facts.is_conj);
-    clear_facts(&old); /* last: freeing a type may run Python code */
+    *evicted = *slot;
+    slot->type = (PyTypeObject *)Py_NewRef(facts->type);
+    slot->exchange = facts->exchange;
+    slot->exchange_capsule = Py_XNewRef(facts->exchange_capsule);
+    slot->is_neg = Py_XNewRef(facts->is_neg);
+    slot->is_conj = Py_XNewRef(facts->is_conj);
+}
+
+kv_type_facts kv_type_facts_of(kv_protocols *p, PyTypeObject *type)
+{
+    kv_type_facts facts = {type, NULL, NULL, NULL, NULL};
+    kv_lock_acquire(&p->types_lock);
+    const int cached = slot_of(p, type);
+    if (cached >= 0) {
+        facts = p->types[cached];
+        Py_XINCREF(facts.is_neg);
+        Py_XINCREF(facts.is_conj);
+        Py_XINCREF(facts.exchange_capsule);
+    }
+    kv_lock_release(&p->types_lock);
+    if (cached >= 0)
+        return facts;
+    /* Found outside the lock: finding runs Python code, which may call into
+     * this module again, on this thread or another. */
+    find_exchange_api(p, type, &facts);
+    find_torch_flags(p, type, &facts);
+    kv_type_facts evicted;
+    kv_lock_acquire(&p->types_lock);
+    cache_facts(p, &facts, &evicted);
+    kv_lock_release(&p->types_lock);
+    clear_facts(&evicted); /* last: freeing a type may run Python code */
     return facts;
 }
 

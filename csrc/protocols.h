@@ -6,6 +6,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "lock.h"
+
 enum {
     KV_NAME_DLPACK,
     KV_NAME_DLPACK_DEVICE,
@@ -49,6 +51,7 @@ typedef struct {
     PyObject *stream_keyword;       /* ("stream",) */
     PyObject *max_version;          /* (1, 3) */
     PyObject *increment_version;    /* torch.autograd.graph.increment_version, found on first need (None: absent) */
+    kv_lock types_lock;                   /* guards types and next_type */
     kv_type_facts types[KV_TYPES_CACHED]; /* recently seen types, recycled in turn */
     int next_type;
 } kv_protocols;
@@ -57,11 +60,11 @@ int kv_protocols_init(kv_protocols *p);   /* 0, or -1 with an exception */
 int kv_protocols_traverse(kv_protocols *p, visitproc visit, void *arg);
 void kv_protocols_clear(kv_protocols *p);
 
-/* The facts of `type`, from the cache or found (and cached) now.  The
- * caller gets its own references to is_neg, is_conj and the exchange
- * capsule, which it gives back with kv_type_facts_release: finding facts
- * runs Python code, which may call into this module again and recycle any
- * slot. */
+/* The facts of `type`, from the cache or found (and cached) now; safe from
+ * several threads at once (types_lock).  The caller gets its own references
+ * to is_neg, is_conj and the exchange capsule, which it gives back with
+ * kv_type_facts_release: finding facts runs Python code, which may call
+ * into this module again and recycle any slot. */
 kv_type_facts kv_type_facts_of(kv_protocols *p, PyTypeObject *type);
 void kv_type_facts_release(kv_type_facts *facts);
 

@@ -7,6 +7,7 @@
 
 #include "kvbm_layout.h"
 #include "kvbm_paged.h"
+#include "kvbm_to_cache.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -65,6 +66,17 @@ cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_v
 cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
                               const uint64_t *host_table, const uint64_t *device_table,
                               int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
+
+/* Moves move->p.nb blocks from one paged cache to another in one launch, as
+ * kvbm_to_cache.h describes; move->p has been planned (kvbm_paged_plan).
+ * The table (kvbm_to_cache_table_entries values) is `device_table` in
+ * device memory or, when that is NULL, read from `host_table` and passed
+ * by value (at most KVBM_TABLE_BY_VALUE_MAX values).  Every address, stride
+ * and the segment size must be a multiple of `vector_bytes`.  At most
+ * `num_ctas` CTAs run (0: one per tile). */
+cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_ids *ids,
+                                 const uint64_t *host_table, const uint64_t *device_table,
+                                 int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
 
 /* Vectors of 16 bytes that one CTA of kvbm_launch_copy_pairs moves per step:
  * the slice size a caller aims for when it picks `slices`. */

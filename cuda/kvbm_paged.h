@@ -2,17 +2,19 @@
  * shared by the CPU implementation (csrc/cpu_copy.c) and the CUDA kernel
  * (cuda/paged.cu).
  *
- * A paged cache is what a serving worker allocates: one array per layer, or
- * one for all layers, with a block dimension indexed by block id.  A call
- * moves nl of its layers; the row (moved layer i, outer o, block id, head h,
- * token t) of row_bytes = hd * itemsize contiguous bytes starts at
+ * A paged cache is what a serving worker allocates: one array per layer (or
+ * two, K and V), or one for all layers, with a block dimension indexed by
+ * block id.  A call moves nl of its layers; the row (moved layer i, outer o,
+ * block id, head h, token t) of row_bytes = hd * itemsize contiguous bytes
+ * starts at
  *
- *     base(i) + cache_shift + o*cache_outer + id*cache_block + h*cache_head + t*cache_token
+ *     base(i, o) + cache_shift + o*cache_outer + id*cache_block + h*cache_head + t*cache_token
  *
- * with any strides the arrays have, base(i) the address of moved layer i
- * (in the call's table) and cache_shift selecting the first head a call
- * moves.  The "flat" side holds one buffer per moved block b (a universal or
- * an operational block), in which the same row starts at
+ * with any strides the arrays have, base(i, o) the address of moved layer i
+ * (in the call's table; of its outer o too when split_outer, cache_outer
+ * then 0) and cache_shift selecting the first head a call moves.  The
+ * "flat" side holds one buffer per moved block b (a universal or an
+ * operational block), in which the same row starts at
  *
  *     flat(b) + flat_shift + i*flat_layer + o*flat_outer + h*flat_head + t*flat_token
  *
@@ -38,6 +40,7 @@ typedef struct {
     int64_t cache_outer, cache_block, cache_head, cache_token, cache_shift;
     int64_t flat_layer, flat_outer, flat_head, flat_token, flat_shift;
     int to_flat;         /* the bytes move from the cache into the flat side */
+    int split_outer;     /* the table holds a base per (moved layer, outer): K and V apart */
     /* Filled by kvbm_paged_plan: */
     int64_t segment_bytes;
     int64_t segments; /* per chunk */
@@ -45,11 +48,22 @@ typedef struct {
     int64_t cache_q, cache_r, flat_q, flat_r;
 } kvbm_paged;
 
+/* The bases at the head of a call's table: one per moved layer, or one per
+ * (moved layer, outer) when split_outer, and the entry of (i, o). */
+KVBM_HOST_DEVICE int64_t kvbm_paged_bases(const kvbm_paged *p)
+{
+    return p->split_outer ? p->nl * p->no : p->nl;
+}
+
+KVBM_HOST_DEVICE int64_t kvbm_paged_base(const kvbm_paged *p, int64_t i, int64_t o)
+{
+    return p->split_outer ? i * p->no + o : i;
+}
+
 /* Where a call's addresses are.  The call's table (by value or in device
- * memory) holds, in this order: the base address of every moved layer (nl
- * entries, moved layer i first at entry i), the nb block ids unless `ids`
- * points at them on the device, then the nb flat blocks' addresses unless
- * they are one array (flat_base).  The cache's layer addresses travel with
+ * memory) holds, in this order: the bases (kvbm_paged_bases entries), the
+ * nb block ids unless `ids` points at them on the device, then the nb flat
+ * blocks' addresses unless they are one array (flat_base).  The cache's layer addresses travel with
  * every call, so a cache needs no device memory of its own. */
 typedef struct {
     const void *ids;        /* device-resident ids, int32 or int64, or NULL */
@@ -58,9 +72,9 @@ typedef struct {
     int64_t flat_block;
 } kvbm_paged_addresses;
 
-KVBM_HOST_DEVICE int64_t kvbm_paged_table_entries(const kvbm_paged_addresses *a, int64_t nl, int64_t nb)
+KVBM_HOST_DEVICE int64_t kvbm_paged_table_entries(const kvbm_paged_addresses *a, int64_t bases, int64_t nb)
 {
-    return nl + (a->ids ? 0 : nb) + (a->flat_base ? 0 : nb);
+    return bases + (a->ids ? 0 : nb) + (a->flat_base ? 0 : nb);
 }
 
 /* Picks the segments: every token of one head when tokens are contiguous on
@@ -113,8 +127,8 @@ KVBM_HOST_DEVICE void kvbm_paged_segment(const kvbm_paged *p, uint32_t s, int64_
     *flat_off = q * p->flat_q + r * p->flat_r;
 }
 
-/* Where chunk (id or b, moved layer i, o) starts: in the cache, from the
- * layer's base address, and in flat block b, from its start. */
+/* Where chunk (id or b, moved layer i, o) starts: in the cache, from its
+ * base address, and in flat block b, from its start. */
 KVBM_HOST_DEVICE int64_t kvbm_paged_cache_chunk(const kvbm_paged *p, int64_t id, int64_t o)
 {
     return p->cache_shift + id * p->cache_block + o * p->cache_outer;

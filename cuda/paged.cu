@@ -22,13 +22,14 @@ struct Params {
     kvbm_divisor vectors_per_segment;
     kvbm_divisor chunks_per_block;  // nl * no
     kvbm_divisor outers;            // no
+    uint32_t bases;                 // table entries before the ids (kvbm_paged_bases)
 };
 
 template <class Table>
 __device__ __forceinline__ int64_t block_id(const Table &table, const Params &p, uint32_t b)
 {
     if (p.a.ids == nullptr)
-        return (int64_t)table[p.p.nl + b];
+        return (int64_t)table[p.bases + b];
     return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b]
                          : static_cast<const int64_t *>(p.a.ids)[b];
 }
@@ -38,7 +39,7 @@ __device__ __forceinline__ char *flat_block(const Table &table, const Params &p,
 {
     if (p.a.flat_base != 0)
         return reinterpret_cast<char *>(p.a.flat_base + (int64_t)b * p.a.flat_block);
-    return reinterpret_cast<char *>(table[p.p.nl + (p.a.ids == nullptr ? p.p.nb : 0) + b]);
+    return reinterpret_cast<char *>(table[p.bases + (p.a.ids == nullptr ? p.p.nb : 0) + b]);
 }
 
 template <int V, class Table>
@@ -54,7 +55,8 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
         const int64_t id = block_id(table, p, b);
         if (id < 0 || id >= p.p.num_blocks)
             return;  // device-resident ids are not checked on the host
-        char *cache = reinterpret_cast<char *>(table[i]) + kvbm_paged_cache_chunk(&p.p, id, o);
+        char *cache =
+            reinterpret_cast<char *>(table[kvbm_paged_base(&p.p, i, o)]) + kvbm_paged_cache_chunk(&p.p, id, o);
         char *flat = flat_block(table, p, b) + kvbm_paged_flat_chunk(&p.p, i, o);
         const char *src = p.p.to_flat ? cache : flat;
         char *dst = p.p.to_flat ? flat : cache;
@@ -81,7 +83,7 @@ cudaError_t launch(const Params &p, const uint64_t *host_table, const uint64_t *
         launch_by_value(paged_kernel<V, TableByValue<uint64_t, kTinyTable>>,
                         paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
                         paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
-                        kvbm_paged_table_entries(&p.a, p.p.nl, p.p.nb), p, grid, threads, stream);
+                        kvbm_paged_table_entries(&p.a, p.bases, p.p.nb), p, grid, threads, stream);
     return cudaGetLastError();
 }
 
@@ -109,6 +111,7 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.outers = kvbm_divisor_make((uint32_t)paged->no);
+    p.bases = (uint32_t)kvbm_paged_bases(paged);
 
     return with_vector_bytes(vector_bytes, [&](auto v) {
         return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);

@@ -18,6 +18,10 @@ beside it; set_staging, reserve_staging and staging_info manage that memory.
 Raw batched copies between device and pinned host memory: vectorized_copy
 (one kernel launch) and memcpy_batch (the copy engines).
 
+pinned_empty makes the host tier's memory: a HostBuffer of pinned memory,
+touched by parallel threads, placed near the GPU, usable by every function
+here and by torch and NumPy without a copy.
+
 Resharder (and reshard) moves blocks between engines of different tensor /
 pipeline parallel sizes over torch.distributed: one packed message per pair of
 ranks that share heads and layers (EngineLayout, plan_reshard, Transport).
@@ -25,6 +29,7 @@ ranks that share heads and layers (EngineLayout, plan_reshard, Transport).
 
 try:
     from ._C import (
+        HostBuffer,
         PagedKVCache,
         __version__,
         block_to_operational,
@@ -36,6 +41,7 @@ try:
         memcpy_batch,
         operational_to_block,
         operational_to_universal,
+        pinned_empty,
         reserve_staging,
         set_staging,
         staging_info,
@@ -49,19 +55,13 @@ except ImportError as error:  # pragma: no cover - only without a build
         "(or run `python setup.py build_ext --inplace`) from the source tree"
     ) from error
 
-from ._reshard import (
-    EngineLayout,
-    Resharder,
-    ReshardStats,
-    ReshardTransfer,
-    TorchTransport,
-    Transport,
-    plan_reshard,
-    reshard,
-)
+from ._plan import EngineLayout, ReshardTransfer, plan_reshard
+from ._reshard import Resharder, ReshardStats, reshard
+from ._transport import TorchTransport, Transport
 
 __all__ = [
     "EngineLayout",
+    "HostBuffer",
     "PagedKVCache",
     "ReshardStats",
     "ReshardTransfer",
@@ -78,6 +78,7 @@ __all__ = [
     "memcpy_batch",
     "operational_to_block",
     "operational_to_universal",
+    "pinned_empty",
     "plan_reshard",
     "reserve_staging",
     "reshard",

@@ -3,6 +3,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence, SupportsIndex, Ty
 
 __all__ = [
     "EngineLayout",
+    "HostBuffer",
     "PagedKVCache",
     "ReshardStats",
     "ReshardTransfer",
@@ -19,6 +20,7 @@ __all__ = [
     "memcpy_batch",
     "operational_to_block",
     "operational_to_universal",
+    "pinned_empty",
     "plan_reshard",
     "reserve_staging",
     "reshard",
@@ -144,7 +146,13 @@ _BlockIds = Sequence[int] | _Array
 
 @final
 class PagedKVCache:
-    def __new__(cls, layers: Sequence[_Array] | _Array, dims: str) -> PagedKVCache: ...
+    def __new__(
+        cls,
+        layers: Sequence[_Array] | Sequence[tuple[_Array, _Array] | list[_Array]] | _Array,
+        layout: str,
+        *,
+        block_size: SupportsIndex | None = None,
+    ) -> PagedKVCache: ...
     @property
     def num_layers(self) -> int: ...
     @property
@@ -166,7 +174,7 @@ class PagedKVCache:
     @property
     def dims(self) -> str: ...
     @property
-    def layers(self) -> Sequence[_Array] | _Array: ...
+    def layers(self) -> Sequence[_Array] | Sequence[tuple[_Array, _Array]] | _Array: ...
     def to_universal(
         self,
         block_ids: _BlockIds,
@@ -221,6 +229,20 @@ class PagedKVCache:
         stream: _Stream = None,
         inner: str | None = None,
     ) -> None: ...
+    def to_cache(
+        self,
+        dst: PagedKVCache,
+        src_ids: _BlockIds,
+        dst_ids: _BlockIds,
+        *,
+        layers: SupportsIndex | slice | range | None = None,
+        heads: SupportsIndex | slice | range | None = None,
+        layer_offset: int = 0,
+        head_offset: int = 0,
+        backend: _Backend | str = "auto",
+        num_ctas: int | None = None,
+        stream: _Stream = None,
+    ) -> None: ...
 
 class _StagingInfo(TypedDict):
     device: int
@@ -237,7 +259,7 @@ def is_using_stubs() -> bool: ...
 def build_info() -> _BuildInfo: ...
 def cuda_devices() -> list[_CudaDevice]: ...
 
-# Resharding between engines of different TP / PP sizes (kvbm_ext/_reshard.py).
+# Resharding between engines of different TP / PP sizes (kvbm_ext/_plan.py, _transport.py, _reshard.py).
 # Tensors here are torch tensors; torch is imported only when a Resharder is built.
 _Tensor = Any
 
@@ -287,9 +309,9 @@ class Transport(Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
     def start(
-        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]]
+        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]], timeout: float
     ) -> Callable[[], None]: ...
 
 class TorchTransport:
@@ -299,9 +321,9 @@ class TorchTransport:
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
     def start(
-        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]]
+        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]], timeout: float
     ) -> Callable[[], None]: ...
 
 class Resharder:
@@ -322,6 +344,7 @@ class Resharder:
         *,
         group: Any = None,
         transport: Transport | None = None,
+        timeout: float = 120.0,
     ) -> None: ...
     @property
     def staging_nbytes(self) -> int: ...
@@ -334,6 +357,7 @@ class Resharder:
         *,
         stream: _Stream = None,
         check: bool = True,
+        timeout: float = 120.0,
     ) -> ReshardStats: ...
 
 def reshard(
@@ -350,4 +374,57 @@ def reshard(
     transport: Transport | None = None,
     stream: _Stream = None,
     check: bool = True,
+    timeout: float = 120.0,
 ) -> ReshardStats: ...
+
+# Host pools: pinned host memory for the offload tier.
+_HugePages = Literal["transparent", "explicit", "none"]
+# A torch dtype, a NumPy dtype or scalar type, or a name ("bfloat16", "float16", "uint8", ...).
+_DType = Any
+
+@final
+class HostBuffer:
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def registrations(self) -> tuple[tuple[int, int], ...]: ...
+    @property
+    def numa_node(self) -> int | None: ...
+    @property
+    def huge_pages(self) -> _HugePages: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> HostBuffer: ...
+    def __exit__(self, *exc_info: object) -> bool: ...
+
+def pinned_empty(
+    shape: SupportsIndex | Sequence[SupportsIndex],
+    dtype: _DType,
+    *,
+    numa_node: SupportsIndex | None = None,
+    threads: SupportsIndex | None = None,
+    huge_pages: _HugePages = "transparent",
+    device: SupportsIndex | str | Any | None = None,
+) -> HostBuffer: ...

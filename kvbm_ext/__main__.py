@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 import kvbm_ext
+from kvbm_ext._no_gpu import exit_no_gpu, why_no_gpu
 
 # Llama-3.1-70B: 80 layers, K and V, 8 KV heads, head dim 128, 16 tokens per block.
 NL, NO, NH, NT, HD = 80, 2, 8, 16, 128
@@ -53,9 +54,10 @@ def parse_args(argv):
         description="Print the build (CUDA version, GPU targets) and the visible CUDA devices, check that "
                     "conversions are bit-exact on the CPU (and on the GPU when one is used), and time "
                     "block_to_universal / universal_to_block on the Llama-3.1-70B profile "
-                    f"(nl={NL} no={NO} nh={NH} nt={NT} hd={HD}, bf16, {BLOCK_BYTES / 1e6:.2f} MB a block).",
-        epilog="Exit status: 0 when every check passed, 1 when a check failed, 2 for a bad option or an "
-               "unavailable device.")
+                    f"(nl={NL} no={NO} nh={NH} nt={NT} hd={HD}, bf16, {BLOCK_BYTES / 1e6:.2f} MB a block).  "
+                    "GB/s count the bytes moved once: a copy of N bytes moves N bytes.",
+        epilog="Exit status: 0 when every check passed, 1 when a check failed, 2 for a bad option or when "
+               "--device asks for a GPU that cannot be used (the reason on stderr).")
     parser.add_argument("--version", action="version", version=build_line(),
                         help="print the version and the CUDA build, then exit")
     parser.add_argument("--device", type=device_choice, default="auto",
@@ -72,36 +74,19 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def torch_cuda():
-    """torch when it can use a GPU, else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
 def resolve_device(choice):
-    """("cpu", None, None) or ("cuda", index, torch); exits with status 2 when the choice cannot be had."""
+    """(kind, index, torch, why): ("cpu", None, None, why auto found no GPU, or None) or
+    ("cuda", index, torch, None); exits with the no-GPU status when the choice cannot be had."""
     if choice == "cpu":
-        return "cpu", None, None
-    usable = kvbm_ext.cuda_devices() and not kvbm_ext.is_using_stubs()
-    torch = torch_cuda() if usable else None
-    if choice == "auto":
-        return ("cuda", 0, torch) if torch is not None else ("cpu", None, None)
+        return "cpu", None, None, None
     index = int(choice[5:]) if ":" in choice else 0
-    if kvbm_ext.is_using_stubs():
-        why = "this kvbm_ext was built without CUDA (is_using_stubs() is True)"
-    elif not usable:
-        why = "no CUDA device is visible"
-    elif torch is None:
-        why = "the GPU check and benchmark allocate device arrays with torch, and torch cannot use CUDA here"
-    elif index >= len(kvbm_ext.cuda_devices()):
-        why = f"only {len(kvbm_ext.cuda_devices())} CUDA device(s) are visible"
-    else:
-        return "cuda", index, torch
-    print(f"python -m kvbm_ext: --device {choice}: {why}", file=sys.stderr)
-    sys.exit(2)
+    why = why_no_gpu(count=index + 1)
+    if why is None:
+        import torch
+        return "cuda", index, torch, None
+    if choice == "auto":
+        return "cpu", None, None, why
+    exit_no_gpu(f"python -m kvbm_ext --device {choice}", why)
 
 
 def numpy_reference(chunks, layout):
@@ -205,8 +190,8 @@ def bench_gpu(torch, device, nb, repeats):
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / repeats
 
-    ceiling = 2 * big.numel() / gpu_ms(lambda: copy.copy_(big), 0) / 1e6
-    print(f"  device copy of 1 GiB (torch copy_): {ceiling:,.0f} GB/s, bytes read + written")
+    ceiling = big.numel() / gpu_ms(lambda: copy.copy_(big), 0) / 1e6
+    print(f"  device copy of 1 GiB (torch copy_): {ceiling:,.0f} GB/s moved")
     for name, fn in (("block_to_universal", lambda: kvbm_ext.block_to_universal(blocks, universals)),
                      ("universal_to_block", lambda: kvbm_ext.universal_to_block(universals, blocks))):
         fn()
@@ -214,15 +199,15 @@ def bench_gpu(torch, device, nb, repeats):
         t0 = time.perf_counter()
         fn()
         host_s = time.perf_counter() - t0
-        rate = 2 * nbytes / gpu_ms(fn, host_s) / 1e6
-        print(f"  {device}  {name} nb={nb}: {2 * nbytes / rate / 1e3:.1f} us GPU time, {rate:,.0f} GB/s "
-              f"(read + written) = {100 * rate / ceiling:.0f} % of the device copy's rate; "
+        rate = nbytes / gpu_ms(fn, host_s) / 1e6
+        print(f"  {device}  {name} nb={nb}: {nbytes / rate / 1e3:.1f} us GPU time, {rate:,.0f} GB/s moved "
+              f"= {100 * rate / ceiling:.0f} % of the device copy's rate; "
               f"host {host_s * 1e3:.2f} ms per call")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    kind, index, torch = resolve_device(args.device)
+    kind, index, torch, why_cpu = resolve_device(args.device)
     nb, repeats = QUICK_LENGTH if args.quick else DEFAULT_LENGTH[kind]
     nb, repeats = args.nb or nb, args.repeats or repeats
 
@@ -234,8 +219,8 @@ def main(argv=None):
     if not devices:
         print("  no CUDA device visible")
 
-    if kind == "cpu" and args.device == "auto" and devices and not kvbm_ext.is_using_stubs():
-        print("  (torch cannot use CUDA here, and the GPU check allocates with torch: checking the CPU path only)")
+    if why_cpu is not None and devices:
+        print(f"  (no GPU to run on: {why_cpu}: checking the CPU path only)")
 
     failure = check_cpu()
     print(f"self-check cpu: {'FAILED: ' + failure if failure else 'ok (bit-exact)'}")

@@ -3,13 +3,20 @@
 A prefill engine and a decode engine (or any two engines) split the same model's
 KV cache differently: TP rank r of T holds a slice of the KV heads, PP stage s of
 P a range of the layers.  `Resharder` plans, once, which part of its heads x layers
-every source rank owes every destination rank; each call then moves a batch of
-blocks with one contiguous message per (source rank, destination rank) pair that
-shares data: the sender packs the receiver's heads and layers of every block into
-one `[nb, nh_sel, nl_sel, no, nt, hd]` buffer with one `PagedKVCache.to_universal`
-call, the transport carries it, and the receiver scatters it with one
-`from_universal` call.  A rank that holds both a source and a destination position
-copies its own share locally, without a message.
+every source rank owes every destination rank (kvbm_ext/_plan.py); each call then
+moves a batch of blocks with one contiguous message per (source rank, destination
+rank) pair that shares data: the sender packs the receiver's heads and layers of
+every block into one `[nb, nh_sel, nl_sel, no, nt, hd]` buffer with one
+`PagedKVCache.to_universal` call, the transport (kvbm_ext/_transport.py) carries it,
+and the receiver scatters it with one `from_universal` call.  A rank that holds both
+a source and a destination position copies its own share locally, without a message.
+
+The error contract: every argument is checked on every rank before any collective,
+and any exception on one rank (a bad type, a raising __index__, a construction that
+fails, a destination that cannot be written) becomes the same error on every rank,
+naming the rank and the argument, with nothing sent and nothing written.  What no
+check can see without communicating (a rank that does not call, or calls with
+another `check`) ends in a TimeoutError after `timeout` seconds.
 
 torch is imported when a Resharder is built, not when kvbm_ext is imported.
 """
@@ -17,163 +24,20 @@ torch is imported when a Resharder is built, not when kvbm_ext is imported.
 from __future__ import annotations
 
 import dataclasses
-import operator
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+import math
+import threading
+from typing import TYPE_CHECKING, Any, Sequence
 
 from . import PagedKVCache
+from ._plan import EngineLayout, ReshardTransfer, _as_int, layout_key, plan_reshard
+from ._transport import TorchTransport, Transport
 
 if TYPE_CHECKING:
     import torch
 
-
-def _count(value: object, name: str, minimum: int = 1) -> int:
-    """An int argument (not a bool) of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be at least {minimum}, got {value}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLayout:
-    """How one engine splits the model: `tp_size` TP ranks x `pp_size` PP stages.
-
-    `ranks`: the transport's rank (for `TorchTransport`, the rank in its process
-    group) that holds each position, stage-major: position (pp_stage, tp_rank) is
-    `ranks[pp_stage * tp_size + tp_rank]`.  Default: `range(tp_size * pp_size)`.
-
-    `layer_ranges`: the model layers each PP stage holds, one `range` (step 1) or
-    `(start, stop)` pair per stage, contiguous and in order from layer 0 to the
-    last.  Default: an even split, stage s holding `[s*L//P, (s+1)*L//P)`.
-
-    Heads: with T TP ranks and H KV heads, rank r holds heads `[r*H/T, (r+1)*H/T)`
-    when T <= H (H divisible by T), and the single head `r // (T/H)` when T > H
-    (T divisible by H: each head is replicated on T/H ranks, as for GQA models run
-    at a TP size above their KV head count, or MLA's single latent head).
-    """
-
-    tp_size: int
-    pp_size: int = 1
-    ranks: Sequence[int] | None = None
-    layer_ranges: Sequence[range | tuple[int, int]] | None = None
-
-    def __post_init__(self) -> None:
-        tp = _count(self.tp_size, "tp_size")
-        pp = _count(self.pp_size, "pp_size")
-        ranks = range(tp * pp) if self.ranks is None else self.ranks
-        if not isinstance(ranks, Sequence) or isinstance(ranks, (str, bytes)):
-            raise TypeError(f"ranks: expected a sequence of ints, got {type(ranks).__name__}")
-        ranks = tuple(_count(r, f"ranks[{i}]", 0) for i, r in enumerate(ranks))
-        if len(ranks) != tp * pp:
-            raise ValueError(f"ranks: expected {tp * pp} ranks (tp_size {tp} x pp_size {pp}), got {len(ranks)}")
-        if len(set(ranks)) != len(ranks):
-            first = next(r for i, r in enumerate(ranks) if r in ranks[:i])
-            raise ValueError(f"ranks: rank {first} holds two positions of the layout")
-        object.__setattr__(self, "ranks", ranks)
-        if self.layer_ranges is not None:
-            object.__setattr__(self, "layer_ranges", self._checked_layer_ranges(self.layer_ranges, pp))
-
-    @staticmethod
-    def _checked_layer_ranges(given: object, pp: int) -> tuple[range, ...]:
-        if not isinstance(given, Sequence) or isinstance(given, (str, bytes)):
-            raise TypeError(f"layer_ranges: expected a sequence of ranges, got {type(given).__name__}")
-        if len(given) != pp:
-            raise ValueError(f"layer_ranges: expected one range per PP stage ({pp}), got {len(given)}")
-        ranges: list[range] = []
-        for s, item in enumerate(given):
-            if isinstance(item, tuple) and len(item) == 2:
-                item = range(_count(item[0], f"layer_ranges[{s}][0]", 0), _count(item[1], f"layer_ranges[{s}][1]", 0))
-            if not isinstance(item, range):
-                raise TypeError(f"layer_ranges[{s}]: expected a range or a (start, stop) pair, got {item!r}")
-            if item.step != 1 or len(item) == 0:
-                raise ValueError(f"layer_ranges[{s}]: expected a non-empty range of step 1, got {item!r}")
-            expected_start = ranges[-1].stop if ranges else 0
-            if item.start != expected_start:
-                raise ValueError(f"layer_ranges[{s}]: starts at layer {item.start}, expected {expected_start} "
-                                 "(stages hold contiguous layer ranges, in order, from layer 0)")
-            ranges.append(item)
-        return tuple(ranges)
-
-    @property
-    def size(self) -> int:
-        """Number of positions (ranks): tp_size * pp_size."""
-        return self.tp_size * self.pp_size
-
-    def rank_of(self, pp_stage: int, tp_rank: int) -> int:
-        """The rank that holds position (pp_stage, tp_rank)."""
-        assert self.ranks is not None  # set by __post_init__
-        return self.ranks[pp_stage * self.tp_size + tp_rank]
-
-    def position_of(self, rank: int) -> tuple[int, int] | None:
-        """(pp_stage, tp_rank) held by `rank`, or None when the rank is not in the layout."""
-        assert self.ranks is not None
-        if rank not in self.ranks:
-            return None
-        return divmod(self.ranks.index(rank), self.tp_size)
-
-    def heads_of(self, tp_rank: int, num_heads: int) -> range:
-        """The model's KV heads that TP rank `tp_rank` holds (see the class docstring)."""
-        tp = self.tp_size
-        self._check_heads(num_heads)
-        if tp <= num_heads:
-            per_rank = num_heads // tp
-            return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
-        head = tp_rank // (tp // num_heads)
-        return range(head, head + 1)
-
-    def tp_ranks_holding(self, head: int, num_heads: int) -> range:
-        """The TP ranks that hold `head`: one when tp_size <= num_heads, tp_size / num_heads replicas otherwise."""
-        tp = self.tp_size
-        self._check_heads(num_heads)
-        if tp <= num_heads:
-            rank = head // (num_heads // tp)
-            return range(rank, rank + 1)
-        replicas = tp // num_heads
-        return range(head * replicas, (head + 1) * replicas)
-
-    def layers_of(self, pp_stage: int, num_layers: int) -> range:
-        """The model layers that PP stage `pp_stage` holds."""
-        pp = self.pp_size
-        if self.layer_ranges is None:
-            if num_layers < pp:
-                raise ValueError(f"num_layers {num_layers} is smaller than pp_size {pp}: a stage would hold no layer")
-            return range(pp_stage * num_layers // pp, (pp_stage + 1) * num_layers // pp)
-        last = self.layer_ranges[-1]
-        assert isinstance(last, range)  # normalized by __post_init__
-        if last.stop != num_layers:
-            raise ValueError(f"layer_ranges: end at layer {last.stop}, but the model has {num_layers} layers")
-        stage = self.layer_ranges[pp_stage]
-        assert isinstance(stage, range)
-        return stage
-
-    def _check_heads(self, num_heads: int) -> None:
-        tp = self.tp_size
-        if (tp <= num_heads and num_heads % tp) or (tp > num_heads and tp % num_heads):
-            raise ValueError(f"tp_size {tp} and {num_heads} KV heads: one must divide the other "
-                             "(each rank holds an equal share of the heads, or one replicated head)")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReshardTransfer:
-    """One (source rank, destination rank) pair of a plan: the model's `heads` x `layers`
-    that `src_rank` sends (or, when the ranks are equal, copies) to `dst_rank` for every
-    block.  `src_heads` / `src_layers` and `dst_heads` / `dst_layers` are the same heads
-    and layers as indices into the source's and the destination's own caches."""
-
-    src_rank: int
-    dst_rank: int
-    heads: range
-    layers: range
-    src_heads: range
-    src_layers: range
-    dst_heads: range
-    dst_layers: range
-
-    @property
-    def is_local(self) -> bool:
-        """True when one rank holds both ends: a local copy, no message."""
-        return self.src_rank == self.dst_rank
+# Seconds a rank waits for the others in one exchange or one call's host messages: well
+# under torch.distributed's own timeouts (10 minutes for NCCL, 30 for gloo).
+DEFAULT_TIMEOUT = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,162 +53,63 @@ class ReshardStats:
     bytes_copied: int = 0
 
 
-def plan_reshard(num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout) -> tuple[ReshardTransfer, ...]:
-    """Every (source rank, destination rank) pair that shares data, and what it moves.
-
-    Each destination position receives each of its (head, layer) cells exactly once.
-    Where a head is replicated on several source TP ranks, the source chosen is the
-    replica on the destination's own rank if there is one (a local copy, no message),
-    else the replicas are taken in turn by the destinations that need the head, so
-    the senders share the load.  The result depends only on the arguments, so every
-    rank computes the same plan.
-    """
-    _count(num_heads, "num_heads")
-    _count(num_layers, "num_layers")
-    for name, layout in (("src", src), ("dst", dst)):
-        if not isinstance(layout, EngineLayout):
-            raise TypeError(f"{name}: expected a kvbm_ext.EngineLayout, got {type(layout).__name__}")
-        try:
-            layout.heads_of(0, num_heads)
-            layout.layers_of(0, num_layers)
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}") from None
-
-    transfers = []
-    turns: dict[tuple[int, int], int] = {}      # (source stage, head) -> destinations served so far
-    for d_stage in range(dst.pp_size):
-        d_layers = dst.layers_of(d_stage, num_layers)
-        for d_tp in range(dst.tp_size):
-            d_rank = dst.rank_of(d_stage, d_tp)
-            d_heads = dst.heads_of(d_tp, num_heads)
-            for s_stage in range(src.pp_size):
-                s_layers = src.layers_of(s_stage, num_layers)
-                layers = range(max(d_layers.start, s_layers.start), min(d_layers.stop, s_layers.stop))
-                if not layers:
-                    continue
-                chosen: dict[int, list[int]] = {}   # source TP rank -> heads it sends, ascending
-                for head in d_heads:
-                    holders = src.tp_ranks_holding(head, num_heads)
-                    local = [t for t in holders if src.rank_of(s_stage, t) == d_rank]
-                    turn = turns.get((s_stage, head), 0)
-                    turns[(s_stage, head)] = turn + 1
-                    s_tp = local[0] if local else holders[turn % len(holders)]
-                    chosen.setdefault(s_tp, []).append(head)
-                for s_tp, heads_list in sorted(chosen.items()):
-                    # Contiguous: without replication a source rank's share of d_heads is the
-                    # intersection of two ranges; with it, a source rank holds a single head.
-                    heads = range(heads_list[0], heads_list[-1] + 1)
-                    s_owned = src.heads_of(s_tp, num_heads)
-                    transfers.append(ReshardTransfer(
-                        src_rank=src.rank_of(s_stage, s_tp), dst_rank=d_rank, heads=heads, layers=layers,
-                        src_heads=_shift(heads, s_owned.start), src_layers=_shift(layers, s_layers.start),
-                        dst_heads=_shift(heads, d_heads.start), dst_layers=_shift(layers, d_layers.start)))
-    return tuple(transfers)
-
-
-def _shift(r: range, origin: int) -> range:
-    return range(r.start - origin, r.stop - origin)
-
-
-class Transport(Protocol):
-    """What a `Resharder` needs from the engine that carries its messages.
-
-    `TorchTransport` implements it over a torch.distributed process group (NCCL for
-    GPU caches, gloo for host caches).  Another engine (NIXL, UCX, ...) plugs in by
-    implementing these four members; `Resharder(..., transport=...)` takes it.
-
-    - `rank`, `world_size`: this process's rank and the number of ranks, in the
-      numbering the `EngineLayout`s use.
-    - `all_gather_object(obj)`: a small picklable object from every rank, as a list
-      indexed by rank (collective over every rank).  Used once per checked call to
-      validate the call on every rank before anything moves.
-    - `start(sends, recvs)`: post every message of one call at once: `sends` and
-      `recvs` are `(peer rank, tensor)` pairs, each tensor contiguous, at most one
-      per peer and direction; the sizes of a matching send and receive are equal.
-      Returns a callable that completes them: for device tensors, it makes the
-      caller's current stream wait for the messages (no host synchronization);
-      for host tensors, it returns once they are done.  Work enqueued on the
-      current stream before `start` (the packing) must be finished before a send
-      reads its tensor.
-    """
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
-    def start(self, sends: Sequence[tuple[int, torch.Tensor]],
-              recvs: Sequence[tuple[int, torch.Tensor]]) -> Callable[[], None]: ...
-
-
-class TorchTransport:
-    """`Transport` over a torch.distributed process group (None: the default group),
-    through `torch.distributed.batch_isend_irecv`.  Ranks are ranks of `group`.
-
-    GPU caches need a group with an NCCL backend; host caches one with gloo.  With
-    `init_process_group(backend="cpu:gloo,cuda:nccl")` one group does both, and the
-    call's check exchanges its description over gloo without touching the GPU; with
-    an NCCL-only group that exchange goes through the GPU and waits for it.  With
-    NCCL, as for any `batch_isend_irecv`, the first NCCL operation on the group must
-    involve all its ranks (e.g. a warm-up `all_reduce`).
-    """
-
-    def __init__(self, group: Any = None) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: call torch.distributed.init_process_group "
-                               "first (or pass transport=)")
-        self.group = group
-        self._global_ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
-        self._rank = dist.get_rank(group)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return len(self._global_ranks)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
-
-    def start(self, sends: Sequence[tuple[int, torch.Tensor]],
-              recvs: Sequence[tuple[int, torch.Tensor]]) -> Callable[[], None]:
-        import torch.distributed as dist
-
-        ops = [dist.P2POp(dist.isend, tensor, self._global_ranks[peer], self.group) for peer, tensor in sends]
-        ops += [dist.P2POp(dist.irecv, tensor, self._global_ranks[peer], self.group) for peer, tensor in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-
-        def wait() -> None:
-            for work in works:
-                work.wait()
-
-        return wait
-
-
 class _CallError(Exception):
-    """A problem with one rank's arguments, raised on every rank after the exchange."""
+    """A problem with one rank's arguments, raised on every rank after the exchange: its
+    kind (TypeError, ValueError or RuntimeError), message and cause (on this rank)."""
+
+    KINDS = {kind.__name__: kind for kind in (TypeError, ValueError, RuntimeError)}
 
     def __init__(self, kind: type[Exception], message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
+    @classmethod
+    def of(cls, error: Exception, rank: int) -> _CallError:
+        """Any exception raised while checking or packing on `rank`, named by its rank."""
+        if isinstance(error, _CallError):
+            return error
+        kind = TypeError if isinstance(error, TypeError) else ValueError if isinstance(error, ValueError) else None
+        message = f"rank {rank}: {error}" if kind else f"rank {rank}: {type(error).__name__}: {error}"
+        problem = cls(kind or RuntimeError, message)
+        problem.__cause__ = error
+        return problem
+
+    @property
+    def info(self) -> tuple[str, str]:
+        """What the other ranks receive."""
+        return (self.kind.__name__, str(self))
+
+
+def _raise_agreed(errors: Sequence[tuple[str, str] | None], own: _CallError | None) -> None:
+    """Raise, identically on every rank, the errors of every rank (None where a rank had
+    none), joined; on a rank that had one, with its own as the cause."""
+    found = [error for error in errors if error is not None]
+    if not found:
+        return
+    kind = _CallError.KINDS.get(found[0][0], RuntimeError)
+    raise kind("; ".join(message for _, message in found)) from (own.__cause__ or own if own else None)
+
+
+def _timeout(value: object) -> float:
+    """A timeout= argument: seconds, finite and positive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"timeout: expected seconds as an int or a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"timeout: expected a finite number of seconds above 0, got {value!r}")
+    return float(value)
+
 
 class Resharder:
     """Moves batches of KV blocks from one engine's layout to another's.
 
-    `Resharder(num_heads, num_layers, src, dst, group=None)`: the model's KV heads
-    and layers, the source and destination `EngineLayout`s, and the process group
-    (or `transport=`, any `Transport`) whose ranks the layouts name.  Building it
-    plans the transfer (`plan`: the whole plan, the same on every rank) and does
-    not communicate.
+    `Resharder(num_heads, num_layers, src, dst, group=None, timeout=120)`: the model's
+    KV heads and layers, the source and destination `EngineLayout`s, and the process
+    group (or `transport=`, any `Transport`) whose ranks the layouts name.  Building it
+    is collective: every rank of the group builds it, the ranks check that they plan
+    the same transfer (`plan`: the whole plan, the same on every rank), and an error on
+    any rank (an argument it refuses) is raised on every rank, naming that rank.  A
+    rank that cannot even reach the others (its transport fails) raises alone, and the
+    others raise TimeoutError after `timeout` seconds.
 
     Each call `resharder(src_cache, src_block_ids, dst_cache, dst_block_ids)` moves
     block `src_block_ids[i]` of the source engine to block `dst_block_ids[i]` of the
@@ -356,6 +121,9 @@ class Resharder:
     `check=False` the call communicates only between the ranks that share data, and
     a rank of the group that holds no position need not call.)
 
+    One call at a time per Resharder: a call made while another thread is in a call
+    of the same Resharder raises RuntimeError at once, without communicating.
+
     Staging: each call packs this rank's outgoing share into buffers of the caches'
     device (one per message or local copy, `[nb, heads, layers, no, nt, hd]`), and
     receives into one per incoming message.  They are allocated by the first call,
@@ -363,36 +131,54 @@ class Resharder:
     """
 
     def __init__(self, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout, *,
-                 group: Any = None, transport: Transport | None = None) -> None:
+                 group: Any = None, transport: Transport | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        given = transport
+        self.transport = TorchTransport(group) if transport is None else transport
+        self.rank = self.transport.rank
+        self._lock = threading.Lock()
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self._probes: dict[tuple[int, str], torch.Tensor] = {}
+        self._done: Any = None          # CUDA event after the previous call's last use of the staging
+        problem, fingerprint, seconds = None, None, DEFAULT_TIMEOUT
+        try:
+            seconds = _timeout(timeout)
+            if given is not None and group is not None:
+                raise ValueError("pass group= or transport=, not both")
+            self._plan(num_heads, num_layers, src, dst)
+            fingerprint = self._fingerprint
+        except Exception as error:
+            problem = _CallError.of(error, self.rank)
+        gathered = self.transport.all_gather_object((fingerprint, problem and problem.info), seconds)
+        _raise_agreed([error for _, error in gathered], problem)
+        for rank, (theirs, _) in enumerate(gathered):
+            if theirs != gathered[0][0]:
+                raise ValueError(f"rank {rank} built its Resharder for (num_heads, num_layers, src, dst) = {theirs}, "
+                                 f"rank 0 for {gathered[0][0]}: every rank must plan the same transfer")
+
+    def _plan(self, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout) -> None:
+        """Plans the transfer and what this rank's part of it is."""
         self.plan = plan_reshard(num_heads, num_layers, src, dst)
-        if transport is None:
-            transport = TorchTransport(group)
-        elif group is not None:
-            raise ValueError("pass group= or transport=, not both")
+        world = _as_int(self.transport.world_size, "the transport's world_size")
         for name, layout in (("src", src), ("dst", dst)):
             assert layout.ranks is not None
-            if max(layout.ranks) >= transport.world_size:
-                raise ValueError(f"{name}: rank {max(layout.ranks)} is not in the group "
-                                 f"(world size {transport.world_size})")
-        self.num_heads, self.num_layers, self.src, self.dst = num_heads, num_layers, src, dst
-        self.transport = transport
-        self.rank = transport.rank
+            if max(layout.ranks) >= world:
+                raise ValueError(f"{name}: rank {max(layout.ranks)} is not in the group (world size {world})")
+        self.num_heads = _as_int(num_heads, "num_heads")
+        self.num_layers = _as_int(num_layers, "num_layers")
+        self.src, self.dst = src, dst
         self.num_messages = sum(not t.is_local for t in self.plan)
         self._sends = [t for t in self.plan if t.src_rank == self.rank and not t.is_local]
         self._recvs = [t for t in self.plan if t.dst_rank == self.rank and not t.is_local]
         self._locals = [t for t in self.plan if t.src_rank == self.rank and t.is_local]
         src_pos, dst_pos = src.position_of(self.rank), dst.position_of(self.rank)
         # What this rank's caches must hold: (heads, layers) of its positions, None when it has none.
-        self._src_share = None if src_pos is None else (src.heads_of(src_pos[1], num_heads),
-                                                        src.layers_of(src_pos[0], num_layers))
-        self._dst_share = None if dst_pos is None else (dst.heads_of(dst_pos[1], num_heads),
-                                                        dst.layers_of(dst_pos[0], num_layers))
-        # Compared across ranks by every checked call: the same model and layouts everywhere.
-        self._fingerprint = (num_heads, num_layers, _layout_key(src, num_layers), _layout_key(dst, num_layers))
-        self._staging: dict[tuple[str, int], torch.Tensor] = {}
-        # Caches over a layer range of the caches last passed, for messages that start past their layer 0.
-        self._views: dict[tuple[str, ReshardTransfer], tuple[PagedKVCache, PagedKVCache]] = {}
-        self._done: Any = None          # CUDA event after the previous call's last use of the staging
+        self._src_share = None if src_pos is None else (src.heads_of(src_pos[1], self.num_heads),
+                                                        src.layers_of(src_pos[0], self.num_layers))
+        self._dst_share = None if dst_pos is None else (dst.heads_of(dst_pos[1], self.num_heads),
+                                                        dst.layers_of(dst_pos[0], self.num_layers))
+        # Compared across ranks: the same model and layouts everywhere.
+        self._fingerprint = (self.num_heads, self.num_layers, layout_key(src, self.num_layers),
+                             layout_key(dst, self.num_layers))
 
     def __repr__(self) -> str:
         return (f"Resharder(num_heads={self.num_heads}, num_layers={self.num_layers}, src={self.src!r}, "
@@ -404,12 +190,13 @@ class Resharder:
         return sum(buffer.numel() for buffer in self._staging.values())
 
     def __call__(self, src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: PagedKVCache | None,
-                 dst_block_ids: Any, *, stream: Any = None, check: bool = True) -> ReshardStats:
+                 dst_block_ids: Any, *, stream: Any = None, check: bool = True,
+                 timeout: float = DEFAULT_TIMEOUT) -> ReshardStats:
         """Move the blocks; returns what this rank sent, received and copied.
 
-        `block_ids`: a sequence of ints or a 1-D int32/int64 tensor, on the host or
-        on the cache's device (device ids are not read on the host: no
-        synchronization, and they are not range-checked here).
+        `block_ids`: a sequence of ints (or `__index__` integers) or a 1-D int32/int64
+        tensor, on the host or on the cache's device (device ids are not read on the
+        host: no synchronization, and they are not range-checked here).
 
         `stream` (GPU caches): a torch.cuda.Stream or an int cudaStream_t; None is
         torch's current stream.  The call enqueues everything on it and returns
@@ -418,22 +205,41 @@ class Resharder:
         queued on the stream afterwards sees the moved blocks.  Host caches: the
         call returns when the blocks are in place.
 
-        `check` (collective: the same on every rank): exchange a description of
-        every rank's arguments first, and raise the same error on every rank,
-        before any message or write, when they do not fit together (model
-        dimensions, element types, block counts, a rank's caches against its
-        position, block ids out of range or repeated on the destination).  With
-        `check=False` a rank only checks its own arguments, without
-        communicating, and mismatches across ranks are not detected.
+        `check` (the same on every rank): exchange a description of every rank's
+        arguments first, and raise the same error on every rank, before any message
+        or write, when any rank's arguments are wrong or they do not fit together
+        (model dimensions, element types, block counts, a rank's caches against its
+        position, block ids out of range or repeated on the destination, a
+        destination cache that cannot be written).  With `check=False` a rank only
+        checks its own arguments, without communicating: an error is raised on that
+        rank alone, and its peers' messages end in a TimeoutError.  A `check` that
+        is not a bool is reported as a TypeError on every rank.
+
+        `timeout`: seconds this rank waits for the others in the check's exchange
+        and for host messages (gloo); past it, TimeoutError.  A rank that does not
+        call, or calls with another `check`, is found this way.
         """
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"rank {self.rank}: this Resharder is in a call on another thread; a Resharder makes "
+                               "one call at a time (its staging is its own): wait for that call, or use one "
+                               "Resharder per thread")
+        try:
+            return self._call(src_cache, src_block_ids, dst_cache, dst_block_ids, stream, check, timeout)
+        finally:
+            self._lock.release()
+
+    def _call(self, src_cache: Any, src_block_ids: Any, dst_cache: Any, dst_block_ids: Any, stream: Any,
+              check: object, timeout: object) -> ReshardStats:
         import torch
 
-        if not isinstance(check, bool):
-            raise TypeError(f"check: expected a bool, got {type(check).__name__}")
         description: tuple[Any, Any] = (None, None)
-        device, cuda_stream = "cpu", None
+        device, cuda_stream, seconds = "cpu", None, DEFAULT_TIMEOUT
+        checked = not isinstance(check, bool) or check     # not a bool: reported through the exchange
         problem = None
         try:
+            seconds = _timeout(timeout)
+            if not isinstance(check, bool):
+                raise TypeError(f"check: expected a bool, got {type(check).__name__}")
             description = (self._describe("src", self._src_share, src_cache, src_block_ids),
                            self._describe("dst", self._dst_share, dst_cache, dst_block_ids))
             if description[0] and description[1] and description[0][0] != description[1][0]:
@@ -441,31 +247,35 @@ class Resharder:
                                              f"dst_block_ids {description[1][0]}: one id per moved block on each side")
             device = self._device(src_cache, dst_cache)
             cuda_stream = self._stream(stream, device, description != (None, None))
-        except _CallError as error:
-            problem = error
-        nb = next((desc[0] for desc in description if desc is not None), 0)
+            if description[1] is not None:
+                self._check_destination(dst_cache, device)
+        except Exception as error:
+            problem = _CallError.of(error, self.rank)
+        nb = next((desc[0] for desc in description if desc is not None), 0) if problem is None else 0
         with _on_stream(device, cuda_stream):
             if cuda_stream is not None and self._done is not None:
                 cuda_stream.wait_event(self._done)      # the previous call's use of the staging, on any stream
             try:
                 packed = None
-                if problem is None and nb > 0:
+                if nb > 0:
                     # Packing only writes this rank's staging buffers, so it runs before the
                     # check: an argument the kernel call refuses is reported on every rank too.
                     try:
                         packed = self._pack(src_cache, src_block_ids, nb, device, cuda_stream)
-                    except (TypeError, ValueError) as error:
-                        problem = _CallError(type(error), f"rank {self.rank}: {error}")
-                if problem is not None and not check:
-                    raise problem.kind(str(problem))
-                if check:
+                    except Exception as error:
+                        problem = _CallError.of(error, self.rank)
+                if checked:
                     # Every rank's description meets every other before anything is sent or
                     # written: all ranks see the same list, so all raise alike.
-                    error_info = None if problem is None else (problem.kind.__name__, str(problem))
-                    self._validate(self.transport.all_gather_object((self._fingerprint, error_info, description)))
+                    gathered = self.transport.all_gather_object(
+                        (self._fingerprint, problem and problem.info, description), seconds)
+                    _raise_agreed([error for _, error, _ in gathered], problem)
+                    self._validate(gathered)
+                elif problem is not None:
+                    _raise_agreed([problem.info], problem)
                 if packed is None:
                     return ReshardStats()
-                return self._transfer(packed, dst_cache, dst_block_ids, nb, device, cuda_stream)
+                return self._transfer(packed, dst_cache, dst_block_ids, nb, device, cuda_stream, seconds)
             finally:
                 if cuda_stream is not None:
                     # Also after an error: the next call must not touch staging a pack still writes.
@@ -496,6 +306,30 @@ class Resharder:
         _torch_dtype(cache, where)
         nb = _check_block_ids(block_ids, f"{side}_block_ids", self.rank, cache, distinct=side == "dst")
         return (nb, cache.num_outer, cache.tokens_per_block, cache.head_dim, cache.dtype, cache.device.split(":")[0])
+
+    def _check_destination(self, cache: PagedKVCache, device: str) -> None:
+        """What would refuse this rank's writes once the messages arrived, found now: a
+        layer tensor that requires grad, and whatever from_universal refuses of the cache
+        itself (read-only, layers sharing memory, a layer whose memory moved), asked with
+        no block of each unpack this rank will make."""
+        import torch
+
+        where = f"dst_cache on rank {self.rank}"
+        layers = cache.layers
+        for i, layer in enumerate(layers if isinstance(layers, tuple) else (layers,)):
+            if getattr(layer, "requires_grad", False) is True:
+                raise _CallError(ValueError, f"{where}: layers[{i}]: destination tensor requires grad, and autograd "
+                                             "cannot see this write; build the cache from x.detach() (same memory) "
+                                             "to write it anyway")
+        for i, t in enumerate(self._recvs + self._locals):
+            key = (i, device)
+            if key not in self._probes:
+                shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
+                self._probes[key] = torch.empty(shape, dtype=_torch_dtype(cache, where), device=device)
+            try:
+                self._unpack(t, self._probes[key], cache, [], None)
+            except (TypeError, ValueError) as error:
+                raise _CallError(type(error), f"{where}: {error}") from error
 
     def _device(self, src_cache: Any, dst_cache: Any) -> str:
         devices = {cache.device for cache in (src_cache, dst_cache) if cache is not None}
@@ -531,13 +365,9 @@ class Resharder:
         """Raise, identically on every rank, if the ranks' descriptions do not fit together."""
         for rank, (fingerprint, _, _) in enumerate(gathered):
             if fingerprint != gathered[0][0]:
-                raise ValueError(f"rank {rank} built its Resharder for (num_heads, num_layers, src, dst) = "
-                                 f"{fingerprint}, rank 0 for {gathered[0][0]}: every rank must plan the same "
+                raise ValueError(f"rank {rank} calls a Resharder planned for (num_heads, num_layers, src, dst) = "
+                                 f"{fingerprint}, rank 0 one for {gathered[0][0]}: every rank must call the same "
                                  "transfer")
-        errors = [(kind, message) for _, error, _ in gathered if error is not None for kind, message in [error]]
-        if errors:
-            kind = TypeError if errors[0][0] == "TypeError" else ValueError
-            raise kind("; ".join(message for _, message in errors))
         fields = ("number of block ids", "num_outer", "tokens_per_block", "head_dim", "dtype", "device type")
         for i, field in enumerate(fields):
             holders: dict[Any, list[str]] = {}      # value -> the arguments that have it
@@ -578,59 +408,44 @@ class Resharder:
 
     def _pack(self, src_cache: Any, src_ids: Any, nb: int, device: str,
               stream: Any) -> list[tuple[ReshardTransfer, torch.Tensor]]:
-        """Pack every message this rank sends and every local copy it makes into its staging."""
+        """Pack every message this rank sends and every local copy it makes into its staging:
+        the transfer's layers of the cache are universal layers 0 on (layer_offset = minus
+        the first)."""
         packed = []
         for key, transfers in (("send", self._sends), ("local", self._locals)):
             for i, t in enumerate(transfers):
                 buffer = self._buffer((key, i), src_cache, nb, t, device)
-                cache, layers = self._layer_view("src", t, src_cache, t.src_layers)
-                cache.to_universal(src_ids, buffer, layers=layers, heads=_whole_or(t.src_heads, cache.num_heads),
-                                   stream=stream)
+                src_cache.to_universal(src_ids, buffer, layers=_whole_or(t.src_layers, src_cache.num_layers),
+                                       layer_offset=-t.src_layers.start,
+                                       heads=_whole_or(t.src_heads, src_cache.num_heads), stream=stream)
                 packed.append((t, buffer))
         return packed
 
-    def _layer_view(self, side: str, t: ReshardTransfer, cache: PagedKVCache,
-                    layers: range) -> tuple[PagedKVCache, range | None]:
-        """A cache and a layer selection whose universal layers start at 0.
-
-        A universal call puts cache layer l at universal layer l + layer_offset, with
-        layer_offset >= 0, so a message holding only layers [a, b) of a cache needs a
-        cache whose layer 0 is layer a: one over the same memory, built on first use
-        and kept while the calls pass the same cache."""
-        if layers.start == 0:
-            return cache, _whole_or(layers, cache.num_layers)
-        kept = self._views.get((side, t))
-        if kept is None or kept[0] is not cache:
-            arrays: Any = cache.layers         # one array when dims has "l", else one per layer
-            dims = cache.dims
-            if "l" in dims.lower():
-                axis = dims.lower().index("l")
-                view = arrays[(slice(None),) * axis + (slice(layers.start, layers.stop),)]
-            else:
-                view = list(arrays)[layers.start:layers.stop]
-            kept = (cache, PagedKVCache(view, dims))
-            self._views[(side, t)] = kept
-        return kept[1], None
+    @staticmethod
+    def _unpack(t: ReshardTransfer, buffer: torch.Tensor, cache: PagedKVCache, ids: Any, stream: Any) -> None:
+        cache.from_universal(buffer, ids, layers=_whole_or(t.dst_layers, cache.num_layers),
+                             layer_offset=-t.dst_layers.start, heads=_whole_or(t.dst_heads, cache.num_heads),
+                             stream=stream)
 
     def _transfer(self, packed: list[tuple[ReshardTransfer, torch.Tensor]], dst_cache: Any, dst_ids: Any, nb: int,
-                  device: str, stream: Any) -> ReshardStats:
+                  device: str, stream: Any, timeout: float) -> ReshardStats:
         """Send the packed messages, receive this rank's, and unpack them and the local copies."""
-        def unpack(t: ReshardTransfer, buffer: torch.Tensor) -> None:
-            cache, layers = self._layer_view("dst", t, dst_cache, t.dst_layers)
-            cache.from_universal(buffer, dst_ids, layers=layers, heads=_whole_or(t.dst_heads, cache.num_heads),
-                                 stream=stream)
-
         # The transport sees bytes: any element type travels (fp8 included) whatever the transport supports.
         sends = [(t.dst_rank, _bytes_of(buffer)) for t, buffer in packed if not t.is_local]
         local = [(t, buffer) for t, buffer in packed if t.is_local]
         received = [(t, self._buffer(("recv", i), dst_cache, nb, t, device)) for i, t in enumerate(self._recvs)]
-        wait = self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received])
-        # Unpacked after the messages were posted, so that they run while the messages travel.
+        wait = self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received], timeout)
+        # On a GPU the local copies are enqueued while the messages travel.  On the host the
+        # wait comes first: if it times out, nothing has been written.
+        on_host = not device.startswith("cuda")
+        if on_host:
+            wait()
         for t, buffer in local:
-            unpack(t, buffer)
-        wait()
+            self._unpack(t, buffer, dst_cache, dst_ids, stream)
+        if not on_host:
+            wait()
         for t, buffer in received:
-            unpack(t, buffer)
+            self._unpack(t, buffer, dst_cache, dst_ids, stream)
         return ReshardStats(messages_sent=len(sends), messages_received=len(received),
                             bytes_sent=sum(b.nbytes for _, b in sends), bytes_received=sum(b.nbytes for _, b in received),
                             local_copies=len(local), bytes_copied=sum(b.nbytes for _, b in local))
@@ -673,11 +488,6 @@ def _whole_or(selection: range, extent: int) -> range | None:
     return None if selection == range(extent) else selection
 
 
-def _layout_key(layout: EngineLayout, num_layers: int) -> tuple:
-    return (layout.tp_size, layout.pp_size, tuple(layout.ranks or ()),
-            tuple((r.start, r.stop) for r in (layout.layers_of(s, num_layers) for s in range(layout.pp_size))))
-
-
 def _check_block_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, distinct: bool) -> int:
     """Number of ids; host ids are checked for range (and repeats when written)."""
     import torch
@@ -701,10 +511,9 @@ def _check_block_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, 
     seen: dict[int, int] = {}
     for i, value in enumerate(values):
         try:
-            value = operator.index(value)
-        except TypeError:
-            raise _CallError(TypeError, f"{name}[{i}] on rank {rank}: expected an int, got "
-                                        f"{type(value).__name__}") from None
+            value = _as_int(value, f"{name}[{i}] on rank {rank}")
+        except TypeError as error:
+            raise _CallError(TypeError, str(error)) from error.__cause__
         if not 0 <= value < cache.num_blocks:
             raise _CallError(ValueError, f"{name}[{i}] on rank {rank}: block id {value} is out of range "
                                          f"[0, {cache.num_blocks})")
@@ -717,11 +526,13 @@ def _check_block_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, 
 
 def reshard(src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: PagedKVCache | None, dst_block_ids: Any,
             *, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout, group: Any = None,
-            transport: Transport | None = None, stream: Any = None, check: bool = True) -> ReshardStats:
-    """One-shot `Resharder(num_heads, num_layers, src, dst, group=..., transport=...)(src_cache,
-    src_block_ids, dst_cache, dst_block_ids, stream=..., check=...)`.
+            transport: Transport | None = None, stream: Any = None, check: bool = True,
+            timeout: float = DEFAULT_TIMEOUT) -> ReshardStats:
+    """One-shot `Resharder(num_heads, num_layers, src, dst, group=..., transport=...,
+    timeout=...)(src_cache, src_block_ids, dst_cache, dst_block_ids, stream=...,
+    check=..., timeout=...)`.
 
     It plans and allocates staging buffers on every call: to move blocks repeatedly,
     build a `Resharder` once and call it (it keeps its plan and its buffers)."""
-    resharder = Resharder(num_heads, num_layers, src, dst, group=group, transport=transport)
-    return resharder(src_cache, src_block_ids, dst_cache, dst_block_ids, stream=stream, check=check)
+    resharder = Resharder(num_heads, num_layers, src, dst, group=group, transport=transport, timeout=timeout)
+    return resharder(src_cache, src_block_ids, dst_cache, dst_block_ids, stream=stream, check=check, timeout=timeout)

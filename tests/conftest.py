@@ -1,4 +1,5 @@
-"""Shared fixtures and markers for the kvbm_ext tests."""
+"""Fixtures of the kvbm_ext tests, and the `gpu` marker's skip where no GPU is visible.
+Shared helpers live in tests/support (see tests/README.md)."""
 
 import os
 import sys
@@ -12,11 +13,16 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to torch")
+from support.devices import DEVICES, missing_gpus  # noqa: E402
 
-requires_two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked gpu(count=n) is skipped, with the reason, where torch sees fewer GPUs."""
+    for item in items:
+        counts = [mark.kwargs.get("count", 1) for mark in item.iter_markers("gpu")]
+        reason = missing_gpus(max(counts)) if counts else None
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture
@@ -27,3 +33,9 @@ def gen(request):
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """'cpu', and 'cuda' (marked gpu) where a GPU is visible: one test, both devices."""
+    return request.param

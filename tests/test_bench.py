@@ -1,7 +1,7 @@
-"""benchmarks/kvbench.py on the CPU at a tiny size: its files (CSV, PNG, log) go where they
+"""benchmarks/kvbench.py on the CPU at a tiny size: its files (CSV, PNGs, log) go where they
 should, rows say "verified" and a separate PASS/MISS against their target, --compare
 prints each row's change and --fail-on-regression sets the exit status; report.py's
-comparison on its own; beside.py without a GPU."""
+comparison on its own."""
 
 import csv
 import os
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from support import REPO_ROOT
+
 
 BENCH = os.path.join(REPO_ROOT, "benchmarks")
 KVBENCH = os.path.join(BENCH, "kvbench.py")
@@ -49,6 +50,7 @@ def list_run(tmp_path_factory):
     return run, out
 
 
+@pytest.mark.slow
 def test_run_writes_its_files_into_out(list_run):
     run, out = list_run
     stem = os.path.join(out, f"kvbench-cpu-{read_rows(printed_path(run.stdout, 'CSV'))[0]['date']}")
@@ -59,6 +61,7 @@ def test_run_writes_its_files_into_out(list_run):
     assert "rows: 4 of 4 verified bit-exact" in log and "CSV: " + stem + ".csv" in log, log[-2000:]
 
 
+@pytest.mark.slow
 def test_rows_are_verified_and_judged_against_their_target(list_run):
     run, _ = list_run
     rows = read_rows(printed_path(run.stdout, "CSV"))
@@ -72,6 +75,7 @@ def test_rows_are_verified_and_judged_against_their_target(list_run):
                      r"\(ratio_vs_memcpy <= 3x; worst of 4: ", run.stdout, re.MULTILINE), run.stdout
 
 
+@pytest.mark.slow
 def test_png_of_the_run(list_run):
     pytest.importorskip("matplotlib", reason="kvbench draws its PNG with matplotlib")
     run, _ = list_run
@@ -81,22 +85,25 @@ def test_png_of_the_run(list_run):
     assert os.path.getsize(png) > 10_000
 
 
+@pytest.mark.slow
 def test_png_from_a_csv(list_run, tmp_path):
-    """report.py draws the PNG of an earlier run from its CSV (for a run made without
+    """figures.py draws the PNGs of an earlier run from its CSV (for a run made without
     matplotlib): the same picture the run drew."""
     pytest.importorskip("matplotlib", reason="kvbench draws its PNG with matplotlib")
     run, _ = list_run
     csv_copy = tmp_path / "run.csv"
     csv_copy.write_bytes(open(printed_path(run.stdout, "CSV"), "rb").read())
-    replot = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), "plot", str(csv_copy)],
+    replot = subprocess.run([sys.executable, os.path.join(BENCH, "figures.py"), str(csv_copy)],
                             capture_output=True, text=True, timeout=300)
-    assert replot.returncode == 0 and replot.stdout == f"PNG: {tmp_path / 'run.png'}\n", replot.stdout + replot.stderr
-    with open(tmp_path / "run.png", "rb") as f:
+    assert replot.returncode == 0 and replot.stdout == f"PNG: {tmp_path / 'run-cpu.png'}\n", \
+        replot.stdout + replot.stderr
+    with open(tmp_path / "run-cpu.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     original = os.path.getsize(printed_path(run.stdout, "PNG"))
-    assert abs(os.path.getsize(tmp_path / "run.png") - original) < original // 5
+    assert abs(os.path.getsize(tmp_path / "run-cpu.png") - original) < original // 5
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_run_says_so(tmp_path):
     run = kvbench(*TINY, "--cpu-nb", "1", "--out", str(tmp_path), cwd=tmp_path,
                   preamble="import sys; sys.modules['matplotlib'] = None  # import matplotlib fails")
@@ -105,6 +112,7 @@ def test_without_matplotlib_the_run_says_so(tmp_path):
     assert not list(tmp_path.glob("*.png")) and len(list(tmp_path.glob("*.csv"))) == 1
 
 
+@pytest.mark.slow
 def test_default_output_outside_the_source_tree(tmp_path):
     """Run from elsewhere: ./kvbench-results there.  Run from the checkout: a temporary
     directory, never the source tree."""
@@ -132,6 +140,7 @@ def doctored(rows, path, factors):
             writer.writerow(dict(row, gbps=f"{float(row['gbps']) * factors[row['direction']]:.3f}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold,status,regressed", [("10", 3, 1), ("95", 0, 0)])
 def test_compare_and_fail_on_regression(list_run, tmp_path, threshold, status, regressed):
     """Against an older run 4x as fast in b2u and 4x as slow in u2b: b2u lost about 75 %
@@ -219,29 +228,8 @@ def test_committed_results_still_compare(report):
 
 
 # --------------------------------------------------------------------------
-# beside.py and the documentation.
+# The other scripts' options.
 # --------------------------------------------------------------------------
-
-# (script and arguments, what it prints where no GPU is): it says so, writes nothing, exits 0.
-WITHOUT_A_GPU = [
-    (["beside.py", "--quick"], "no GPU, nothing to measure"),
-    (["trace.py", "--beside-gemm", "4"], "no GPU, nothing to trace"),
-    (["host_time.py", "--build", f"here={REPO_ROOT}"], "no GPU, nothing to measure"),
-]
-
-
-@pytest.mark.parametrize("argv,says", WITHOUT_A_GPU, ids=[argv[0] for argv, _ in WITHOUT_A_GPU])
-def test_gpu_script_without_a_gpu_says_so(argv, says, tmp_path):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip(f"a GPU is here: {argv[0]} would run")
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run([sys.executable, os.path.join(BENCH, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and says in run.stdout, run.stdout + run.stderr
-    assert os.listdir(tmp_path) == []
-
 
 def test_host_time_build_needs_a_label():
     run = subprocess.run([sys.executable, os.path.join(BENCH, "host_time.py"), "--build", "nolabel"],
@@ -254,3 +242,71 @@ def test_kvbench_help():
     assert run.returncode == 0
     for option in ("--out", "--compare", "--fail-on-regression", "--device"):
         assert option in run.stdout, run.stdout
+
+
+# --------------------------------------------------------------------------
+# engines.py: its references, written from each engine's own shape.
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines():
+    sys.path.insert(0, BENCH)
+    try:
+        import engines as module
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def engine_element(name, tensors, layers, dims, block, layer, outer, head, token):
+    """One [hd] row of a block, indexed as the engine documents its cache."""
+    hd = dims.hd
+    if name == "vllm_packed":        # [num_blocks, nt, nh, 2*hd]: K then V in the last dim
+        return layers[layer][block, token, head, outer * hd:(outer + 1) * hd]
+    if name == "vllm_flash":         # [2, num_blocks, nt, nh, hd]
+        return layers[layer][outer, block, token, head]
+    if name == "flashinfer_hnd":     # stored [num_blocks, 2, nh, nt, hd] (HND stride order)
+        return tensors[layer][block, outer, head, token]
+    if name == "mla":                # [num_blocks, nt, hd]
+        return layers[layer][block, token]
+    return layers[layer][outer][block * dims.nt + token, head]     # K / V pairs [rows, nh, hd]
+
+
+@pytest.mark.parametrize("name", ["vllm_packed", "vllm_flash", "flashinfer_hnd", "sglang_pairs",
+                                  "transformers_pairs", "mla"])
+def test_engines_reference_gathers_each_engine_as_documented(engines, name, gen):
+    import torch
+    dims = engines.Dims(3, 1, 1, 5, 8) if name == "mla" else engines.Dims(3, 2, 4, 5, 6)
+    tensors, layers, layout, _, chunks, usable = engines.ENGINES[name](dims, 7, torch.device("cpu"))
+    for tensor in tensors:
+        tensor.view(torch.int16).copy_(torch.randint(-2**15, 2**15, tensor.shape, dtype=torch.int16, generator=gen))
+    engine = engines.Engine(name, layout, dims, None, chunks, list(usable))
+    ids = [5, 2, 3]
+    universal = engines.gathered(engine, torch.tensor(ids))
+    assert universal.shape == (3, dims.nh, dims.nl, dims.no, dims.nt, dims.hd)
+    for i, block in enumerate(ids):
+        for layer in range(dims.nl):
+            for outer in range(dims.no):
+                for head in range(dims.nh):
+                    for token in range(dims.nt):
+                        want = engine_element(name, tensors, layers, dims, block, layer, outer, head, token)
+                        got = universal[i, head, layer, outer, token]
+                        assert torch.equal(got.view(torch.int16), want.view(torch.int16))   # NaN bits too
+    engines.poison_engine_blocks(engine, torch.tensor(ids))
+    assert bool((engines.gathered(engine, torch.tensor(ids)).view(torch.int16) == engines.POISON_INT16).all())
+    assert not bool((engines.gathered(engine, torch.tensor([0, 4])).view(torch.int16) == engines.POISON_INT16).any())
+
+
+def test_engines_usable_blocks_leave_out_the_spares(engines):
+    import torch
+    dims = engines.Dims(1, 2, 1, 2, 2)
+    usable = {name: list(engines.ENGINES[name](dims, 6, torch.device("cpu"))[5]) for name in engines.ENGINES}
+    assert usable["sglang_pairs"] == [1, 2, 3, 4, 5]               # page 0: SGLang's padding page
+    assert usable["transformers_pairs"] == [0, 1, 2, 3]            # the last two: read and write trash
+    assert usable["vllm_flash"] == list(range(6))
+
+
+def test_engines_refuses_unknown_names():
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "engines.py"), "--engines", "vllm_flash,trt"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--engines: unknown engine 'trt'" in run.stderr, run.stderr

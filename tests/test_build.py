@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import REPO_ROOT, requires_cuda
-from reference import FakeDeviceArray
+from support import REPO_ROOT
+from support.producers import FakeDeviceArray
 
 PUBLIC_FUNCTIONS = [
     "block_to_universal",
@@ -31,10 +31,11 @@ PUBLIC_FUNCTIONS = [
     "is_using_stubs",
     "build_info",
     "cuda_devices",
+    "pinned_empty",
     "plan_reshard",
     "reshard",
 ]
-PUBLIC_TYPES = ["PagedKVCache", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
+PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
                 "Transport"]
 
 
@@ -92,7 +93,7 @@ def test_cuda_devices_empty_without_gpu():
     assert kvbm_ext.cuda_devices() == []
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_cuda_devices_match_torch():
     if kvbm_ext.is_using_stubs():
         pytest.skip("stub build: no devices by design")
@@ -181,11 +182,13 @@ def _build(tmp_path, env):
 STUB_CHECK = textwrap.dedent(
     """
     import os, sys
-    sys.path.append(sys.argv[1])  # tests/ (for reference.py), AFTER the cwd holding the stub build
+    sys.path.append(sys.argv[1])  # tests/ (for the support package), AFTER the cwd holding the stub build
     import numpy as np
     import kvbm_ext
-    from reference import (FakeDeviceArray, make_case, to_numpy, poison_, expected_universals, expected_blocks,
-                           assert_all_bitwise_equal)
+    from support.asserts import assert_all_bitwise_equal, poison_
+    from support.builders import make_case, to_numpy
+    from support.producers import FakeDeviceArray
+    from support.references import expected_blocks, expected_universals
     import torch
 
     assert os.path.dirname(os.path.abspath(kvbm_ext.__file__)) == os.path.join(os.getcwd(), "kvbm_ext"), kvbm_ext.__file__
@@ -218,6 +221,7 @@ STUB_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.build
 @needs_repo_files
 def test_stub_build_without_nvcc(tmp_path):
     _copy_repo(tmp_path)
@@ -231,6 +235,7 @@ def test_stub_build_without_nvcc(tmp_path):
     assert check.returncode == 0 and "STUB-OK" in check.stdout, f"{check.stdout[-4000:]}\n{check.stderr[-4000:]}"
 
 
+@pytest.mark.build
 @needs_repo_files
 def test_build_requiring_cuda_fails_without_nvcc(tmp_path):
     _copy_repo(tmp_path)
@@ -274,11 +279,13 @@ def test_paged_methods_have_signatures(method):
     assert signature.parameters["stream"].kind == inspect.Parameter.KEYWORD_ONLY, signature
 
 
+@pytest.mark.slow
 def test_stubs_match_the_extension():
     """python -m mypy.stubtest kvbm_ext: the .pyi says exactly what the C side accepts."""
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "kvbm_ext"], capture_output=True, text=True,
-                            timeout=600, cwd=REPO_ROOT)
+    result = subprocess.run([sys.executable, "-m", "mypy.stubtest", "kvbm_ext", "--mypy-config-file", "pyproject.toml",
+                             "--allowlist", "tools/stubtest_allowlist.txt", "--ignore-unused-allowlist"],
+                            capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 

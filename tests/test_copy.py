@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda, requires_two_gpus
-from reference import POISON_BYTE, SLEEP_CYCLES, assert_poisoned, peek_still_poisoned, sync
+from support.asserts import POISON_BYTE, assert_poisoned, peek_still_poisoned
+from support.devices import SLEEP_CYCLES, sync
 
 HAVE_CUDA = torch.cuda.is_available()
 MODES = ["batched_with_fallback", "fallback_only", "batch_without_fallback"]
@@ -414,7 +414,7 @@ DEVICE_PLACEMENTS = [("device", "device"), ("device", "pinned"), ("pinned", "dev
 placement_id = "{0[0]}-to-{0[1]}".format
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", DEVICE_PLACEMENTS, ids=placement_id)
 def test_vectorized_copy_placements_per_pair_sizes(placement, gen):
     """100 pairs of random sizes (1..70000 bytes), random positions, random pair order."""
@@ -422,7 +422,7 @@ def test_vectorized_copy_placements_per_pair_sizes(placement, gen):
     copy_and_check("vectorized_copy", *placement, plan, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", list(ADDRESS_FORMS) + ["mixed"])
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned")], ids=placement_id)
 def test_vectorized_copy_address_forms(placement, form, gen):
@@ -431,7 +431,7 @@ def test_vectorized_copy_address_forms(placement, form, gen):
     copy_and_check("vectorized_copy", *placement, plan, gen, forms)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("sizes_form", list(SIZE_FORMS) + ["numpy-uint64-device-addresses"])
 def test_vectorized_copy_size_forms(sizes_form, gen):
     if sizes_form == "numpy-uint64-device-addresses":
@@ -443,7 +443,7 @@ def test_vectorized_copy_size_forms(sizes_form, gen):
     copy_and_check("vectorized_copy", "device", "device", plan, gen, forms)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_vectorized_copy_device_resident_sizes_and_addresses_to_pinned(gen):
     plan = make_plan(random_sizes(64, gen, 1, 9000), gen)
     copy_and_check("vectorized_copy", "device", "pinned", plan, gen, ("cuda-int64", "cuda-int64", "cuda-int64"))
@@ -455,7 +455,7 @@ MISALIGNMENTS = [(o, 0) for o in (1, 2, 4, 8)] + [(0, o) for o in (1, 2, 4, 8)] 
 MIXED_MISALIGNMENTS = [(1, 2), (2, 4), (4, 8), (8, 1), (3, 7), (15, 1), (8, 12)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("src_mis,dst_mis", MISALIGNMENTS + MIXED_MISALIGNMENTS)
 def test_vectorized_copy_misaligned_addresses(src_mis, dst_mis, gen):
     plan = make_plan(ALIGNMENT_SIZES * 2, gen, src_misalign=src_mis, dst_misalign=dst_mis)
@@ -469,7 +469,7 @@ def test_vectorized_copy_misaligned_addresses(src_mis, dst_mis, gen):
     assert_unchanged(src, snapshot)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mis", [1, 2, 4, 8])
 @pytest.mark.parametrize("placement", [("device", "pinned"), ("pinned", "device")], ids=placement_id)
 def test_vectorized_copy_misaligned_pinned(placement, mis, gen):
@@ -477,7 +477,7 @@ def test_vectorized_copy_misaligned_pinned(placement, mis, gen):
     copy_and_check("vectorized_copy", *placement, plan, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 17, 999, 1025, 4097])
 @pytest.mark.parametrize("placement", [("device", "device"), ("pinned", "device")], ids=placement_id)
 def test_vectorized_copy_odd_sizes(placement, size, gen):
@@ -486,7 +486,7 @@ def test_vectorized_copy_odd_sizes(placement, size, gen):
     copy_and_check("vectorized_copy", *placement, plan, gen, ("list", "list", "int"))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mis", [(0, 0), (4, 4), (1, 0)], ids=["aligned", "misaligned-4", "src-misaligned-1"])
 @pytest.mark.parametrize("placement", DEVICE_PLACEMENTS, ids=placement_id)
 def test_vectorized_copy_one_big_pair(placement, mis, gen):
@@ -494,8 +494,7 @@ def test_vectorized_copy_one_big_pair(placement, mis, gen):
     copy_and_check("vectorized_copy", *placement, plan, gen)
 
 
-@requires_cuda
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "placement,forms",
     [
@@ -512,7 +511,7 @@ def test_vectorized_copy_many_small_pairs(placement, forms, gen):
     copy_and_check("vectorized_copy", *placement, plan, gen, forms)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("sizes_form", ["list", "cuda-int64", "numpy-uint64"])
 @pytest.mark.parametrize("placement", [("device", "device"), ("pinned", "device"), ("device", "pinned")],
                          ids=placement_id)
@@ -525,7 +524,7 @@ def test_vectorized_copy_zero_size_pairs_are_skipped(placement, sizes_form, gen)
     copy_and_check("vectorized_copy", *placement, plan, gen, forms)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", list(ADDRESS_FORMS))
 @pytest.mark.parametrize("sizes", ["int", "empty"])
 def test_vectorized_copy_zero_pairs_is_a_no_op(form, sizes, gen):
@@ -542,7 +541,7 @@ def test_vectorized_copy_zero_pairs_is_a_no_op(form, sizes, gen):
     assert_poisoned(pinned_dst)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_vectorized_copy_pair_order_does_not_matter(gen):
     """Same pairs in sorted, reversed and random order: identical result."""
     base = make_plan(random_sizes(80, gen, 1, 4000), gen, shuffle=False)
@@ -613,27 +612,27 @@ def ordered_async_copy(fn, src_where, dst_where, stream_form, gen, **kwargs):
     assert_unchanged(src, fresh)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_form", STREAM_FORMS)
 def test_vectorized_copy_is_async_and_ordered_on_its_stream(stream_form, gen):
     ordered_async_copy("vectorized_copy", "device", "pinned", stream_form, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "device"), ("pinned", "device"), ("pinned", "pinned")],
                          ids=placement_id)
 def test_vectorized_copy_is_async_and_ordered_other_placements(placement, gen):
     ordered_async_copy("vectorized_copy", *placement, "torch.cuda.Stream", gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", DEVICE_PLACEMENTS, ids=placement_id)
 def test_vectorized_copy_default_stream_none(placement, gen):
     plan = make_plan(random_sizes(30, gen, 1, 9000), gen)
     copy_and_check("vectorized_copy", *placement, plan, gen, stream=None, sync_on=torch.cuda.default_stream())
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fn,kwargs", [("vectorized_copy", {})] + [("memcpy_batch", {"mode": m}) for m in MODES],
                          ids=["vectorized_copy"] + [f"memcpy_batch-{m}" for m in MODES])
 def test_address_lists_are_copied_before_return(fn, kwargs, gen):
@@ -674,7 +673,7 @@ def rejected(fn, args, exc, *patterns, **kwargs):
     return assert_message(info, *patterns)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", ["list", "numpy-uint64", "torch-int64"])
 @pytest.mark.parametrize("which", ["src_ptrs", "dst_ptrs"])
 def test_vectorized_copy_null_address(which, form, gen):
@@ -688,7 +687,7 @@ def test_vectorized_copy_null_address(which, form, gen):
     assert_unchanged(src, snapshot)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["src_ptrs", "dst_ptrs", "both"])
 def test_vectorized_copy_pageable_address(which, gen):
     """Pair 2 of 5 uses a pageable host buffer, the others device memory."""
@@ -708,7 +707,7 @@ def test_vectorized_copy_pageable_address(which, gen):
     assert_unchanged(src, snapshot)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_vectorized_copy_all_pageable_rejected(gen):
     plan = make_plan([512] * 3, gen)
     src, snapshot, dst = setup_copy("pageable", "pageable", plan, gen)
@@ -731,7 +730,7 @@ def whole_segment_buffer(n):
     return buf
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["src_ptrs", "dst_ptrs"])
 def test_vectorized_copy_range_past_end_of_allocation(which, gen):
     """Pair 2 of 4 is the last bytes of a 32 MiB allocation: exactly up to the end is
@@ -780,7 +779,7 @@ def plan_with_pair2_from(big, big_off, src, plan):
     return combined, p
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_vectorized_copy_structure_errors_with_device_address_arrays(gen):
     plan = make_plan([256] * 4, gen)
     src, snapshot, dst = setup_copy("device", "device", plan, gen)
@@ -793,7 +792,7 @@ def test_vectorized_copy_structure_errors_with_device_address_arrays(gen):
     assert_unchanged(src, snapshot)
 
 
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 def test_vectorized_copy_addresses_on_two_devices(gen):
     plan = make_plan([256] * 4, gen)
     src = random_bytes(plan.src_len, "device", gen)
@@ -845,7 +844,7 @@ def memcpy_batch_and_check(src_where, dst_where, mode, stream_kind, gen, forms=(
     copy_and_check("memcpy_batch", src_where, dst_where, plan, gen, forms, stream=stream, sync_on=sync_on, **kwargs)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_kind", ["None", "created"])
 @pytest.mark.parametrize("placement", BATCH_PLACEMENTS, ids=placement_id)
 @pytest.mark.parametrize("mode", MODES)
@@ -853,13 +852,13 @@ def test_memcpy_batch_modes_and_placements(mode, placement, stream_kind, gen):
     memcpy_batch_and_check(*placement, mode, stream_kind, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "pinned"), ("pageable", "device")], ids=placement_id)
 def test_memcpy_batch_default_mode(placement, gen):
     memcpy_batch_and_check(*placement, None, "None", gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "forms",
     [(f, f, "list") for f in HOST_ADDRESS_FORMS]
@@ -871,7 +870,7 @@ def test_memcpy_batch_argument_forms(forms, gen):
     copy_and_check("memcpy_batch", "device", "pinned", plan, gen, forms)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_memcpy_batch_one_size_for_all_pairs(mode, gen):
     if batch_mode_must_fail(mode):
@@ -880,7 +879,7 @@ def test_memcpy_batch_one_size_for_all_pairs(mode, gen):
     copy_and_check("memcpy_batch", "pinned", "device", plan, gen, ("list", "list", "int"), mode=mode)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_memcpy_batch_many_pairs(mode, gen):
     """2,048 pairs of 32 KiB, device -> pinned, scattered over random slots."""
@@ -890,7 +889,7 @@ def test_memcpy_batch_many_pairs(mode, gen):
     copy_and_check("memcpy_batch", "device", "pinned", plan, gen, ("numpy-uint64", "numpy-uint64", "int"), mode=mode)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_memcpy_batch_zero_pairs_is_a_no_op(mode):
     if batch_mode_must_fail(mode):
@@ -904,7 +903,7 @@ def test_memcpy_batch_zero_pairs_is_a_no_op(mode):
     assert_poisoned(dst)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_memcpy_batch_only_zero_size_pairs(mode, gen):
     if batch_mode_must_fail(mode):
@@ -916,7 +915,7 @@ def test_memcpy_batch_only_zero_size_pairs(mode, gen):
     assert_poisoned(dst)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_form", ["None", "torch.cuda.Stream"])
 @pytest.mark.parametrize("mode", MODES)
 def test_memcpy_batch_is_async_and_ordered_on_its_stream(mode, stream_form, gen):
@@ -926,7 +925,7 @@ def test_memcpy_batch_is_async_and_ordered_on_its_stream(mode, stream_form, gen)
     ordered_async_copy("memcpy_batch", *placement, stream_form, gen, mode=mode)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", ["list", "numpy-uint64"])
 @pytest.mark.parametrize("which", ["src_ptrs", "dst_ptrs"])
 @pytest.mark.parametrize("mode", MODES)
@@ -941,7 +940,7 @@ def test_memcpy_batch_null_address(mode, which, form, gen):
     assert_unchanged(src, snapshot)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["src_ptrs", "dst_ptrs", "sizes"])
 def test_memcpy_batch_device_resident_arrays_rejected(which, gen):
     plan = make_plan([512] * 4, gen)
@@ -970,7 +969,7 @@ def driver_version():
     return v.value
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_is_memcpy_batch_available_matches_versions():
     r = kvbm_ext.is_memcpy_batch_available()
     assert type(r) is bool
@@ -1021,7 +1020,7 @@ def _logged_copy(mode, stream_kind, gen, capfd, placement=("device", "pinned")):
     return err
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "pinned"), ("pinned", "device")], ids=placement_id)
 @pytest.mark.parametrize("stream_kind", DEBUG_STREAMS)
 @pytest.mark.parametrize("mode", ["batched_with_fallback", None], ids=["batched_with_fallback", "default-mode"])
@@ -1040,7 +1039,7 @@ def test_debug_log_batched_with_fallback_uses_batch(mode, stream_kind, placement
         assert re.search(r"not available|cudaError\w+", rest), f"fallback reason missing: {line!r}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_kind", DEBUG_STREAMS)
 def test_debug_log_fallback_only_names_async(stream_kind, gen, monkeypatch, capfd):
     monkeypatch.setenv("KVBM_EXT_DEBUG", "1")
@@ -1049,7 +1048,7 @@ def test_debug_log_fallback_only_names_async(stream_kind, gen, monkeypatch, capf
     assert re.search(r"\basync\b", rest, re.I), f"line does not name the async backend: {line!r}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_kind", ["None", "created"])
 def test_debug_log_batch_without_fallback(stream_kind, gen, monkeypatch, capfd):
     if not batch_available():
@@ -1060,7 +1059,7 @@ def test_debug_log_batch_without_fallback(stream_kind, gen, monkeypatch, capfd):
     assert re.search(r"\bbatch\b", rest, re.I), f"line does not name the batch backend: {line!r}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fn,kwargs", [("vectorized_copy", {})] + [("memcpy_batch", {"mode": m}) for m in MODES],
                          ids=["vectorized_copy"] + [f"memcpy_batch-{m}" for m in MODES])
 def test_no_debug_output_without_the_variable(fn, kwargs, gen, monkeypatch, capfd):

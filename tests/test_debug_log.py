@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import REPO_ROOT, requires_cuda
 from kvbm_ext import _debug
+from support import REPO_ROOT
 
 
 def emit_in_fresh_python(setup, tmp_path):
@@ -81,7 +81,7 @@ def gpu_case():
     return blocks, operationals
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_call_logs_one_record(monkeypatch, caplog):
     blocks, operationals = gpu_case()
     monkeypatch.delenv("KVBM_EXT_DEBUG", raising=False)
@@ -96,7 +96,7 @@ def test_gpu_call_logs_one_record(monkeypatch, caplog):
     assert len(lines) == 1 and lines[0].startswith("block_to_operational: path "), lines
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_call_survives_a_failing_handler(monkeypatch):
     """A handler that raises: the call still succeeds and moves its bytes, the error goes to
     sys.unraisablehook, and no exception is left set."""

@@ -14,21 +14,20 @@ import pytest
 import torch
 
 import kvbm_ext
-from reference import (
-    ArrayInterfaceOnly,
+from support.asserts import (
     assert_poisoned,
     b2u_and_check,
     call,
     check_rejected,
-    chunk_shape,
     expect_rejected,
-    make_case,
     path_regex,
     poison_,
     poison_even_if_read_only,
-    random_tensor,
     u2b_and_check,
 )
+from support.builders import make_case, random_tensor, read_only_copy
+from support.producers import ArrayInterfaceOnly
+from support.references import chunk_shape
 
 DIRECTIONS = ["b2u", "u2b"]
 
@@ -314,16 +313,10 @@ def test_non_contiguous_universal(direction, kind, gen):
 # --------------------------------------------------------------------------
 
 
-def _read_only_numpy(t):
-    a = t.numpy().copy()
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("protocol", ["numpy", "array_interface", "memoryview"])
 def test_read_only_destination_block(protocol, gen):
     blocks, universals = case(gen)
-    ro = _read_only_numpy(blocks[1][1])
+    ro = read_only_copy(blocks[1][1])
     blocks[1][1] = ro
     if protocol == "array_interface":
         blocks[1][1] = ArrayInterfaceOnly(ro)
@@ -337,7 +330,7 @@ def test_read_only_destination_block(protocol, gen):
 @pytest.mark.parametrize("protocol", ["numpy", "array_interface", "memoryview"])
 def test_read_only_destination_universal(protocol, gen):
     blocks, universals = case(gen)
-    ro = _read_only_numpy(universals[1])
+    ro = read_only_copy(universals[1])
     universals[1] = ro
     if protocol == "array_interface":
         universals[1] = ArrayInterfaceOnly(ro)
@@ -350,7 +343,7 @@ def test_read_only_destination_universal(protocol, gen):
 
 def test_read_only_single_5d_destination(gen):
     blocks, universals = case(gen, nb=1)
-    ro = _read_only_numpy(universals[0])
+    ro = read_only_copy(universals[0])
     poison_even_if_read_only(ro)
     check_rejected("b2u", blocks, ro, ValueError, r"universals(\[0\])?", "read-only")
 

@@ -16,42 +16,35 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda
-from paged_reference import (
-    Buffers,
-    CacheCase,
-    block_buffers,
-    cache_rows,
-    invoke,
-    per_block,
-    reference,
-    run_and_check,
-    snapshot,
-)
-from reference import (
-    SLEEP_CYCLES,
-    DLPackOnly,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
     assert_message_has,
     assert_poisoned,
-    expected_op,
-    path_regex,
     b2u_and_check,
     call,
-    clone_all,
-    expected_blocks,
-    expected_universals,
-    make_case,
-    make_op_case,
+    invoke,
     op_and_check,
+    path_regex,
     poison_,
-    random_tensor,
-    rewrite_sources_behind_sleep,
-    sync,
+    run_and_check,
     u2b_and_check,
 )
+from support.builders import (
+    Buffers,
+    CacheCase,
+    arrays_in,
+    block_buffers,
+    clone_all,
+    dtype_id,
+    make_case,
+    make_op_case,
+    random_tensor,
+    snapshot,
+)
+from support.devices import SLEEP_CYCLES, cuda_case, rewrite_sources_behind_sleep, sync
+from support.producers import DLPackOnly, wrap
+from support.references import cache_rows, expected_blocks, expected_universals, paged_reference, per_block
 
 HAS_EXCHANGE_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 requires_exchange_api = pytest.mark.skipif(
@@ -96,12 +89,6 @@ def as_sub(x, cls):
     return x.as_subclass(cls)
 
 
-def wrap_all(x, cls):
-    if isinstance(x, (list, tuple)):
-        return [wrap_all(v, cls) for v in x]
-    return cls(x)
-
-
 # ==========================================================================
 # torch exposes the capsule; the subclasses really refuse the Python protocol.
 # ==========================================================================
@@ -130,25 +117,23 @@ def test_subclass_python_protocols_raise():
 
 
 # ==========================================================================
-# Host arrays: the list functions and PagedKVCache read subclasses through the C API.
+# The list functions and PagedKVCache read subclasses through the C API (every device).
 # ==========================================================================
 
 
 @requires_exchange_api
 @pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize(
-    "direction,dtype",
-    [("b2u", torch.bfloat16), ("u2b", torch.float8_e4m3fn)],
-    ids=["block_to_universal-bfloat16", "universal_to_block-float8_e4m3fn"],
-)
-def test_list_conversions_read_subclasses_via_the_c_api(direction, dtype, layout, cls, gen):
-    blocks, universals = make_case(3, 2, 2, 3, 4, 5, dtype, layout, generator=gen)
-    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
-    if direction == "b2u":
-        b2u_and_check(blocks, universals, layout, 2)
-    else:
-        u2b_and_check(universals, blocks, layout)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=dtype_id)
+@pytest.mark.parametrize("direction", ["b2u", "u2b"])
+def test_list_conversions_read_subclasses_via_the_c_api(direction, dtype, layout, cls, device, gen):
+    for shape in [(3, 2, 2, 3, 4, 5), (3, 2, 2, 3, 8, 64)]:
+        blocks, universals = make_case(*shape, dtype, layout, device=device, generator=gen)
+        blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
+        if direction == "b2u":
+            b2u_and_check(blocks, universals, layout, 2)
+        else:
+            u2b_and_check(universals, blocks, layout)
 
 
 @requires_exchange_api
@@ -179,8 +164,8 @@ def test_mixed_subclass_plain_and_python_dlpack_in_one_call(direction, gen):
     blocks = [as_sub(chunks, NoPythonDLPack) if b == 0 else chunks for b, chunks in enumerate(blocks)]
     blocks[2] = [DLPackOnly(c) if i % 2 else c for i, c in enumerate(blocks[2])]
     universals = [universals[0].as_subclass(NoPythonDLPack), DLPackOnly(universals[1]), universals[2]]
-    plain_blocks = [[c._t if isinstance(c, DLPackOnly) else c for c in chunks] for chunks in blocks]
-    plain_universals = [u._t if isinstance(u, DLPackOnly) else u for u in universals]
+    plain_blocks = [[c.tensor if isinstance(c, DLPackOnly) else c for c in chunks] for chunks in blocks]
+    plain_universals = [u.tensor if isinstance(u, DLPackOnly) else u for u in universals]
     if direction == "b2u":
         before = clone_all(plain_blocks)
         poison_(plain_universals)
@@ -218,15 +203,20 @@ def sub_other(case, method, nb, gen, form, cls=NoPythonDLPack, pin=False):
 
 @requires_exchange_api
 @pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
-@pytest.mark.parametrize("layout,form", [("kbthd", "list"), ("blkthd", "array")])
-def test_paged_cache_of_subclasses(layout, form, cls, gen):
-    """Layers, block ids (int64 CPU tensor) and universals/operationals all subclasses."""
-    case = sub_cache_case(layout, gen, cls)
+@pytest.mark.parametrize("form", ["list", "array"])
+@pytest.mark.parametrize("layout", ["kbthd", "blkthd"])
+@pytest.mark.parametrize("device,pin", [pytest.param("cpu", False, id="cpu"), cuda_case("cuda", False, id="cuda"),
+                                        cuda_case("cuda", True, id="cuda-pinned")])
+def test_paged_cache_of_subclasses(layout, form, cls, device, pin, gen):
+    """Layers, block ids (int64 tensor on the cache's device) and universals/operationals
+    (on that device, or pinned) all subclasses."""
+    case = sub_cache_case(layout, gen, cls, device)
     cache = case.build()
+    assert cache.device == ("cuda:0" if device == "cuda" else "cpu")
     assert all(isinstance(x, cls) for x in (cache.layers if isinstance(cache.layers, (list, tuple)) else [cache.layers]))
-    ids = torch.tensor([8, 0, 5], dtype=torch.int64).as_subclass(cls)
+    ids = torch.tensor([8, 0, 5], dtype=torch.int64, device=device).as_subclass(cls)
     for method in ("to_universal", "from_universal", "to_operational", "from_operational"):
-        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, form, cls))
+        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, form, cls, pin))
 
 
 @pytest.mark.parametrize("cls", [DLPackOnly, NotACapsule, IntInsteadOfCapsule])
@@ -249,7 +239,7 @@ def test_paged_cache_through_python_dlpack(cls, gen):
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_list_api_through_python_dlpack(direction, cls, gen):
     blocks, universals = make_case(3, 2, 2, 3, 4, 5, torch.bfloat16, "HND", generator=gen)
-    w_blocks, w_universals = wrap_all(blocks, cls), wrap_all(universals, cls)
+    w_blocks, w_universals = wrap(blocks, cls), wrap(universals, cls)
     if direction == "b2u":
         before = clone_all(blocks)
         poison_(universals)
@@ -268,33 +258,7 @@ def test_list_api_through_python_dlpack(direction, cls, gen):
 # ==========================================================================
 
 
-@requires_cuda
-@requires_exchange_api
-@pytest.mark.parametrize("cls", [NoPythonDLPack, NoPythonProtocols])
-@pytest.mark.parametrize("direction", ["b2u", "u2b"])
-def test_gpu_subclasses_via_the_c_api(direction, cls, gen):
-    blocks, universals = make_case(3, 2, 2, 3, 8, 64, torch.bfloat16, "NHD", device="cuda", generator=gen)
-    blocks, universals = as_sub(blocks, cls), as_sub(universals, cls)
-    if direction == "b2u":
-        b2u_and_check(blocks, universals, "NHD", 2)
-    else:
-        u2b_and_check(universals, blocks, "NHD")
-
-
-@requires_cuda
-@requires_exchange_api
-@pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
-def test_gpu_paged_cache_of_subclasses(pin, gen):
-    """GPU cache of subclasses; device ids and universals/operationals as subclasses."""
-    case = sub_cache_case("kbthd", gen, device="cuda")
-    cache = case.build()
-    assert cache.device == "cuda:0"
-    ids = torch.tensor([8, 0, 5], dtype=torch.int64, device="cuda").as_subclass(NoPythonDLPack)
-    for method in ("to_universal", "from_universal", "to_operational", "from_operational"):
-        run_and_check(case, cache, method, ids, sub_other(case, method, 3, gen, "array", pin=pin))
-
-
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("fn,where", [("vectorized_copy", "host"), ("vectorized_copy", "device"),
                                       ("memcpy_batch", "host")])
@@ -324,7 +288,7 @@ def assert_list_call_result(direction, blocks, universals):
         assert_all_bitwise_equal(blocks, expected_blocks(universals, "NHD"), "blocks")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["plain", "subclass"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, gen):
@@ -346,7 +310,7 @@ def test_gpu_producer_stream_is_ordered_before_the_call_stream(direction, kind, 
     assert_list_call_result(direction, blocks, universals)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("method", ["from_universal", "from_operational"])
 def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, gen):
@@ -361,7 +325,7 @@ def test_gpu_paged_cache_orders_the_producer_stream_of_subclass_sources(method, 
     want = snapshot(case.buf.bases)
     fresh = rewrite_sources_behind_sleep(
         other.bases, gen, lambda stream: getattr(cache, method)(other.arg, ids, stream=stream))
-    reference(method, cache_rows(case.buf.make(want), case.dims), per_block([f.cpu() for f in fresh]), ids,
+    paged_reference(method, cache_rows(case.buf.make(want), case.dims), per_block([f.cpu() for f in fresh]), ids,
               list(range(case.nl)))
     for i, (got, w) in enumerate(zip(case.buf.bases, want)):
         assert_bitwise_equal(got.view(torch.int16), w, f"cache memory #{i}")
@@ -389,7 +353,7 @@ def run_in_stream_context_behind_a_legacy_sleep(invoke, destinations):
     return clones
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_stream_none_runs_on_the_current_torch_stream_list(direction, gen):
@@ -402,7 +366,7 @@ def test_gpu_stream_none_runs_on_the_current_torch_stream_list(direction, gen):
     assert_list_call_result(direction, blocks, universals)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @requires_exchange_api
 @pytest.mark.parametrize("where", ["device", "pinned"])
 def test_gpu_stream_none_runs_on_the_current_torch_stream_paged(where, gen):
@@ -419,7 +383,7 @@ def test_gpu_stream_none_runs_on_the_current_torch_stream_paged(where, gen):
     want = snapshot(U.bases)
     clones = run_in_stream_context_behind_a_legacy_sleep(lambda: cache.to_universal(ids, U.arg), U.bases)
     assert_all_bitwise_equal(clones, U.bases, "universals cloned on the current stream right after the call")
-    reference("to_universal", cache_rows(case.buf.make(snapshot(case.buf.bases)), case.dims), per_block(U.make(want)),
+    paged_reference("to_universal", cache_rows(case.buf.make(snapshot(case.buf.bases)), case.dims), per_block(U.make(want)),
               ids, list(range(case.nl)))
     for i, (got, w) in enumerate(zip(U.bases, want)):
         assert_bitwise_equal(got.view(torch.int16), w, f"universals #{i}")
@@ -466,8 +430,8 @@ def flag_case(flag, gen, device="cpu"):
 @pytest.mark.parametrize("where", ["blocks", "universals"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 @pytest.mark.parametrize("flag", ["conj", "neg"])
-def test_conjugate_and_negative_views_refused(flag, direction, where, gen):
-    blocks, universals = flag_case(flag, gen)
+def test_conjugate_and_negative_views_refused(flag, direction, where, device, gen):
+    blocks, universals = flag_case(flag, gen, device)
     assert flagged(universals[0], flag).data_ptr() == universals[0].data_ptr()
     args_blocks = [list(chunks) for chunks in blocks]
     args_universals = list(universals)
@@ -729,18 +693,7 @@ def test_paged_inference_layers_are_written_without_torch_calls(gen):
     assert_all_bitwise_equal(snapshot(back.bases), snapshot(other.bases), "universals read back")
 
 
-@requires_cuda
-@pytest.mark.parametrize("flag", ["conj", "neg"])
-@pytest.mark.parametrize("direction", ["b2u", "u2b"])
-def test_gpu_flagged_views_refused(direction, flag, gen):
-    blocks, universals = flag_case(flag, gen, device="cuda")
-    args_universals = [universals[0], flagged(universals[1], flag), universals[2]]
-    written, read = (universals, blocks) if direction == "b2u" else (blocks, universals)
-    refused(lambda: call(direction, blocks, args_universals), written, read, ValueError, r"universals\[1\]",
-            "conjugate" if flag == "conj" else "negative")
-
-
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("pin", [False, True], ids=["device", "pinned"])
 def test_gpu_requires_grad_destination_refused_and_versions_bumped(pin, gen):
     blocks, universals = make_case(*SHAPE, torch.bfloat16, "NHD", generator=gen, device="cuda")

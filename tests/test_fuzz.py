@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from support import REPO_ROOT
 
+pytestmark = pytest.mark.slow
 FUZZ = os.path.join(REPO_ROOT, "tools", "fuzz.py")
 
 

@@ -1,4 +1,4 @@
-"""Hostile but legal Python objects against every CPU entry point (issue 10). No GPU needed.
+"""Hostile but legal Python objects against every CPU entry point. No GPU needed.
 
 Every scenario that could crash the process (list mutation, freed objects, lying array
 interfaces, huge extents, NULL / wild pointers) runs in its own child interpreter
@@ -9,7 +9,7 @@ dead test run. The child executes the first part of this very file (numpy + kvbm
 only, no pytest or torch), so the hostile classes and scenarios are plain Python, not
 code in strings. It prints one `OUTCOME label|kind|message` line per call and saves the
 arrays of the call (sources before, destinations before and after) to an .npz file. The parent then checks, with the
-torch references of reference.py / paged_reference.py and `torch.equal` on integer
+torch references of support/references.py and `torch.equal` on integer
 views (bitwise, no tolerance):
   - a call that succeeded wrote exactly the reference result for the arrays AS THEY WERE
     WHEN THE CALL STARTED (a snapshot), so reading a list after a getter changed it is a
@@ -813,19 +813,21 @@ def scn_thread_mutation(seconds):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from paged_reference import cache_rows, per_block  # noqa: E402
-from paged_reference import reference as paged_reference  # noqa: E402
-from reference import (  # noqa: E402
+from support.asserts import (  # noqa: E402
     assert_all_bitwise_equal,
     assert_poisoned,
-    clone_all,
     expect_rejected,
+    path_regex,
+    poison_,
+)
+from support.builders import clone_all, random_tensor  # noqa: E402
+from support.references import (  # noqa: E402
+    cache_rows,
     expected_blocks,
     expected_op,
     expected_universals,
-    path_regex,
-    poison_,
-    random_tensor,
+    paged_reference,
+    per_block,
 )
 
 PARENT_MARKER = "# PARENT " + "SIDE. The child executes this file only up to the line above"
@@ -1187,7 +1189,7 @@ def test_dims_name_rejected(dims, shape, gen):
     layers = [random_tensor(shape, torch.float32, generator=gen) for _ in range(2)]
     with pytest.raises(ValueError) as info:
         kvbm_ext.PagedKVCache(layers, dims)
-    assert_value_error_naming(info, "dims")
+    assert_value_error_naming(info, "layout")
 
 
 @pytest.mark.parametrize("dims", ["lbtd\x00", "lbt\u00e9d", "lbt\udfffd"], ids=ascii)
@@ -1195,7 +1197,7 @@ def test_dims_name_rejected_single_array(dims, gen):
     layers = random_tensor((2, 5, 4, 1, 3), torch.float32, generator=gen)
     with pytest.raises(ValueError) as info:
         kvbm_ext.PagedKVCache(layers, dims)
-    assert_value_error_naming(info, "dims")
+    assert_value_error_naming(info, "layout")
 
 
 @pytest.mark.parametrize("bad", list(BAD_NAMES))

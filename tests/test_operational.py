@@ -7,12 +7,15 @@ operational block: one C-contiguous [nl, no, inner] array, inner = nt*nh*hd;
   operational[l, o].view(nh, nt, hd)[h, t, :] == universal[h, l, o, t, :]   (HND)
 
 Every destination is poisoned (0xA5) before a call and compared byte for byte with the
-pure-torch references of reference.py afterwards; sources are checked unchanged. Errors are
-checked to be raised before any byte is written. Sections:
+pure-torch references of support/references.py afterwards; sources are checked unchanged.
+Errors are checked to be raised before any byte is written. Tests taking `device` run on
+the CPU and, where one is visible, on a GPU. Sections:
   1. the references themselves (no kvbm_ext) and the checking helpers (can they fail?)
-  2. host arrays (torch CPU, NumPy): results, nb = 1 / 0, round trips, backend names
-  3. host arrays: errors
-  4. GPU (requires_cuda): placements, backends, streams, alignment, sizes, errors, debug log
+  2. results: the dtype x layout x shape matrix, alignment and round trips on every device;
+     NumPy, nb = 1 / 0, backend names on the host
+  3. errors: shapes, element types, contiguity and backend names on every device; the rest
+     on host arrays
+  4. GPU only (marked gpu): placements, backends, streams, sizes, errors, debug log
 """
 
 import re
@@ -22,42 +25,44 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda, requires_two_gpus
-from reference import (
-    NUMPY_DTYPES,
-    OP_BACKENDS,
-    SHAPES,
-    SLEEP_CYCLES,
-    TORCH_DTYPES,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
     assert_poisoned,
-    block_to_operational_ref,
-    block_to_universal_ref,
     call_op,
     check_op_rejected,
-    chunk_shape,
+    op_and_check,
+    peek_still_poisoned,
+    poison_,
+    poison_even_if_read_only,
+)
+from support.builders import (
+    NUMPY_DTYPES,
+    SHAPES,
+    TORCH_DTYPES,
+    arrays_in,
     clone_all,
     dtype_id,
-    expected_blocks,
-    expected_op,
-    expected_universals,
     make_op_case,
     make_operationals,
     misaligned,
-    op_and_check,
-    operational_to_block_ref,
-    operational_to_universal_ref,
-    peek_still_poisoned,
     place,
-    poison_,
-    poison_even_if_read_only,
     random_tensor,
+    read_only_copy,
     shape_id,
-    sync,
     to_numpy,
     torch_dtype_of,
+)
+from support.devices import SLEEP_CYCLES, cuda_case, sync
+from support.references import (
+    block_to_operational_ref,
+    block_to_universal_ref,
+    chunk_shape,
+    expected_blocks,
+    expected_op,
+    expected_universals,
+    operational_to_block_ref,
+    operational_to_universal_ref,
     universal_to_block_ref,
     universal_to_operational_ref,
 )
@@ -66,6 +71,7 @@ LAYOUTS = ["NHD", "HND"]
 DIRECTIONS = ["b2o", "o2b", "u2o", "o2u"]
 BLOCK_DIRECTIONS = ["b2o", "o2b"]  # block <-> operational: backend=, no layout
 UNIVERSAL_DIRECTIONS = ["u2o", "o2u"]  # universal <-> operational: layout
+OP_BACKENDS = ["kernel", "async", "batch", "auto"]
 # Every spelling of a backend the tests pass (the spec: case-insensitive).
 BACKEND_NAMES = OP_BACKENDS + ["KERNEL", "Batch"]
 
@@ -83,6 +89,14 @@ def src_dst(direction, blocks, universals, operationals):
 def layout_args(direction, layout):
     """The positional layout argument: only universal <-> operational take one."""
     return (layout,) if direction in UNIVERSAL_DIRECTIONS else ()
+
+
+# A backend per direction (None: no backend argument; universal <-> operational take none).
+BACKEND_CASES = [(d, b) for d in BLOCK_DIRECTIONS for b in OP_BACKENDS] + [(d, None) for d in UNIVERSAL_DIRECTIONS]
+
+
+def backend_kwargs(backend):
+    return {} if backend is None else {"backend": backend}
 
 
 def check_direction(direction, blocks, universals, operationals, layout, **kwargs):
@@ -236,41 +250,23 @@ def test_check_op_rejected_catches_writes_before_the_error(monkeypatch, gen):
 
 
 # ==========================================================================
-# 2. Host arrays: results.
+# 2. Results.
 # ==========================================================================
 
-# The reverse directions: every shape in bf16, every dtype on one odd shape (hd = 13).
-REVERSE_CASES = [(torch.bfloat16, s) for s in SHAPES] + [(d, SHAPES[5]) for d in TORCH_DTYPES if d != torch.bfloat16]
+# Blocks and universals to operationals: every dtype, layout and shape. The reverse
+# directions: every shape in bf16, every dtype on five shapes (hd = 13 among them).
+REVERSE_CASES = [(torch.bfloat16, s) for s in SHAPES] + [
+    (d, s) for d in TORCH_DTYPES if d != torch.bfloat16 for s in (SHAPES[5], SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[6])
+]
+MATRIX = [(d, dtype, s) for d in ("b2o", "u2o") for dtype in TORCH_DTYPES for s in SHAPES]
+MATRIX += [(d, dtype, s) for d in ("o2b", "o2u") for dtype, s in REVERSE_CASES]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("chunks", LAYOUTS)
-@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=dtype_id)
-def test_block_to_operational_torch(dtype, chunks, shape, gen):
-    blocks, _, ops = make_op_case(*shape, dtype, chunks, generator=gen)
-    op_and_check("b2o", blocks, ops)
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("direction,dtype,shape", MATRIX, ids=case_ids)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=dtype_id)
-def test_universal_to_operational_torch(dtype, layout, shape, gen):
-    _, universals, ops = make_op_case(*shape, dtype, layout, generator=gen)
-    op_and_check("u2o", universals, ops, layout)
-
-
-@pytest.mark.parametrize("dtype,shape", REVERSE_CASES, ids=case_ids)
-@pytest.mark.parametrize("chunks", LAYOUTS)
-def test_operational_to_block_torch(chunks, dtype, shape, gen):
-    blocks, _, ops = make_op_case(*shape, dtype, chunks, generator=gen)
-    op_and_check("o2b", ops, blocks)
-
-
-@pytest.mark.parametrize("dtype,shape", REVERSE_CASES, ids=case_ids)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_operational_to_universal_torch(layout, dtype, shape, gen):
-    _, universals, ops = make_op_case(*shape, dtype, layout, generator=gen)
-    op_and_check("o2u", ops, universals, layout)
+def test_dtype_layout_shape_matrix(direction, dtype, layout, shape, device, gen):
+    """layout: of the chunks for block <-> operational, the argument for universal <-> operational."""
+    check_direction(direction, *make_op_case(*shape, dtype, layout, device=device, generator=gen), layout)
 
 
 def numpy_op_case(shape, np_dtype, layout, gen):
@@ -343,15 +339,19 @@ def test_default_layout_is_nhd_and_layout_keyword(direction, gen):
     op_and_check(direction, src, dst, layout="NHD")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float64], ids=dtype_id)
-@pytest.mark.parametrize("direction", DIRECTIONS)
-def test_host_misaligned_pointers(direction, dtype, gen):
-    """hd = 128 and every array starting one element past its allocation."""
-    blocks, universals, ops = make_op_case(3, 2, 2, 2, 4, 128, dtype, "NHD", generator=gen)
-    blocks = [[misaligned(c) for c in chunks] for chunks in blocks]
-    universals = [misaligned(u) for u in universals]
-    ops = [misaligned(o) for o in ops]
-    check_direction(direction, blocks, universals, ops, "NHD")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.float64], ids=dtype_id)
+@pytest.mark.parametrize("direction,backend", BACKEND_CASES + [(d, None) for d in BLOCK_DIRECTIONS], ids=lambda v: v)
+def test_misaligned_pointers(direction, backend, dtype, device, gen):
+    """hd = 128 and hd = 7, every array starting one element past its allocation.  The CPU
+    takes only the default backend (test_options.py checks the refusal of the others)."""
+    if device == "cpu" and backend not in (None, "auto"):
+        backend = "auto"
+    for shape in [(3, 2, 2, 2, 4, 128), (3, 2, 2, 3, 5, 7)]:
+        blocks, universals, ops = make_op_case(*shape, dtype, "NHD", device=device, generator=gen)
+        blocks = [[misaligned(c) for c in chunks] for chunks in blocks]
+        universals = [misaligned(u) for u in universals]
+        ops = [misaligned(o) for o in ops]
+        check_direction(direction, blocks, universals, ops, "NHD", **backend_kwargs(backend))
 
 
 @pytest.mark.parametrize(
@@ -412,21 +412,15 @@ def test_stream_none_accepted_on_host(direction, gen):
     check_direction(direction, blocks, universals, ops, "NHD", stream=None)
 
 
-def _read_only(a):
-    a = a.copy()
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_read_only_numpy_sources(direction, gen):
     blocks, universals, ops = numpy_op_case((3, 2, 2, 3, 4, 5), np.float16, "NHD", gen)
     if direction == "b2o":
-        blocks = [[_read_only(c) for c in chunks] for chunks in blocks]
+        blocks = [[read_only_copy(c) for c in chunks] for chunks in blocks]
     elif direction == "u2o":
-        universals = [_read_only(u) for u in universals]
+        universals = [read_only_copy(u) for u in universals]
     else:
-        ops = [_read_only(o) for o in ops]
+        ops = [read_only_copy(o) for o in ops]
     check_direction(direction, blocks, universals, ops, "NHD")
 
 
@@ -511,11 +505,11 @@ def check_round_trips(blocks, universals, ops, layout):
     assert_all_bitwise_equal(ops, o_ops, "operationals")
 
 
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=shape_id)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4], (5, 2, 2, 3, 4, 13)], ids=shape_id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.float64], ids=dtype_id)
-def test_round_trips_torch(dtype, layout, shape, gen):
-    check_round_trips(*make_op_case(*shape, dtype, layout, generator=gen), layout)
+def test_round_trips(dtype, layout, shape, device, gen):
+    check_round_trips(*make_op_case(*shape, dtype, layout, device=device, generator=gen), layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -525,7 +519,7 @@ def test_round_trips_numpy(np_dtype, layout, gen):
 
 
 # ==========================================================================
-# 3. Host arrays: errors (all before any write).
+# 3. Errors (all before any write).
 # ==========================================================================
 
 # nt != nh (NHD and HND chunks differ), nl != no (a swapped [no, nl, inner] differs).
@@ -534,8 +528,8 @@ INNER = NT * NH * HD  # 60
 OP_SHAPE = (NL, NO, INNER)
 
 
-def ecase(gen, dtype=torch.float32, layout="NHD", nb=NB):
-    return make_op_case(nb, NL, NO, NH, NT, HD, dtype, layout, generator=gen)
+def ecase(gen, dtype=torch.float32, layout="NHD", nb=NB, device="cpu"):
+    return make_op_case(nb, NL, NO, NH, NT, HD, dtype, layout, device=device, generator=gen)
 
 
 def reject(direction, blocks, universals, ops, exc, path, *words, layout=None, **kwargs):
@@ -560,9 +554,9 @@ WRONG_OP_SHAPES = [
 
 @pytest.mark.parametrize("wrong", WRONG_OP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_operational_wrong_shape(direction, wrong, gen):
-    blocks, universals, ops = ecase(gen)
-    ops[1] = random_tensor(wrong, torch.float32, generator=gen)
+def test_operational_wrong_shape(direction, wrong, device, gen):
+    blocks, universals, ops = ecase(gen, device=device)
+    ops[1] = random_tensor(wrong, torch.float32, device, gen)
     reject(
         direction, blocks, universals, ops, ValueError, r"operationals\[1\]",
         "expected shape", str(OP_SHAPE), "got", str(wrong),
@@ -671,16 +665,16 @@ MIXED_TYPES = [
 )
 @pytest.mark.parametrize("where", ["operational", "other"])
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_mixed_element_types(direction, where, common, odd, names, gen):
-    blocks, universals, ops = ecase(gen, dtype=common)
+def test_mixed_element_types(direction, where, common, odd, names, device, gen):
+    blocks, universals, ops = ecase(gen, dtype=common, device=device)
     if where == "operational":
-        ops[1] = random_tensor(ops[1].shape, odd, generator=gen)
+        ops[1] = random_tensor(ops[1].shape, odd, device, gen)
         path = r"operationals\[1\]"
     elif direction in BLOCK_DIRECTIONS:
-        blocks[1][2] = random_tensor(blocks[1][2].shape, odd, generator=gen)
+        blocks[1][2] = random_tensor(blocks[1][2].shape, odd, device, gen)
         path = r"blocks\[1\]\[2\]"
     else:
-        universals[1] = random_tensor(universals[1].shape, odd, generator=gen)
+        universals[1] = random_tensor(universals[1].shape, odd, device, gen)
         path = r"universals\[1\]"
     reject(direction, blocks, universals, ops, TypeError, path, *names)
 
@@ -705,29 +699,33 @@ def test_unsupported_element_size_complex128(direction, gen):
 # --------------------------------------------------------------------------
 
 
-def _op_step2(gen):
-    t = random_tensor((NL, NO, 2 * INNER), torch.float32, generator=gen)[..., ::2]
+def _op_step2(gen, device="cpu"):
+    t = random_tensor((NL, NO, 2 * INNER), torch.float32, device, gen)[..., ::2]
     assert tuple(t.shape) == OP_SHAPE and not t.is_contiguous()
     return t
 
 
-def _op_permuted(gen):
-    t = random_tensor((NO, NL, INNER), torch.float32, generator=gen).transpose(0, 1)
+def _op_permuted(gen, device="cpu"):
+    t = random_tensor((NO, NL, INNER), torch.float32, device, gen).transpose(0, 1)
     assert tuple(t.shape) == OP_SHAPE and not t.is_contiguous()
     return t
 
 
-def _op_numpy_step2(gen):
+def _op_numpy_step2(gen, device="cpu"):
     a = random_tensor((2 * NL, NO, INNER), torch.float32, generator=gen).numpy()[::2]
     assert a.shape == OP_SHAPE and not a.flags.c_contiguous
     return a
 
 
-@pytest.mark.parametrize("maker", [_op_step2, _op_permuted, _op_numpy_step2], ids=["step2", "permuted", "numpy-step2"])
+NON_CONTIGUOUS = {"step2": _op_step2, "permuted": _op_permuted, "numpy-step2": _op_numpy_step2}
+
+
+@pytest.mark.parametrize("device,maker", [("cpu", m) for m in NON_CONTIGUOUS] + [cuda_case("cuda", "step2"),
+                                                                                 cuda_case("cuda", "permuted")])
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_non_contiguous_operational(direction, maker, gen):
-    blocks, universals, ops = ecase(gen)
-    ops[1] = maker(gen)
+def test_non_contiguous_operational(direction, device, maker, gen):
+    blocks, universals, ops = ecase(gen, device=device)
+    ops[1] = NON_CONTIGUOUS[maker](gen, device)
     reject(direction, blocks, universals, ops, ValueError, r"operationals\[1\]", "contiguous")
 
 
@@ -751,12 +749,6 @@ def test_non_contiguous_universal(direction, gen):
     reject(direction, blocks, universals, ops, ValueError, r"universals\[1\]", "contiguous")
 
 
-def _read_only_numpy(t):
-    a = t.numpy().copy()
-    a.setflags(write=False)
-    return a
-
-
 @pytest.mark.parametrize("protocol", ["numpy", "memoryview"])
 @pytest.mark.parametrize("direction", ["b2o", "u2o"])
 def test_read_only_destination_operational(direction, protocol, gen):
@@ -773,14 +765,14 @@ def test_read_only_destination_operational(direction, protocol, gen):
 @pytest.mark.parametrize("direction", ["b2o", "u2o"])
 def test_read_only_single_3d_destination(direction, gen):
     blocks, universals, ops = ecase(gen, nb=1)
-    ro = _read_only_numpy(ops[0])
+    ro = read_only_copy(ops[0])
     poison_even_if_read_only(ro)
     reject(direction, blocks, universals, ro, ValueError, r"operationals(\[0\])?", "read-only")
 
 
 def test_read_only_destination_chunk(gen):
     blocks, universals, ops = ecase(gen)
-    ro = _read_only_numpy(blocks[1][1])
+    ro = read_only_copy(blocks[1][1])
     blocks[1][1] = ro
     poison_even_if_read_only(ro)
     reject("o2b", blocks, universals, ops, ValueError, r"blocks\[1\]\[1\]", "read-only")
@@ -788,7 +780,7 @@ def test_read_only_destination_chunk(gen):
 
 def test_read_only_destination_universal(gen):
     blocks, universals, ops = ecase(gen)
-    ro = _read_only_numpy(universals[1])
+    ro = read_only_copy(universals[1])
     universals[1] = ro
     poison_even_if_read_only(ro)
     reject("o2u", blocks, universals, ops, ValueError, r"universals\[1\]", "read-only")
@@ -799,18 +791,18 @@ def test_read_only_destination_universal(gen):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["", "fast", "kernel ", "kern", "cuda", "memcpy", "batched"])
+@pytest.mark.parametrize("bad", ["", "fast", "kernel ", "kern", "cuda", "memcpy", "batched", "cudaMemcpy"])
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
-def test_unknown_backend(direction, bad, gen):
-    """Validated even though all-host arrays take the CPU path."""
-    blocks, universals, ops = ecase(gen)
+def test_unknown_backend(direction, bad, device, gen):
+    """Validated on every device (all-host arrays, which take the CPU path, too)."""
+    blocks, universals, ops = ecase(gen, device=device)
     reject(direction, blocks, universals, ops, ValueError, "backend", *OP_BACKENDS, backend=bad)
 
 
 @pytest.mark.parametrize("bad", [1, None, b"kernel", ["kernel"]], ids=["int", "None", "bytes", "list"])
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
-def test_backend_not_a_str(direction, bad, gen):
-    blocks, universals, ops = ecase(gen)
+def test_backend_not_a_str(direction, bad, device, gen):
+    blocks, universals, ops = ecase(gen, device=device)
     reject(direction, blocks, universals, ops, TypeError, "backend", backend=bad)
 
 
@@ -906,7 +898,7 @@ def test_non_array_universals(direction, where, path, gen):
 
 
 # ==========================================================================
-# 4. GPU.
+# 4. GPU only.
 # ==========================================================================
 
 
@@ -934,16 +926,7 @@ OP_PLACEMENTS = [
 ]
 
 
-@requires_cuda
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4], SHAPES[6]], ids=shape_id)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("direction", DIRECTIONS)
-def test_gpu_device_to_device(direction, dtype, layout, shape, gen):
-    check_direction(direction, *device_op_case(shape, dtype, layout, gen), layout)
-
-
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("placement", OP_PLACEMENTS, ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
@@ -952,7 +935,7 @@ def test_gpu_backends_and_placements(direction, placement, backend, gen):
     check_direction(direction, blocks, universals, ops, "HND", backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned"), ("pinned", "device")], ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
@@ -964,7 +947,7 @@ def test_gpu_backends_large_chunks(direction, placement, backend, gen):
     check_direction(direction, blocks, universals, ops, "NHD", backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", OP_PLACEMENTS[1:], ids=lambda p: f"{p[0]}-ops_{p[1]}")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_id)
@@ -974,39 +957,31 @@ def test_gpu_universal_placements(direction, dtype, layout, placement, gen):
     check_direction(direction, blocks, universals, ops, layout)
 
 
-# backend per direction for the stream / alignment / size tests (None: no backend argument).
-GPU_CASES = [(d, b) for d in BLOCK_DIRECTIONS for b in OP_BACKENDS] + [(d, None) for d in UNIVERSAL_DIRECTIONS]
-
-
-def _backend_kwargs(backend):
-    return {} if backend is None else {"backend": backend}
-
-
-@requires_cuda
-@pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction,backend", BACKEND_CASES, ids=lambda v: v)
 def test_gpu_created_stream(direction, backend, gen):
     """On a torch.cuda.Stream; only that stream is synchronised before checking."""
     blocks, universals, ops = device_op_case((4, 2, 2, 4, 8, 16), torch.bfloat16, "NHD", gen)
     s = torch.cuda.Stream()
-    check_direction(direction, blocks, universals, ops, "NHD", stream=s, after=s.synchronize, **_backend_kwargs(backend))
+    check_direction(direction, blocks, universals, ops, "NHD", stream=s, after=s.synchronize, **backend_kwargs(backend))
     blocks, universals, ops = placed_op_case((4, 2, 2, 4, 8, 16), torch.bfloat16, "NHD", gen, "device", "pinned")
     check_direction(
-        direction, blocks, universals, ops, "NHD", stream=s.cuda_stream, after=s.synchronize, **_backend_kwargs(backend)
+        direction, blocks, universals, ops, "NHD", stream=s.cuda_stream, after=s.synchronize, **backend_kwargs(backend)
     )
 
 
-@requires_cuda
-@pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction,backend", BACKEND_CASES, ids=lambda v: v)
 def test_gpu_legacy_default_stream(direction, backend, gen):
     blocks, universals, ops = device_op_case((4, 2, 2, 4, 8, 16), torch.float16, "HND", gen)
     legacy = torch.cuda.default_stream()
-    check_direction(direction, blocks, universals, ops, "HND", stream=None, after=legacy.synchronize, **_backend_kwargs(backend))
+    check_direction(direction, blocks, universals, ops, "HND", stream=None, after=legacy.synchronize, **backend_kwargs(backend))
     blocks, universals, ops = placed_op_case((4, 2, 2, 4, 8, 16), torch.float16, "HND", gen, "pinned", "device")
-    check_direction(direction, blocks, universals, ops, "HND", after=legacy.synchronize, **_backend_kwargs(backend))
+    check_direction(direction, blocks, universals, ops, "HND", after=legacy.synchronize, **backend_kwargs(backend))
 
 
-@requires_cuda
-@pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction,backend", BACKEND_CASES, ids=lambda v: v)
 def test_gpu_work_is_enqueued_on_the_given_stream(direction, backend, gen):
     """With the stream busy (a long sleep) the call returns at once and nothing is written
     until the stream gets to it: the work went onto THAT stream, without a host sync."""
@@ -1019,7 +994,7 @@ def test_gpu_work_is_enqueued_on_the_given_stream(direction, backend, gen):
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         torch.cuda._sleep(SLEEP_CYCLES)
-    call_op(direction, src, dst, *layout_args(direction, "NHD"), stream=s, **_backend_kwargs(backend))
+    call_op(direction, src, dst, *layout_args(direction, "NHD"), stream=s, **backend_kwargs(backend))
     assert not s.query(), "the call waited for the stream (or the sleep was too short)"
 
     if not peek_still_poisoned(list(arrays_in(dst)), s):
@@ -1029,53 +1004,34 @@ def test_gpu_work_is_enqueued_on_the_given_stream(direction, backend, gen):
     assert_all_bitwise_equal(dest_list(direction, dst), want, "destinations")
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=dtype_id)
-@pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
-def test_gpu_misaligned_pointers(direction, backend, dtype, gen):
-    for shape in [(3, 2, 2, 2, 4, 128), (3, 2, 2, 3, 5, 7)]:
-        blocks, universals, ops = device_op_case(shape, dtype, "NHD", gen)
-        blocks = [[misaligned(c) for c in chunks] for chunks in blocks]
-        universals = [misaligned(u) for u in universals]
-        ops = [misaligned(o) for o in ops]
-        check_direction(direction, blocks, universals, ops, "NHD", **_backend_kwargs(backend))
-
-
-@requires_cuda
-@pytest.mark.parametrize("direction,backend", GPU_CASES, ids=lambda v: v)
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction,backend", BACKEND_CASES, ids=lambda v: v)
 def test_gpu_misaligned_pinned_operationals(direction, backend, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 2, 4, 128), torch.bfloat16, "NHD", gen, "device", "pinned")
     blocks = [[misaligned(c, 3) for c in chunks] for chunks in blocks]
     ops = [misaligned(o) for o in ops]
     assert ops[0].is_pinned()
-    check_direction(direction, blocks, universals, ops, "NHD", **_backend_kwargs(backend))
+    check_direction(direction, blocks, universals, ops, "NHD", **backend_kwargs(backend))
 
 
 REALISTIC = (4, 8, 2, 8, 16, 128)  # nb=4, nl=8, no=2, nh=8, nt=16, hd=128: 32 KiB bf16 chunks
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned")], ids=lambda p: f"{p[0]}-ops_{p[1]}")
-@pytest.mark.parametrize("direction,backend", GPU_CASES + [("b2o", "KERNEL")], ids=lambda v: v)
+@pytest.mark.parametrize("direction,backend", BACKEND_CASES + [("b2o", "KERNEL")], ids=lambda v: v)
 def test_gpu_realistic_sizes(direction, backend, placement, gen):
     for layout in LAYOUTS if backend is None else ["NHD"]:
         blocks, universals, ops = placed_op_case(REALISTIC, torch.bfloat16, layout, gen, *placement)
-        check_direction(direction, blocks, universals, ops, layout, **_backend_kwargs(backend))
+        check_direction(direction, blocks, universals, ops, layout, **backend_kwargs(backend))
 
 
-@requires_cuda
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float64], ids=dtype_id)
-def test_gpu_round_trips(dtype, layout, gen):
-    check_round_trips(*device_op_case((5, 2, 2, 3, 4, 13), dtype, layout, gen), layout)
-
-
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_round_trips_pinned_operationals(gen):
     check_round_trips(*placed_op_case(REALISTIC, torch.bfloat16, "HND", gen, "device", "pinned"), "HND")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_single_3d_operational(direction, gen):
     blocks, universals, ops = placed_op_case((1, 2, 2, 3, 4, 5), torch.float16, "HND", gen, "device", "pinned")
@@ -1083,7 +1039,7 @@ def test_gpu_single_3d_operational(direction, gen):
     check_direction(direction, blocks, universals, ops[0].cuda(), "HND")
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_zero_blocks_with_stream():
     s = torch.cuda.Stream()
     assert kvbm_ext.block_to_operational([], [], backend="batch", stream=s) is None
@@ -1098,7 +1054,7 @@ def test_gpu_zero_blocks_with_stream():
 # --------------------------------------------------------------------------
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_pageable_operational_mixed_with_device_rejected(direction, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 3, 4, 5), torch.float16, "NHD", gen, "device", "pinned")
@@ -1107,14 +1063,14 @@ def test_gpu_pageable_operational_mixed_with_device_rejected(direction, gen):
     reject(direction, blocks, universals, ops, ValueError, r"operationals\[1\]", "pinned")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_all_pageable_operationals_with_device_rejected(direction, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 3, 4, 5), torch.float16, "NHD", gen, "device", "pageable")
     reject(direction, blocks, universals, ops, ValueError, r"operationals\[0\]", "pinned")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_pageable_chunk_or_universal_with_device_operationals_rejected(direction, gen):
     blocks, universals, ops = placed_op_case((3, 2, 2, 3, 4, 5), torch.float16, "NHD", gen, "pinned", "device")
@@ -1124,29 +1080,7 @@ def test_gpu_pageable_chunk_or_universal_with_device_operationals_rejected(direc
     reject(direction, blocks, universals, ops, ValueError, path, "pinned")
 
 
-@requires_cuda
-@pytest.mark.parametrize("direction", DIRECTIONS)
-def test_gpu_errors_leave_device_destinations_untouched(direction, gen):
-    blocks, universals, ops = device_op_case((3, 3, 2, 3, 4, 5), torch.float32, "NHD", gen)
-    ops[2] = random_tensor((3, 2, 59), torch.float32, "cuda", gen)
-    reject(direction, blocks, universals, ops, ValueError, r"operationals\[2\]", "expected shape", "(3, 2, 60)")
-    blocks, universals, ops = device_op_case((3, 3, 2, 3, 4, 5), torch.float32, "NHD", gen)
-    ops[1] = random_tensor((3, 2, 120), torch.float32, "cuda", gen)[..., ::2]
-    reject(direction, blocks, universals, ops, ValueError, r"operationals\[1\]", "contiguous")
-    blocks, universals, ops = device_op_case((3, 3, 2, 3, 4, 5), torch.float32, "NHD", gen)
-    ops[1] = random_tensor(ops[1].shape, torch.int32, "cuda", gen)
-    reject(direction, blocks, universals, ops, TypeError, r"operationals\[1\]")
-
-
-@requires_cuda
-@pytest.mark.parametrize("direction", BLOCK_DIRECTIONS)
-def test_gpu_unknown_backend(direction, gen):
-    blocks, universals, ops = device_op_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen)
-    reject(direction, blocks, universals, ops, ValueError, "backend", *OP_BACKENDS, backend="cudaMemcpy")
-    reject(direction, blocks, universals, ops, TypeError, "backend", backend=None)
-
-
-@requires_two_gpus
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_operationals_on_two_gpus_rejected(direction, gen):
     blocks, universals, ops = device_op_case((3, 2, 2, 3, 4, 5), torch.float32, "NHD", gen, device="cuda:0")
@@ -1169,7 +1103,7 @@ def _run_and_capture(capfd, direction, src, dst, **kwargs):
     return capfd.readouterr().err
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_debug_log(monkeypatch, capfd, gen):
     blocks, _, ops = device_op_case((2, 2, 2, 3, 4, 16), torch.bfloat16, "NHD", gen)
     monkeypatch.delenv("KVBM_EXT_DEBUG", raising=False)
@@ -1203,7 +1137,7 @@ def test_gpu_debug_log(monkeypatch, capfd, gen):
     assert err == "", f"wrote to stderr after KVBM_EXT_DEBUG was unset: {err!r}"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["b2o", "o2b"])
 def test_gpu_debug_log_auto_over_pcie(direction, monkeypatch, capfd, gen):
     """auto with pinned host operationals runs the copy engines (batch) where the
@@ -1321,7 +1255,7 @@ def test_stacked_operationals_blocks_must_be_contiguous(direction, gen):
                       args=layout_args(direction, "NHD"))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("placement", [("device", "device"), ("device", "pinned"), ("pinned", "device")],
                          ids=["device", "ops-pinned", "ops-device"])
 @pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engines"])

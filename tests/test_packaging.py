@@ -14,7 +14,8 @@ import tarfile
 
 import pytest
 
-from conftest import REPO_ROOT
+from support import REPO_ROOT
+
 
 
 def load_setup():
@@ -161,6 +162,7 @@ def built_archs(tree):
     return out.stdout.strip()
 
 
+@pytest.mark.build
 @requires_nvcc
 def test_rebuild_follows_cuda_archs_and_nvcc(tmp_path):
     copy_sources(tmp_path)
@@ -192,6 +194,7 @@ def tracked_files():
     return [path for path in out.stdout.splitlines() if os.path.exists(os.path.join(REPO_ROOT, path))]
 
 
+@pytest.mark.build
 def test_sdist_holds_what_building_and_testing_need(tmp_path):
     """The sdist from this tree holds every tracked source, test, tool, example and
     benchmark script, and nothing built (tools/check_dist.py says what stays out)."""

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, requires_cuda
+from support import REPO_ROOT
+from support.devices import cuda_case
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 import readme  # noqa: E402
@@ -39,22 +40,17 @@ def run_example(name, tmp_path):
                           timeout=300)
 
 
-def test_cpu_example_runs(tmp_path):
-    run = run_example("cpu", tmp_path)
-    assert run.returncode == 0, run.stdout + run.stderr
-
-
-@requires_cuda
-def test_gpu_example_runs(tmp_path):
+@pytest.mark.parametrize("name", ["cpu", cuda_case("gpu")])
+def test_example_runs(name, tmp_path):
     import kvbm_ext
-    if kvbm_ext.is_using_stubs():
+    if name == "gpu" and kvbm_ext.is_using_stubs():
         pytest.skip("this build has no CUDA")
-    run = run_example("gpu", tmp_path)
+    run = run_example(name, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_a_failing_example_is_noticed(tmp_path, monkeypatch):
-    """The runner reports an example whose check fails (so the two above can fail)."""
+    """The runner reports an example whose check fails (so test_example_runs can fail)."""
     monkeypatch.setitem(readme.__dict__, "examples",
                         lambda text: {"broken": "import kvbm_ext\nassert kvbm_ext.__version__ == 'no'\n"})
     run = run_example("broken", tmp_path)

@@ -6,14 +6,9 @@ No kvbm_ext here: if these fail, every other verdict is meaningless.
 import pytest
 import torch
 
-from reference import (
-    assert_bitwise_equal,
-    block_to_universal_ref,
-    chunk_shape,
-    poison_,
-    random_tensor,
-    universal_to_block_ref,
-)
+from support.asserts import assert_bitwise_equal, poison_
+from support.builders import random_tensor
+from support.references import block_to_universal_ref, chunk_shape, universal_to_block_ref
 
 
 def _universal_offset(h, l, o, t, d, nl, no, nt, hd):

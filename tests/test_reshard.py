@@ -27,8 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kvbm_ext
-from conftest import REPO_ROOT, requires_two_gpus
 from kvbm_ext import EngineLayout, Resharder, plan_reshard
+from support import REPO_ROOT
+from support.devices import missing_gpus
 
 LOGICAL = "kbthd"       # a per-layer cache's logical order: K/V, block, token, head, head dim
 
@@ -151,6 +152,8 @@ def test_resharder_needs_an_initialized_group():
         Resharder(8, 4, L(1), L(2))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_example_runs_on_the_cpu():
     script = os.path.join(REPO_ROOT, "examples", "disagg_reshard.py")
     run = subprocess.run([sys.executable, script, "--device", "cpu", "--prefill-tp", "1", "--decode-tp", "2"],
@@ -159,6 +162,8 @@ def test_example_runs_on_the_cpu():
     assert "check OK" in run.stdout and "per call: 2 messages" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_benchmark_runs_on_the_cpu(tmp_path):
     script = os.path.join(REPO_ROOT, "benchmarks", "reshard.py")
     run = subprocess.run([sys.executable, script, "--device", "cpu", "--nb", "2", "--calls", "2", "--repeats", "2",
@@ -333,13 +338,13 @@ class Recording:
     def world_size(self):
         return self.inner.world_size
 
-    def all_gather_object(self, obj):
-        return self.inner.all_gather_object(obj)
+    def all_gather_object(self, obj, timeout):
+        return self.inner.all_gather_object(obj, timeout)
 
-    def start(self, sends, recvs):
+    def start(self, sends, recvs, timeout):
         assert all(t.is_contiguous() for _, t in list(sends) + list(recvs))
         self.calls.append({"sends": [(p, t.nbytes) for p, t in sends], "recvs": [(p, t.nbytes) for p, t in recvs]})
-        return self.inner.start(sends, recvs)
+        return self.inner.start(sends, recvs, timeout)
 
 
 def _ids_arg(ids, form, device):
@@ -429,8 +434,8 @@ def _run_error(backend, name, rank, device):
         elif how == "bystander_cache":
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
     stream = 1 if rank == bad_rank and how == "host_stream" else None
-    resharder = Resharder(case.heads, case.layers, case.src, dst_layout)
     try:
+        resharder = Resharder(case.heads, case.layers, case.src, dst_layout)
         resharder(src_cache, src_ids, dst_cache, dst_ids, stream=stream)
         error = None
     except (TypeError, ValueError) as caught:
@@ -570,11 +575,15 @@ def gloo_results(tmp_path_factory):
     return _spawn("gloo", GLOO_WORLD, list(GLOO_CASES) + list(GLOO_ERRORS), tmp_path_factory.mktemp("gloo"))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", GLOO_CASES)
 def test_gloo_reshard(gloo_results, name):
     _check_case(GLOO_CASES[name], gloo_results[name])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", GLOO_ERRORS)
 def test_gloo_errors_raise_on_every_rank_and_write_nothing(gloo_results, name):
     _check_error(GLOO_ERRORS[name], gloo_results[name])
@@ -594,22 +603,30 @@ def _check_error(error, results):
 
 @pytest.fixture(scope="module")
 def nccl_results(tmp_path_factory):
+    # Its tests are marked gpu(count=2); the fixture holds the same line itself, so that no
+    # group is spawned over GPUs that are not there.
+    reason = missing_gpus(2)
+    if reason:
+        pytest.skip(reason)
     return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES) + list(NCCL_ERRORS), tmp_path_factory.mktemp("nccl"))
 
 
-@requires_two_gpus
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("name", NCCL_CASES)
 def test_nccl_reshard(nccl_results, name):
     _check_case(NCCL_CASES[name], nccl_results[name])
 
 
-@requires_two_gpus
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("name", NCCL_ERRORS)
 def test_nccl_errors_raise_on_every_rank_and_write_nothing(nccl_results, name):
     _check_error(NCCL_ERRORS[name], nccl_results[name])
 
 
-@requires_two_gpus
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
 def test_nccl_call_does_not_wait_for_the_gpu(nccl_results):
     results = nccl_results["async"]
     assert all(r["ok"] for r in results), _failures(results)

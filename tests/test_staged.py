@@ -6,7 +6,7 @@ With pinned host memory in a call, backends "auto", "copy_engines", "batch" and 
 every byte that crosses PCIe with the copy engines: a kernel permutes into / out of device
 staging slots, piece by piece, on internal streams forked from and joined back to the
 caller's stream; "kernel" reads and writes the pinned memory directly. Whatever the path the
-bytes are the references' (tests/reference.py, tests/paged_reference.py): every destination
+bytes are the references' (tests/support/references.py): every destination
 is poisoned (0xA5) before a call and compared byte for byte afterwards (moved bytes written,
 everything else still poisoned), sources are checked unchanged, and errors are raised before
 any byte is written. After a call only the CALLER'S stream is synchronized before checking
@@ -15,7 +15,8 @@ any byte is written. After a call only the CALLER'S stream is synchronized befor
 Sections:
   1. host (runs everywhere): the checking helper; backend / num_ctas read and validated on
      host arrays and host caches, where only their defaults run (the CPU takes no GPU
-     option); set_staging / staging_info / reserve_staging arguments
+     option), and validated (marked gpu) with pinned memory in a GPU call;
+     set_staging / staging_info / reserve_staging arguments
   2. GPU: every conversion with pinned memory and every backend (list API, PagedKVCache),
      layers and offsets, mixed placements, stream forms, transfers needing many pieces
   3. GPU: a small staging (slots wrap many times; blocks larger than the staging)
@@ -23,7 +24,7 @@ Sections:
   5. GPU: CUDA graph capture and replay; a fresh process: staging allocated on first need,
      capture refused without reserve_staging
   6. GPU: fork / join ordering with the caller's stream
-  7. GPU: argument errors with pinned memory, raised before any write
+  7. GPU: a staged call's error in its last block writes nothing
   8. GPU: KVBM_EXT_DEBUG names the path
   9. GPU: staging_info; num_ctas gives the same bytes
 """
@@ -40,39 +41,42 @@ import pytest
 import torch
 
 import kvbm_ext
-from conftest import requires_cuda
-from paged_reference import (
-    Buffers,
-    CacheCase,
-    block_buffers,
-    cache_rows,
-    invoke,
-    per_block,
-    reference,
-    run_and_check,
-    selected,
-    snapshot,
-)
-from reference import (
-    SLEEP_CYCLES,
-    _as_int,
-    _as_list,
-    arrays_in,
+from support.asserts import (
     assert_all_bitwise_equal,
     assert_bitwise_equal,
-    chunk_shape,
+    expect_rejected,
+    invoke,
+    peek_still_poisoned,
+    poison_,
+    run_and_check,
+)
+from support.builders import (
+    METHODS,
+    Buffers,
+    CacheCase,
+    arrays_in,
+    block_buffers,
     clone_all,
     dtype_id,
-    expect_rejected,
+    make_generator,
+    pick_ids,
+    place,
+    random_tensor,
+    snapshot,
+    split,
+)
+from support.devices import SLEEP_CYCLES, cuda_case, sync
+from support.references import (
+    as_int,
+    as_list,
+    cache_rows,
+    chunk_shape,
     expected_blocks,
     expected_op,
     expected_universals,
-    make_generator,
-    peek_still_poisoned,
-    place,
-    poison_,
-    random_tensor,
-    sync,
+    paged_reference,
+    per_block,
+    selected,
 )
 
 MiB = 1 << 20
@@ -111,7 +115,6 @@ LIST_PLACEMENTS = {
     "o2b": [("pinned", "device"), ("device", "pinned")],
 }
 
-METHODS = ["to_universal", "from_universal", "to_operational", "from_operational"]
 # PagedKVCache method codes: inner order of the operational after the colon.
 PAGED_DIRECTIONS = ["to_universal", "from_universal", "to_operational:NHD", "to_operational:HND",
                     "from_operational:NHD", "from_operational:HND"]
@@ -173,14 +176,14 @@ def single(direction, src, dst):
 def list_expected(direction, src, dst, layout):
     """Reference destinations of `direction` from sources `src` (shapes taken from `dst`)."""
     if direction == "b2u":
-        return expected_universals(src, _as_list(dst)[0].shape[2], layout)
+        return expected_universals(src, as_list(dst)[0].shape[2], layout)
     if direction == "u2b":
-        return expected_blocks(_as_list(src), layout)
+        return expected_blocks(as_list(src), layout)
     return expected_op(direction, src, dst, layout)
 
 
 def list_destinations(direction, dst):
-    return dst if ROLES[direction][1] == "blocks" else _as_list(dst)
+    return dst if ROLES[direction][1] == "blocks" else as_list(dst)
 
 
 def stream_and_wait(form):
@@ -213,17 +216,6 @@ def list_check(direction, src, dst, layout="NHD", stream_form="Stream", **kwargs
     assert_all_bitwise_equal(list(arrays_in(src)), list(arrays_in(src_before)), f"{name}: {ROLES[direction][0]} (source)")
 
 
-def split(direction):
-    """'to_operational:HND' -> ('to_operational', {'inner': 'HND'})."""
-    method, _, inner = direction.partition(":")
-    return method, ({"inner": inner} if inner else {})
-
-
-def pick_ids(NB, nb, gen):
-    """nb distinct block ids in [0, NB), in random order."""
-    return torch.randperm(NB, generator=gen)[:nb].tolist()
-
-
 def paged_other(case, method, nb, gen, where="pinned", form="array", NH=None, NL=None, dtype=None):
     """Universals or operationals for `method`: 'pinned', 'device', 'host' (pageable) or
     'mixed' (a list, alternately pinned and device)."""
@@ -237,7 +229,7 @@ def paged_other(case, method, nb, gen, where="pinned", form="array", NH=None, NL
 
 def paged_check(case, cache, direction, ids, gen, where="pinned", form="array", NH=None, NL=None,
                 stream_form="Stream", **kwargs):
-    """run_and_check of paged_reference.py on fresh universals / operationals, the call on a
+    """run_and_check of support/asserts.py on fresh universals / operationals, the call on a
     stream of `stream_form` ("host": none) and only that stream waited for."""
     method, extra = split(direction)
     other = paged_other(case, method, len(ids), gen, where, form, NH, NL)
@@ -342,18 +334,18 @@ def bad_id(v):
     return repr(v) if not isinstance(v, type) else v.__name__
 
 
-@pytest.mark.parametrize("bad,exc", BAD_BACKENDS, ids=bad_id)
-@pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_host_list_bad_backend(direction, bad, exc, gen):
-    src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "NHD", gen, "pageable", "pageable")
-    expect_rejected(lambda: list_call(direction, src, dst, "NHD", backend=bad), src, dst, exc, "backend", ())
+BAD_ARGUMENTS = [("backend", *b) for b in BAD_BACKENDS] + [("num_ctas", *b) for b in BAD_NUM_CTAS]
+# Host arrays, and where a GPU is visible pinned memory on one side of a GPU call.
+WHERE = ["host", cuda_case("pinned")]
 
 
-@pytest.mark.parametrize("bad,exc", BAD_NUM_CTAS, ids=bad_id)
+@pytest.mark.parametrize("argument,bad,exc", BAD_ARGUMENTS, ids=bad_id)
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_host_list_bad_num_ctas(direction, bad, exc, gen):
-    src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "NHD", gen, "pageable", "pageable")
-    expect_rejected(lambda: list_call(direction, src, dst, "NHD", num_ctas=bad), src, dst, exc, "num_ctas", ())
+@pytest.mark.parametrize("where", WHERE)
+def test_list_bad_backend_or_num_ctas(direction, argument, bad, exc, where, gen):
+    src_at, dst_at = ("pageable", "pageable") if where == "host" else LIST_PLACEMENTS[direction][0]
+    src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "NHD", gen, src_at, dst_at)
+    expect_rejected(lambda: list_call(direction, src, dst, "NHD", **{argument: bad}), src, dst, exc, argument, ())
 
 
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
@@ -388,14 +380,15 @@ def test_host_cache_every_backend_value(direction, backend, gen):
                  backend=backend)
 
 
-@pytest.mark.parametrize("argument,bad,exc",
-                         [("backend", *b) for b in BAD_BACKENDS] + [("num_ctas", *b) for b in BAD_NUM_CTAS],
-                         ids=bad_id)
+@pytest.mark.parametrize("argument,bad,exc", BAD_ARGUMENTS, ids=bad_id)
 @pytest.mark.parametrize("method", METHODS)
-def test_host_cache_bad_backend_or_num_ctas(method, argument, bad, exc, gen):
-    case, cache = host_cache(gen)
-    other = paged_other(case, method, 3, gen, where="host", form="list").arg
-    paged_reject(case, cache, method, [4, 0, 7], other, exc, argument, **{argument: bad})
+@pytest.mark.parametrize("where", WHERE)
+def test_cache_bad_backend_or_num_ctas(method, argument, bad, exc, where, gen):
+    """On a host cache, and on a GPU cache with pinned universals / operationals."""
+    case = CacheCase("kbthd", 3, 9, 2, 3, 4, 5, torch.bfloat16, gen, "cpu" if where == "host" else "cuda")
+    form = "list" if where == "host" else "array"
+    other = paged_other(case, method, 3, gen, where=where, form=form).arg
+    paged_reject(case, case.build(), method, [4, 0, 7], other, exc, argument, **{argument: bad})
 
 
 # set_staging(size_bytes=None, *, lanes=None): (args, kwargs, exception, argument named)
@@ -463,7 +456,7 @@ LIST_GRID = [(d, s, t, layout) for d, pairs in LIST_PLACEMENTS.items() for s, t 
              for layout in (["NHD", "HND"] if takes_layout(d) else ["NHD"])]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction,src_at,dst_at,layout", LIST_GRID,
                          ids=[f"{d}-{s}_to_{t}-{layout}" for d, s, t, layout in LIST_GRID])
@@ -473,7 +466,7 @@ def test_gpu_list_with_pinned_memory(direction, src_at, dst_at, layout, backend,
         list_check(direction, src, dst, layout, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "copy_engines"])
 @pytest.mark.parametrize("direction", ["b2u", "u2b"])
 def test_gpu_list_many_pieces(direction, backend, staging, gen):
@@ -488,7 +481,7 @@ def test_gpu_list_many_pieces(direction, backend, staging, gen):
 PAGED_SHAPES = [((2, 8, 2, 4, 16, 64), torch.bfloat16, "array"), ((3, 9, 2, 3, 5, 13), torch.float16, "list")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", PAGED_DIRECTIONS)
 @pytest.mark.parametrize("layout", ["kbthd", "kbhtd", "btd"])
@@ -500,7 +493,7 @@ def test_gpu_paged_with_pinned_memory(layout, direction, backend, gen):
         paged_check(case, case.build(), direction, pick_ids(case.NB, 4, gen), gen, form=form, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_paged_device_ids_and_pinned_memory(direction, backend, gen):
@@ -509,7 +502,7 @@ def test_gpu_paged_device_ids_and_pinned_memory(direction, backend, gen):
     paged_check(case, case.build(), direction, ids, gen, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_paged_mixed_pinned_and_device(direction, backend, gen):
@@ -521,7 +514,7 @@ def test_gpu_paged_mixed_pinned_and_device(direction, backend, gen):
 LAYER_SELECTIONS = [None, slice(1, 3), slice(None, None, -1), slice(3, 0, -2), range(0, 4, 3)]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layers", LAYER_SELECTIONS, ids=case_id)
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
@@ -535,7 +528,7 @@ def test_gpu_paged_layers_and_offsets(method, layers, backend, gen):
                     layers=layers, layer_offset=2, head_offset=1, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("heads", [slice(1, 3), slice(None, None, -1), 2, range(3, -1, -2)], ids=case_id)
 @pytest.mark.parametrize("method", ["to_universal", "from_universal"])
@@ -550,7 +543,7 @@ def test_gpu_paged_heads(method, heads, backend, gen):
                     layers=slice(1, None), heads=heads, head_offset=1, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", STAGED_BACKENDS)
 @pytest.mark.parametrize("layers", [slice(None, None, -2), slice(1, 3)], ids=case_id)
 @pytest.mark.parametrize("direction", ["to_operational:HND", "from_operational:NHD"])
@@ -560,7 +553,7 @@ def test_gpu_paged_operational_layers(direction, layers, backend, gen):
     paged_check(case, case.build(), direction, [6, 1, 4], gen, layers=layers, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("stream_form", [None, "int", "Stream"], ids=["None", "int", "Stream"])
 @pytest.mark.parametrize("backend", STAGED_BACKENDS)
 def test_gpu_staged_stream_forms(backend, stream_form, gen):
@@ -579,7 +572,7 @@ PAGED_LARGE = [("to_universal", "auto"), ("from_universal", "copy_engines"), ("t
                ("from_operational:HND", "auto")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,backend", PAGED_LARGE)
 def test_gpu_paged_many_pieces(direction, backend, staging, gen):
     """80 MiB in pinned memory (40 blocks of 2 MiB): two and a half default lanes' worth."""
@@ -601,7 +594,7 @@ def staging_id(v):
     return f"{v[0]}B-{v[1]}lanes"
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["copy_engines", "async"])
 @pytest.mark.parametrize("size_lanes", SMALL_STAGINGS, ids=staging_id)
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
@@ -618,7 +611,7 @@ def test_gpu_small_staging_one_block(direction, size_lanes, backend, staging, ge
     paged_check(case, cache, direction, torch.tensor([3], device="cuda"), gen, form="list", backend=backend, **extra)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal", "to_operational:NHD", "from_operational:HND"])
 def test_gpu_small_staging_odd_rows(direction, staging, gen):
     """Rows of 26 bytes (hd = 13 fp16), nh = 3: pieces end at odd places (2.4 MiB block)."""
@@ -627,7 +620,7 @@ def test_gpu_small_staging_odd_rows(direction, staging, gen):
     paged_check(case, case.build(), direction, [1], gen, backend="copy_engines")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "async"])
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_small_staging_blocks_bigger_than_staging(direction, backend, staging, gen):
@@ -637,7 +630,7 @@ def test_gpu_small_staging_blocks_bigger_than_staging(direction, backend, stagin
     paged_check(case, case.build(), direction, [4, 0, 5], gen, backend=backend)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("nb", [1, 3])
 @pytest.mark.parametrize("size_lanes", SMALL_STAGINGS, ids=staging_id)
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
@@ -663,7 +656,7 @@ THREAD_CASES = [(2, 2 * MiB, 2, "auto"), (2, MiB, 1, "auto"), (3, 2 * MiB, 2, "a
 THREAD_ITERATIONS = 20
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("threads,size,lanes,backend", THREAD_CASES,
                          ids=[f"{t}threads-{s >> 20}MiB-{l}lanes-{b}" for t, s, l, b in THREAD_CASES])
 def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backend, staging, gen):
@@ -681,7 +674,7 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
     seeds = [int(torch.randint(0, 2**31 - 1, (), generator=gen)) for _ in range(threads)]
     print(f"thread seeds {seeds}, block ids {id_sets}, unowned {unowned}")
     before = snapshot(case.buf.bases)
-    layers = [_as_int(x) for x in case.layers]  # [no, NB, nt, nh, hd] integer views
+    layers = [as_int(x) for x in case.layers]  # [no, NB, nt, nh, hd] integer views
     barrier = threading.Barrier(threads)
 
     def rounds(k):
@@ -691,7 +684,7 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
         for it in range(THREAD_ITERATIONS):
             where = f"thread {k} round {it} (ids {ids})"
             # offload: fresh rows written into this thread's blocks on s, then to_universal on s
-            fresh = _as_int(random_tensor((per, nl, no, nt, nh, hd), dtype, generator=g))
+            fresh = as_int(random_tensor((per, nl, no, nt, nh, hd), dtype, generator=g))
             poison_(U)
             with torch.cuda.stream(s):
                 fresh_dev = fresh.to("cuda")
@@ -700,10 +693,10 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
                         layers[l][:, i].copy_(fresh_dev[b, l])
             cache.to_universal(ids, U, stream=s, backend=backend)
             s.synchronize()
-            assert_bitwise_equal(_as_int(U), fresh.permute(0, 4, 1, 2, 3, 5), f"{where}: universals")
+            assert_bitwise_equal(as_int(U), fresh.permute(0, 4, 1, 2, 3, 5), f"{where}: universals")
             # onload: fresh universals, this thread's blocks poisoned on s, from_universal on s
-            _as_int(U).copy_(_as_int(random_tensor(U.shape, dtype, generator=g)))
-            source = _as_int(U).clone()
+            as_int(U).copy_(as_int(random_tensor(U.shape, dtype, generator=g)))
+            source = as_int(U).clone()
             with torch.cuda.stream(s):
                 for i in ids:
                     for l in range(nl):
@@ -713,7 +706,7 @@ def test_gpu_concurrent_threads_on_their_own_streams(threads, size, lanes, backe
                 got = torch.stack([torch.stack([layers[l][:, i] for l in range(nl)]) for i in ids])
             s.synchronize()
             assert_bitwise_equal(got, source.permute(0, 2, 3, 4, 1, 5), f"{where}: cache blocks")
-            assert_bitwise_equal(_as_int(U), source, f"{where}: universals (source)")
+            assert_bitwise_equal(as_int(U), source, f"{where}: universals (source)")
 
     def worker(k):
         try:
@@ -762,7 +755,7 @@ GRAPH_CASES = [
 GRAPH_ID_SETS = [[5, 9, 2, 15], [15, 14, 13, 12], [7, 0, 3, 11], [1, 2, 3, 4]]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("small", [False, True], ids=["default-staging", "1MiB-staging"])
 @pytest.mark.parametrize("direction,backend,id_dtype", GRAPH_CASES,
                          ids=[f"{d}-{b}-{dtype_id(t)}" for d, b, t in GRAPH_CASES])
@@ -882,7 +875,7 @@ def lifecycle_value(lifecycle, key):
     return found[key], report
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_fresh_process_staging_allocated_on_first_staged_call(lifecycle):
     info, report = lifecycle_value(lifecycle, "info_fresh")
     assert info == {"device": 0, "size_bytes": 96 * MiB, "lanes": 2, "lane_bytes": 48 * MiB,
@@ -894,7 +887,7 @@ def test_gpu_fresh_process_staging_allocated_on_first_staged_call(lifecycle):
     assert info["allocated"] is True and info["capture_reserved"] is False, (info, report)
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_fresh_process_capture_without_reserve_raises(lifecycle):
     error, report = lifecycle_value(lifecycle, "capture_error")
     assert error is not None, f"a staged call was captured without reserve_staging(): {report}"
@@ -903,7 +896,7 @@ def test_gpu_fresh_process_capture_without_reserve_raises(lifecycle):
     assert lifecycle_value(lifecycle, "info_after_refused_capture")[0]["capture_reserved"] is False, report
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_fresh_process_capture_after_reserve(lifecycle):
     info, report = lifecycle_value(lifecycle, "info_after_reserve")
     assert info["allocated"] is True and info["capture_reserved"] is True, (info, report)
@@ -929,7 +922,7 @@ def fork_join_case(gen):
     return case, case.build(), pick_ids(case.NB, 32, gen)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "copy_engines", "async"])
 def test_gpu_fork_join_offload(backend, gen):
     case, cache, ids = fork_join_case(gen)
@@ -940,7 +933,7 @@ def test_gpu_fork_join_offload(backend, gen):
     poison_(U.bases)
     sync()
     want = snapshot(U.bases)  # poisoned
-    reference("to_universal", cache_rows(case.buf.make([f.cpu() for f in fresh]), case.dims),
+    paged_reference("to_universal", cache_rows(case.buf.make([f.cpu() for f in fresh]), case.dims),
               per_block(U.make(want)), ids, list(range(case.nl)))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -953,13 +946,13 @@ def test_gpu_fork_join_offload(backend, gen):
     assert not s.query(), "the call waited for its stream on the host (or the sleep was too short)"
     judged = peek_still_poisoned(U.bases, s, "universals")
     s.synchronize()
-    assert_bitwise_equal(_as_int(seen), want[0], "universals as read on the caller's stream right after the call")
-    assert_bitwise_equal(_as_int(U.bases[0]), want[0], "universals")
+    assert_bitwise_equal(as_int(seen), want[0], "universals as read on the caller's stream right after the call")
+    assert_bitwise_equal(as_int(U.bases[0]), want[0], "universals")
     if not judged:
         pytest.skip("the sleep ended before the peek finished; 'nothing written while the stream sleeps' not judged")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "copy_engines", "async"])
 def test_gpu_fork_join_onload(backend, gen):
     case, cache, ids = fork_join_case(gen)
@@ -970,7 +963,7 @@ def test_gpu_fork_join_onload(backend, gen):
     poison_(case.buf.bases)
     sync()
     want = snapshot(case.buf.bases)  # poisoned
-    reference("from_universal", cache_rows(case.buf.make(want), case.dims), per_block(U.make([fresh.cpu()])), ids,
+    paged_reference("from_universal", cache_rows(case.buf.make(want), case.dims), per_block(U.make([fresh.cpu()])), ids,
               list(range(case.nl)))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -983,9 +976,9 @@ def test_gpu_fork_join_onload(backend, gen):
     judged = peek_still_poisoned(case.buf.bases, s, "cache")
     s.synchronize()
     for i, (got, w) in enumerate(zip(seen, want)):
-        assert_bitwise_equal(_as_int(got), w, f"cache layer {i} as read on the caller's stream right after the call")
+        assert_bitwise_equal(as_int(got), w, f"cache layer {i} as read on the caller's stream right after the call")
     for i, (got, w) in enumerate(zip(case.buf.bases, want)):
-        assert_bitwise_equal(_as_int(got), w, f"cache layer {i}")
+        assert_bitwise_equal(as_int(got), w, f"cache layer {i}")
     if not judged:
         pytest.skip("the sleep ended before the peek finished; 'nothing written while the stream sleeps' not judged")
 
@@ -997,7 +990,7 @@ def copy_on_device(x):
     return x.to("cuda", non_blocking=True) if x.device.type == "cpu" else x.clone()
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
 def test_gpu_fork_join_list(direction, gen):
     """The same for the list API (backend auto), 16 blocks of 1 MiB, pinned universals /
@@ -1030,30 +1023,8 @@ def test_gpu_fork_join_list(direction, gen):
 
 
 # ==========================================================================
-# 7. GPU: argument errors with pinned memory, before any write.
+# 7. GPU: a staged call's error in its last block writes nothing.
 # ==========================================================================
-
-GPU_BAD_ARGUMENTS = [("backend", "copy-engine", ValueError), ("backend", 1, TypeError), ("num_ctas", 0, ValueError),
-                     ("num_ctas", True, TypeError), ("num_ctas", 1.5, TypeError)]
-
-
-@requires_cuda
-@pytest.mark.parametrize("name,value,exc", GPU_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in GPU_BAD_ARGUMENTS])
-@pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_gpu_list_bad_argument_with_pinned_memory(direction, name, value, exc, gen):
-    src_at, dst_at = LIST_PLACEMENTS[direction][0]
-    src, dst = list_arrays(direction, (3, 2, 2, 3, 4, 16), torch.bfloat16, "NHD", gen, src_at, dst_at)
-    expect_rejected(lambda: list_call(direction, src, dst, "NHD", **{name: value}), src, dst, exc, name, ())
-
-
-@requires_cuda
-@pytest.mark.parametrize("name,value,exc", GPU_BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in GPU_BAD_ARGUMENTS])
-@pytest.mark.parametrize("method", METHODS)
-def test_gpu_paged_bad_argument_with_pinned_memory(method, name, value, exc, gen):
-    case = CacheCase("kbthd", 3, 9, 2, 3, 4, 16, torch.bfloat16, gen, device="cuda")
-    other = paged_other(case, method, 3, gen).arg
-    paged_reject(case, case.build(), method, [4, 0, 7], other, exc, name, **{name: value})
-
 
 def wider(t, gen):
     """A random array like t (same placement) with a last dimension one element longer."""
@@ -1061,7 +1032,7 @@ def wider(t, gen):
     return new.pin_memory() if t.device.type == "cpu" else new.to(t.device)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
 def test_gpu_list_staged_error_in_the_last_block_writes_nothing(direction, staging, gen):
     """6 blocks of 512 KiB through a 1 MiB staging, the last destination array of the wrong
@@ -1080,7 +1051,7 @@ def test_gpu_list_staged_error_in_the_last_block_writes_nothing(direction, stagi
                     ("shape",))
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_paged_staged_error_in_the_last_block_writes_nothing(method, staging, gen):
     """The last of 6 pinned universals / operationals has the wrong element type."""
@@ -1129,7 +1100,7 @@ DEBUG_LIST_CASES = [
 ]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,src_at,dst_at,backend,path", DEBUG_LIST_CASES,
                          ids=[f"{d}-{s}_to_{t}-{b}" for d, s, t, b, _ in DEBUG_LIST_CASES])
 def test_gpu_debug_names_the_path_list(direction, src_at, dst_at, backend, path, monkeypatch, capfd, gen):
@@ -1155,7 +1126,7 @@ DEBUG_PAGED_CASES = [
 ]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction,where,backend,path", DEBUG_PAGED_CASES,
                          ids=[f"{d}-{w}-{b}" for d, w, b, _ in DEBUG_PAGED_CASES])
 def test_gpu_debug_names_the_path_paged(direction, where, backend, path, monkeypatch, capfd, gen):
@@ -1178,7 +1149,7 @@ def test_gpu_debug_names_the_path_paged(direction, where, backend, path, monkeyp
 PIECE_PLANS = [(1, 2, "4.38"), (8, 5, "20.00"), (64, 19, "20.00")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("nb,pieces,largest", PIECE_PLANS, ids=[f"nb{p[0]}" for p in PIECE_PLANS])
 @pytest.mark.parametrize("direction", ["to_universal", "from_universal"])
 def test_gpu_debug_staged_pieces_lead_ramp_then_double(nb, pieces, largest, direction, staging, monkeypatch,
@@ -1200,7 +1171,7 @@ def test_gpu_debug_staged_pieces_lead_ramp_then_double(nb, pieces, largest, dire
 # ==========================================================================
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_reserve_staging_and_staging_info(staging):
     staging(*DEFAULT_STAGING)
     assert kvbm_ext.reserve_staging() is None
@@ -1216,7 +1187,7 @@ def test_gpu_reserve_staging_and_staging_info(staging):
     assert kvbm_ext.staging_info() == info
 
 
-@requires_cuda
+@pytest.mark.gpu
 def test_gpu_staging_info_follows_set_staging(staging):
     staging(8 * MiB, 4)
     info = kvbm_ext.staging_info()
@@ -1241,7 +1212,7 @@ NUM_CTAS_VALUES = [None, 1, 2, 8]
 NUM_CTAS_PATHS = [("copy_engines", "pinned"), ("kernel", "pinned"), ("auto", "device")]
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend,where", NUM_CTAS_PATHS, ids=[f"{b}-{w}" for b, w in NUM_CTAS_PATHS])
 @pytest.mark.parametrize("direction", FOUR_DIRECTIONS)
 def test_gpu_paged_num_ctas_same_bytes(direction, backend, where, staging, gen):
@@ -1265,7 +1236,7 @@ def test_gpu_paged_num_ctas_same_bytes(direction, backend, where, staging, gen):
             assert_bitwise_equal(a, b, f"num_ctas={num_ctas} against None: destination memory #{i}")
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend,where", NUM_CTAS_PATHS, ids=[f"{b}-{w}" for b, w in NUM_CTAS_PATHS])
 @pytest.mark.parametrize("direction", ["b2u", "u2b", "u2o", "o2u"])
 def test_gpu_list_num_ctas_same_bytes(direction, backend, where, staging, gen):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks the source distribution: it holds every tracked file that building and testing
-need and nothing built, and a wheel built from it installs and imports in a fresh venv on
-the oldest and the newest Python 3.10 to 3.13 found here (or the ones named).
+need, every file the README links or shows (its image too: the README is the package's
+long description), and nothing built; and a wheel built from it installs and imports in a
+fresh venv on the oldest and the newest Python 3.10 to 3.13 found here (or the ones named).
 
   tools/check_dist.py                                # sdist, contents, oldest and newest Python
   tools/check_dist.py --python /usr/bin/python3.11   # these interpreters instead
@@ -21,6 +22,8 @@ import tempfile
 import time
 import zipfile
 
+from readme import relative_links
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUPPORTED = ("3.10", "3.11", "3.12", "3.13")   # requires-python and the classifiers
 # Tracked but not shipped: CI configuration, the formatter's settings and measured results (nothing builds or
@@ -28,7 +31,8 @@ SUPPORTED = ("3.10", "3.11", "3.12", "3.13")   # requires-python and the classif
 NOT_SHIPPED = (".ci/", ".clang-format", ".gitignore", "benchmarks/results/")
 BUILT = (".so", ".o", ".pyc", ".pyd")
 WHEEL_FILES = ("kvbm_ext/__init__.py", "kvbm_ext/__init__.pyi", "kvbm_ext/py.typed", "kvbm_ext/__main__.py",
-               "kvbm_ext/_debug.py")
+               "kvbm_ext/_debug.py", "kvbm_ext/_no_gpu.py", "kvbm_ext/compat/__init__.py", "kvbm_ext/compat/dynamo.py",
+               "kvbm_ext/integrations/__init__.py", "kvbm_ext/integrations/transformers.py")
 # Run in the fresh venv, from outside the source tree: the installed package, not the checkout.
 IMPORT_CHECK = """
 import os, sys, sysconfig, kvbm_ext
@@ -38,16 +42,29 @@ print(f"imported {where} on Python {sys.version.split()[0]}: {kvbm_ext.build_inf
 """
 
 
+def readme_link_problems(readme_text, shipped):
+    """The README's relative links and images whose file (or folder) the sdist lacks."""
+    problems = []
+    for target in relative_links(readme_text):
+        path = os.path.normpath(target.partition("#")[0]) if target.partition("#")[0] else None
+        if path and path not in shipped and not any(member.startswith(path + "/") for member in shipped):
+            problems.append(f"README.md links {target}, which the sdist lacks")
+    return problems
+
+
 def sdist_problems(sdist, tracked):
-    """What is wrong with the sdist: tracked files it lacks (NOT_SHIPPED aside), built files
-    it holds.  Messages in the order of `tracked`, then of the archive."""
+    """What is wrong with the sdist: tracked files it lacks (NOT_SHIPPED aside), files its
+    README links that it lacks, built files it holds.  Messages in the order of `tracked`,
+    then of the README, then of the archive."""
     with tarfile.open(sdist) as tar:
         members = [name.split("/", 1)[1] for name in tar.getnames() if "/" in name]
+        readme = next((m for m in tar.getmembers() if m.name.split("/", 1)[-1] == "README.md" and m.isfile()), None)
+        readme_text = tar.extractfile(readme).read().decode() if readme else ""
     shipped = set(members)
     missing = [f"missing from the sdist: {path}" for path in tracked
                if not path.startswith(NOT_SHIPPED) and path not in shipped]
     built = [f"built file in the sdist: {path}" for path in members if path.endswith(BUILT)]
-    return missing + built
+    return missing + readme_link_problems(readme_text, shipped) + built
 
 
 def run(cmd, **kwargs):

@@ -8,11 +8,24 @@ the dict; lying extents, strides, data pointers and typestrs), odd strings
 (embedded NUL, non-ASCII, surrogates), odd ints (huge, negative, bool, NumPy
 scalars), odd streams, universals and operationals as one stacked [nb, ...]
 array (wrong leading dimension, blocks read backwards), and devices DLPack
-cannot describe.  A case passes when the call returns, or raises ValueError,
-TypeError or RuntimeError (the CPU build, or no GPU, for device work); any
-other exception fails it, and so does a destination written by a call that
-raised.  Valid block <-> universal calls are also checked bit for bit against
-a NumPy reference.
+cannot describe; PagedKVCache selections (layers=, heads=, layer_offset,
+head_offset, in and outside the rule, hostile slice bounds) checked against
+the rule and, when they move, bit for bit against a NumPy reference
+(tools/fuzz_paged.py); caches whose layers share bytes (one array given
+twice, overlapping or interleaved views, one array whose layer stride is a
+block): writes that would write shared bytes must be refused, every other call
+is checked bit for bit; malformed DLPack producers built with ctypes (NULL
+shape, NULL strides, any ndim, bad element types, devices and data pointers)
+through the C exchange API and versioned and legacy capsules; and the
+reshard planner's arguments (EngineLayout, plan_reshard, the layout
+accessors).  A case passes when the call returns, or raises ValueError,
+TypeError or RuntimeError (the CPU build, or no GPU, for device work; the
+planner: ValueError or TypeError only); any other exception fails it (a
+wrong exception type), and so does a destination written by a call that
+raised (a write on error), a result that differs from the reference or a call
+the rule says must fail that did not (a wrong result), and a case that runs
+past 20 s (a hang).  Valid block <-> universal calls are also checked bit for
+bit against a NumPy reference.
 
 Cases run in worker processes; a worker that dies (a crash) is reported with
 the seed of the case it was running, and the command that replays it:
@@ -25,15 +38,28 @@ the seed of the case it was running, and the command that replays it:
 import argparse
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# This tree's kvbm_ext (built in place) ahead of an installed one, after any PYTHONPATH
+# entry; and the tests' stand-in DLPack producers.
+sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), ROOT)
+sys.path.append(os.path.join(ROOT, "tests"))
+
+from support import dlpack_producers  # noqa: E402
+import fuzz_paged  # noqa: E402
+
 ALLOWED = (ValueError, TypeError, RuntimeError)
 POISON = 0xA5
 WORKER_FAILED = 3  # a worker's exit status when a case failed; any other but 0 is a crash
+CASE_SECONDS = 20  # a case running longer is a hang
+KINDS = {"hang": "hangs", "wrong exception type": "wrong exception types", "write on error": "writes on error",
+         "wrong result": "wrong results"}
 
 
 # ----------------------------------------------------------------------------- hostile objects
@@ -158,11 +184,19 @@ def mangle(rng, a, holder):
 
 class Case:
     """A drawn call: `run()` makes it; `written` lists (destination, snapshot) pairs
-    that a raising call must leave as they were; `check()` verifies a success."""
+    that a raising call must leave as they were; `check()` verifies a success;
+    `expect_error`: the rule says the call must raise (None: either may happen);
+    `allowed`: the exception types a refusal may have."""
 
     def __init__(self):
         self.written = []
         self.check = None
+        self.expect_error = None
+        self.allowed = ALLOWED
+
+
+class Hang(BaseException):
+    """Raised by the alarm in a case that runs past CASE_SECONDS."""
 
 
 def case_list_api(rng, kvbm_ext):
@@ -302,20 +336,243 @@ def case_other(rng, kvbm_ext):
     return c
 
 
+def paged_bases(rng, layout, nl, NB, no, nh, nt, hd, dtype):
+    """A cache's bases (random bytes) and the constructor argument over them."""
+    dims, single, base_shape = fuzz_paged.LAYOUTS[layout]
+    no, nh = (no if "k" in dims else 1), (nh if "h" in dims else 1)
+    shape = base_shape(nl, NB, no, nh, nt, hd)
+    bases = [random_array(rng, shape, dtype) for _ in range(1 if single else nl)]
+    return dims, no, nh, bases, (lambda bs: bs[0] if single else list(bs))
+
+
+def flats_of(rng, shape, nb, poison, stack):
+    """nb flat blocks: a list of arrays or one stacked array (random, or poisoned)."""
+    make = (lambda s: poisoned(s, np.float16)) if poison else (lambda s: random_array(rng, s, np.float16))
+    if stack:
+        whole = make((nb,) + tuple(shape))
+        return whole, [whole[b] for b in range(nb)], [whole]
+    blocks = [make(tuple(shape)) for _ in range(nb)]
+    return blocks, blocks, blocks
+
+
+def paged_call(c, kvbm_ext, layers_arg, dims, method, ids, flats_arg, kwargs):
+    def run():
+        cache = kvbm_ext.PagedKVCache(layers_arg, dims)
+        fn = getattr(cache, method)
+        fn(*((ids, flats_arg) if method.startswith("to_") else (flats_arg, ids)), **kwargs)
+    c.run = run
+
+
+def expect_move(c, method, bases, make, dims, flats, flat_bases, ids, chosen_layers, chosen_heads, kwargs):
+    """c.check: the move applied by the reference to copies of the destination's memory."""
+    cache_before = [b.copy() for b in bases]
+    flats_before = [b.copy() for b in flat_bases]
+
+    def check():
+        want_cache = [b.copy() for b in cache_before]
+        want_flat = [b.copy() for b in flats_before]
+        want_blocks = ([w[i] for w in want_flat for i in range(w.shape[0])] if len(want_flat) == 1
+                       and len(flats) > 1 or (len(want_flat) == 1 and want_flat[0].ndim == flats[0].ndim + 1)
+                       else want_flat)
+        rows = fuzz_paged.rows(make(want_cache), dims)
+        fuzz_paged.apply(method, rows, want_blocks, ids, chosen_layers, chosen_heads,
+                         int(kwargs.get("layer_offset", 0)), int(kwargs.get("head_offset", 0)),
+                         kwargs.get("inner", "NHD"))
+        for got, want in zip(bases + flat_bases, want_cache + want_flat):
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{method}: wrong bytes"
+    c.check = check
+
+
+def case_paged_select(rng, kvbm_ext):
+    """layers=, heads=, layer_offset and head_offset in and outside the rule, on every
+    layout; every accepted call checked against the reference."""
+    nb, nl, no, nh, nt, hd = shape6(rng)
+    nl, nh, NB = rng.randint(1, 4), rng.randint(1, 4), nb + rng.randint(0, 3)
+    layout = rng.choice(list(fuzz_paged.LAYOUTS))
+    dims, no, nh, bases, make = paged_bases(rng, layout, nl, NB, no, nh, nt, hd, np.float16)
+    method = rng.choice(["to_universal", "from_universal", "to_universal", "from_universal", "to_operational",
+                         "from_operational"])
+    hostile = [slice(Raises(), None), slice(None, "a"), slice(1.5), slice(0, 2, Raises()), "all", [0], 1.0]
+    kwargs = {"layers": fuzz_paged.draw_selection(rng, nl, hostile)}
+    chosen_l = fuzz_paged.selection(nl, kwargs["layers"])
+    ok, chosen_h, NH, NL = chosen_l is not None, [0], nh, nl
+    if "universal" in method:
+        kwargs["heads"] = fuzz_paged.draw_selection(rng, nh, hostile)
+        chosen_h = fuzz_paged.selection(nh, kwargs["heads"])
+        bottom = min(chosen_l) if chosen_l else 0
+        kwargs["layer_offset"] = rng.choice([0, 1, -bottom, -bottom - 1, rng.randint(-3, 3), np.int64(-bottom),
+                                             Raises(), 2**31, -(2**31), True])
+        kwargs["head_offset"] = rng.choice([0, 0, 1, 2, -1, np.int64(1), Raises()])
+        ok = ok and chosen_h is not None and fuzz_paged.offset_ok(kwargs["layer_offset"], bottom)
+        ok = ok and fuzz_paged.offset_ok(kwargs["head_offset"], 0) and kwargs["head_offset"] is not True
+        if ok:
+            need_h = int(kwargs["head_offset"]) + len(chosen_h)
+            need_l = int(kwargs["layer_offset"]) + max(chosen_l) + 1
+            NH, NL = max(need_h + rng.choice([0, 0, 1, -1]), 1), max(need_l + rng.choice([0, 0, 1, -1]), 1)
+            ok = NH >= need_h and NL >= need_l
+        shape = (NH, NL, no, nt, hd)
+    else:
+        kwargs["inner"] = rng.choice(["NHD", "HND"])
+        shape = (nl, no, nt * nh * hd)
+    to = method.startswith("to_")
+    arg, flats, flat_bases = flats_of(rng, shape, nb, to, rng.random() < 0.3)
+    ids = rng.sample(range(NB), nb)
+    c = Case()
+    c.expect_error = not ok
+    c.written = [(a, a.copy()) for a in (flat_bases if to else bases)]
+    paged_call(c, kvbm_ext, make(bases), dims, method, ids, arg, kwargs)
+    if ok:
+        expect_move(c, method, bases, make, dims, flats, flat_bases, ids, chosen_l, chosen_h, kwargs)
+    return c
+
+
+def aliased_layers(rng, kind, nl, NB, no, nh, nt, hd):
+    """(dims, bases, make) of a cache whose layers share bytes, or interleave without."""
+    size = no * NB * nt * nh * hd
+    if kind == "same":
+        return "kbthd", [random_array(rng, (no, NB, nt, nh, hd), np.float16)], lambda bs: [bs[0]] * nl
+    if kind == "overlap":
+        shift = rng.choice([1, hd, size // 2 or 1, size - 1 or 1, size])
+        return "kbthd", [random_array(rng, (size + shift * (nl - 1),), np.float16)], \
+            lambda bs: [bs[0][l * shift: l * shift + size].reshape(no, NB, nt, nh, hd) for l in range(nl)]
+    if kind == "interleaved":
+        return "bkthd", [random_array(rng, (NB, nl, no, nt, nh, hd), np.float16)], \
+            lambda bs: [bs[0][:, l] for l in range(nl)]
+    block = nt * nh * hd
+    layer_stride = rng.choice([block, 1, block * (NB + 1) * no, hd])
+
+    def strided(bs):
+        return np.lib.stride_tricks.as_strided(bs[0], (nl, no, NB, nt, nh, hd), (
+            2 * layer_stride, 2 * block * (NB + nl + 1), 2 * block, 2 * nh * hd, 2 * hd, 2))
+    return "lkbthd", [random_array(rng, (block * (no * (NB + nl + 1) + nl * (NB + 1) * no + 1),), np.float16)], strided
+
+
+def case_paged_alias(rng, kvbm_ext):
+    """A cache whose layers share bytes: a call writing two layers that do is refused, any
+    other call is checked bit for bit."""
+    nb, nl, no, nh, nt, hd = shape6(rng)
+    nl, NB = rng.randint(2, 4), nb + rng.randint(0, 3)
+    kind = rng.choice(["same", "overlap", "interleaved", "strided"])
+    dims, bases, make = aliased_layers(rng, kind, nl, NB, no, nh, nt, hd)
+    method = rng.choice(["to_universal", "from_universal", "to_operational", "from_operational"])
+    valid = [None, 0, nl - 1, slice(0, nl, 2), slice(None, None, -1), range(1, nl), slice(-2, None)]
+    kwargs = {"layers": rng.choice(valid)}
+    chosen = fuzz_paged.selection(nl, kwargs["layers"])
+    layer_views = make(bases)
+    layer_views = [layer_views[l] for l in range(nl)]
+    shape = (nh, nl, no, nt, hd) if "universal" in method else (nl, no, nt * nh * hd)
+    to = method.startswith("to_")
+    arg, flats, flat_bases = flats_of(rng, shape, nb, to, rng.random() < 0.3)
+    ids = rng.sample(range(NB), nb)
+    c = Case()
+    c.expect_error = not to and fuzz_paged.share_bytes(layer_views, chosen)
+    c.written = [(a, a.copy()) for a in (flat_bases if to else bases)]
+    paged_call(c, kvbm_ext, make(bases), dims, method, ids, arg, kwargs)
+    if not c.expect_error:
+        expect_move(c, method, bases, make, dims, flats, flat_bases, ids, chosen, list(range(nh)), kwargs)
+    return c
+
+
+def case_dlpack(rng, kvbm_ext):
+    """A DLPack producer built with ctypes, well formed or not, as a source chunk, a
+    destination universal or a PagedKVCache layer, through each route."""
+    nt, nh, hd = rng.randint(1, 4), rng.randint(1, 3), rng.choice([1, 4, 8])
+    chunk = random_array(rng, (nt, nh, hd), np.float16)
+    universal = poisoned((nh, 1, 1, nt, hd), np.float16)
+    kind = rng.choice(["null shape", "null strides", "ndim", "dtype", "device", "null data", "negative", "ok"])
+    where = rng.choice(["chunk", "universal", "layer"])
+    target = universal if where == "universal" else chunk.reshape(1, 1, nt, nh, hd) if where == "layer" else chunk
+    keywords = {"null shape": {"shape": None}, "null strides": {"strides": None}, "ok": {},
+                "ndim": {"ndim": rng.choice([-(2**31), -1, 0, 9, 64, 2**31 - 1])},
+                "dtype": {"dtype": rng.choice([(2, 16, 2), (2, 0, 1), (2, 12, 1), (2, 16, 0), (99, 16, 1)])},
+                "device": {"device": (rng.choice([4, 7, 10, 99, 2**31 - 1]), rng.choice([0, 1]))},
+                "null data": {"data": 0}, "negative": {"shape": (-target.shape[0],) + target.shape[1:]}}[kind]
+    if kind == "ndim" and rng.random() < 0.5 and target.ndim > 1:
+        keywords = {"ndim": rng.randint(1, target.ndim - 1)}  # a prefix of the real shape: memory-safe
+        kind = "fewer dimensions"
+    producer = dlpack_producers.producers(dlpack_producers.Description(target, **keywords))[
+        rng.choice(["exchange", "versioned", "legacy"])]
+    c = Case()
+    c.written = [(universal, universal.copy())]
+    if where == "chunk":
+        c.run = lambda: kvbm_ext.block_to_universal([[producer]], [universal], "NHD")
+    elif where == "universal":
+        c.run = lambda: kvbm_ext.block_to_universal([[chunk]], [producer], "NHD")
+    else:
+        c.run = lambda: kvbm_ext.PagedKVCache([producer], "kbthd").to_universal([0], [universal])
+    c.expect_error = kind not in ("ok", "null strides", "fewer dimensions")
+    if not c.expect_error and kind != "fewer dimensions":
+        def check():
+            want = chunk.transpose(1, 0, 2)
+            assert np.array_equal(universal[:, 0, 0].view(np.uint16), want.view(np.uint16)), "wrong bytes"
+        c.check = check
+    elif kind == "fewer dimensions":
+        c.expect_error = None   # refused as a wrong shape, unless the prefix happens to fit
+    return c
+
+
+def odd_count(rng, good):
+    return rng.choice([good, good, good, 0, -1, 1, 2, 3, 2**16, 2**16 + 1, 2**31, 2**40, 2**64, True, 1.5, "1", None,
+                       Raises(), Index(good), np.int64(good), np.uint64(max(good, 0)), np.int32(-1), np.True_,
+                       np.float64(good)])
+
+
+def case_plan(rng, kvbm_ext):
+    """The reshard planner's arguments: ValueError or TypeError, or a plan, at once."""
+    c = Case()
+    c.allowed = (ValueError, TypeError)
+    tp, pp = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3])
+    ranks = rng.choice([None, None, list(range(tp * pp))[::-1], [odd_count(rng, i) for i in range(tp * pp)],
+                        range(2**64), [0] * (tp * pp), "ab", 5])
+    layer_ranges = rng.choice([None, None, [(s * 4, s * 4 + 4) for s in range(pp)],
+                               [(odd_count(rng, s * 4), odd_count(rng, s * 4 + 4)) for s in range(pp)],
+                               [range(0, 2**64)], [range(0, 8, 2)], [(0, 2**64)] * pp, "x"])
+    heads, layers = odd_count(rng, rng.choice([1, 2, 8])), odd_count(rng, 4 * pp)
+    args = [odd_count(rng, tp), odd_count(rng, pp)]
+    call = rng.choice(["layout", "plan", "heads_of", "layers_of", "tp_ranks_holding", "rank_of", "position_of"])
+
+    def run():
+        layout = kvbm_ext.EngineLayout(*args, ranks=ranks, layer_ranges=layer_ranges)
+        other = kvbm_ext.EngineLayout(rng.choice([1, 2, 4]), rng.choice([1, 2]))
+        index = odd_count(rng, rng.randint(0, 3))
+        if call == "plan":
+            kvbm_ext.plan_reshard(heads, layers, layout, other) if rng.random() < 0.5 else \
+                kvbm_ext.plan_reshard(heads, layers, other, layout)
+        elif call == "heads_of":
+            layout.heads_of(index, heads)
+        elif call == "layers_of":
+            layout.layers_of(index, layers)
+        elif call == "tp_ranks_holding":
+            layout.tp_ranks_holding(index, heads)
+        elif call == "rank_of":
+            layout.rank_of(index, odd_count(rng, 0))
+        elif call == "position_of":
+            layout.position_of(index)
+    c.run = run
+    return c
+
+
 def run_case(seed, kvbm_ext):
-    """Draws and runs case `seed`; returns None, or what went wrong."""
+    """Draws and runs case `seed`; returns None, or what went wrong (its kind first)."""
     rng = random.Random(seed)
-    draw = rng.choice([case_list_api, case_list_api, case_paged, case_paged, case_other])
+    draw = rng.choice([case_list_api, case_list_api, case_paged, case_paged, case_other, case_paged_select,
+                       case_paged_select, case_paged_alias, case_dlpack, case_plan])
     case = draw(rng, kvbm_ext)
     try:
         case.run()
-    except ALLOWED:
+    except Hang:
+        return f"hang: past {CASE_SECONDS} s"
+    except BaseException as error:  # noqa: BLE001 - the type is the finding
+        if not isinstance(error, case.allowed):
+            return f"wrong exception type: {type(error).__name__}: {error}"
         for after, before in case.written:
             if not np.array_equal(after.view(np.uint8), before.view(np.uint8)):
-                return "a call that raised wrote its destination"
+                return f"write on error: a call that raised ({type(error).__name__}: {error}) wrote its destination"
+        if case.expect_error is False:
+            return f"wrong result: a call the rule accepts raised {type(error).__name__}: {error}"
         return None
-    except BaseException as error:  # noqa: BLE001 - any other type is the finding
-        return f"{type(error).__name__}: {error}"
+    if case.expect_error:
+        return "wrong result: a call the rule refuses returned"
     if case.check is not None:
         try:
             case.check()
@@ -330,10 +587,16 @@ def worker(first, count):
     """Runs seeds first .. first+count-1, announcing each before it runs."""
     import kvbm_ext
 
+    def alarm(signum, frame):
+        raise Hang()
+
+    signal.signal(signal.SIGALRM, alarm)
     failures = 0
     for seed in range(first, first + count):
         print(f"case {seed}", flush=True)
+        signal.alarm(CASE_SECONDS)
         problem = run_case(seed, kvbm_ext)
+        signal.alarm(0)
         if problem is not None:
             failures += 1
             print(f"FAIL {seed}: {problem}", flush=True)
@@ -370,22 +633,32 @@ def main():
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             running.append((first, count, proc))
         first, count, proc = running.pop(0)
-        out, _ = proc.communicate()
+        hung = False
+        try:  # a case stuck where the alarm cannot interrupt it
+            out, _ = proc.communicate(timeout=count * CASE_SECONDS + 600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            hung = True
         lines = out.splitlines()
         failed += [line for line in lines if line.startswith("FAIL")]
         started = [int(line.split()[1]) for line in lines if line.startswith("case ")]
-        if proc.returncode not in (0, WORKER_FAILED) or "done" not in lines:
+        if hung or proc.returncode not in (0, WORKER_FAILED) or "done" not in lines:
             last = started[-1] if started else first
-            crashed.append(last)
-            print(f"CRASH (exit status {proc.returncode}) in case {last}: replay with "
-                  f"python3 tools/fuzz.py --replay {last}", flush=True)
-            print("\n".join(lines[-20:]), flush=True)
-            if last + 1 < first + count:  # go on after the crashing case
+            if hung:
+                failed.append(f"FAIL {last}: hang: the worker stopped answering")
+            else:
+                crashed.append(last)
+                print(f"CRASH (exit status {proc.returncode}) in case {last}: replay with "
+                      f"python3 tools/fuzz.py --replay {last}", flush=True)
+                print("\n".join(lines[-20:]), flush=True)
+            if last + 1 < first + count:  # go on after that case
                 pending.append((last + 1, first + count - last - 1))
     for line in failed[:50]:
         print(line)
-    print(f"fuzz: {args.cases} cases from seed {args.first}: {len(crashed)} crashes, {len(failed)} failures "
-          f"({time.time() - start:.0f} s)")
+    kinds = ", ".join(f"{sum(f': {kind}:' in line for line in failed)} {name}" for kind, name in KINDS.items())
+    print(f"fuzz: {args.cases} cases from seed {args.first}: {len(crashed)} crashes, {len(failed)} failures ("
+          f"{kinds}) ({time.time() - start:.0f} s)")
     sys.exit(1 if crashed or failed else 0)
 
 

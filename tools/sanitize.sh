@@ -8,24 +8,25 @@
 # it) and PYTHONMALLOC=malloc, so that every Python allocation goes through
 # ASan too.  Exits non-zero on any test failure or sanitizer report.
 #
-#   tools/sanitize.sh                        # the whole CPU suite
+#   tools/sanitize.sh                        # the whole CPU suite but the builds
 #   tools/sanitize.sh tests/test_hostile.py  # some files
+#   tools/sanitize.sh -m "not slow and not build" tests   # the quick selection
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$work/"
+cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$root/CHANGELOG.md" "$work/"
 rm -f "$work"/kvbm_ext/*.so
 flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
 (cd "$work" && PATH=/usr/bin:/bin CUDA_HOME=/nonexistent CUDA_PATH=/nonexistent CFLAGS="$flags" LDFLAGS="$flags" \
     python3 setup.py build_ext --inplace > build.log 2>&1) || { tail -30 "$work/build.log"; exit 1; }
 cd "$work"
-cp -r "$root/tests" "$root/tools" "$root/benchmarks" "$root/examples" "$work/"
+cp -r "$root/tests" "$root/tools" "$root/benchmarks" "$root/examples" "$root/docs" "$work/"
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export PYTHONMALLOC=malloc
-# The rebuild test compiles with nvcc and gcc outside the sanitizers (nothing of
-# kvbm_ext runs under them there): the plain suite runs it.
-python3 -m pytest -q -p no:cacheprovider --deselect tests/test_packaging.py::test_rebuild_follows_cuda_archs_and_nvcc \
-    "${@:-tests}"
+# Tests marked build compile their own copy of the sources with the plain compilers
+# (nothing of kvbm_ext runs under the sanitizers there): the plain suite runs them.
+# A -m among the arguments replaces this one.
+python3 -m pytest -q -p no:cacheprovider -m "not build" "${@:-tests}"

@@ -1,0 +1,111 @@
+/* The staged pieces of PagedKVCache.to_cache.  See gpu_to_cache.h.
+ *
+ * A piece is the paged kernel (kvbm_launch_paged) run between the
+ * device cache and the piece's slot: the device cache is its cache side,
+ * and the slot, which holds the piece's units of the pinned cache packed
+ * ([bn][mn][in][unit], pieces.h), its flat side, with the strides the
+ * packing gives each moved dimension. */
+#include "gpu_to_cache.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "gpu_internal.h"
+#include "kvbm_kernels.h"
+#include "pieces.h"
+
+/* The device cache of a staged move: its strides, bases and ids. */
+typedef struct {
+    int64_t block, head, token, shift, num_blocks;
+    const uint64_t *bases;    /* entry i * no + o */
+    const uint64_t *host_ids; /* NULL when the ids are on the device */
+    const char *device_ids;
+    int ids_int32;
+} kv_device_side;
+
+static kv_device_side device_side(const kv_move *move)
+{
+    const kvbm_to_cache *m = move->to_cache.move;
+    const kvbm_to_cache_ids *ids = move->to_cache.ids;
+    const uint64_t *table = move->table;
+    const kvbm_paged *p = &m->p;
+    kv_device_side s;
+    if (move->to_cache.packing->pinned_is_dst) {
+        const kv_device_side src = {p->cache_block, p->cache_head, p->cache_token, p->cache_shift, p->num_blocks,
+                                    table, table + kvbm_to_cache_src_ids_at(m), ids->src_ids, ids->src_int32};
+        s = src;
+    }
+    else {
+        const kv_device_side dst = {m->dst_block, p->flat_head, p->flat_token, p->flat_shift, m->dst_num_blocks,
+                                    table + kvbm_to_cache_bases(m), table + kvbm_to_cache_dst_ids_at(m, ids),
+                                    ids->dst_ids, ids->dst_int32};
+        s = dst;
+    }
+    if (s.device_ids != NULL)
+        s.host_ids = NULL;
+    return s;
+}
+
+/* One piece: blocks [b0, b0 + bn) and, of the dimensions the packing makes
+ * mid and inner, the box's ranges, between the device cache and `slot`.
+ * Its table, by value: the piece's (layer, outer) bases of the device
+ * cache, then its host ids. */
+cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const kv_box *box, char *slot,
+                                     uint32_t num_ctas, cudaStream_t stream)
+{
+    const kv_packing *k = move->to_cache.packing;
+    const kvbm_paged *whole = &move->to_cache.move->p;
+    const kv_device_side dev = device_side(move);
+    const int64_t unit = staged->unit_bytes;
+    /* Fused, the (layer, outer) pairs are the layers of the piece. */
+    int64_t count[KV_MOVED_DIMS] = {k->fused_outer ? whole->nl * whole->no : whole->nl,
+                                    k->fused_outer ? 1 : whole->no, whole->nh, whole->nt};
+    int64_t start[KV_MOVED_DIMS] = {0, 0, 0, 0}, slot_stride[KV_MOVED_DIMS];
+    const int64_t outers = count[KV_MOVED_OUTER];
+    for (int d = 0; d < KV_MOVED_DIMS; d++) {
+        slot_stride[d] = k->unit_stride[d];
+        if (k->role[d] == KV_AS_MID)
+            start[d] = box->m0, count[d] = box->mn, slot_stride[d] = box->in * unit;
+        else if (k->role[d] == KV_AS_INNER)
+            start[d] = box->i0, count[d] = box->in, slot_stride[d] = unit;
+    }
+    kvbm_paged p;
+    memset(&p, 0, sizeof p);
+    p.nb = box->bn;
+    p.nl = count[KV_MOVED_LAYER], p.no = count[KV_MOVED_OUTER];
+    p.nh = count[KV_MOVED_HEAD], p.nt = count[KV_MOVED_TOKEN];
+    p.row_bytes = whole->row_bytes;
+    p.num_blocks = dev.num_blocks;
+    p.split_outer = 1;
+    p.cache_block = dev.block, p.cache_head = dev.head, p.cache_token = dev.token;
+    p.cache_shift = dev.shift + start[KV_MOVED_HEAD] * dev.head + start[KV_MOVED_TOKEN] * dev.token;
+    p.flat_layer = slot_stride[KV_MOVED_LAYER], p.flat_outer = slot_stride[KV_MOVED_OUTER];
+    p.flat_head = slot_stride[KV_MOVED_HEAD], p.flat_token = slot_stride[KV_MOVED_TOKEN];
+    p.to_flat = k->pinned_is_dst;
+    kvbm_paged_plan(&p);
+    uint64_t table[KVBM_TABLE_BY_VALUE_MAX];
+    int64_t n = 0;
+    for (int64_t i = 0; i < p.nl; i++)
+        for (int64_t o = 0; o < p.no; o++)
+            table[n++] = dev.bases[(start[KV_MOVED_LAYER] + i) * outers + start[KV_MOVED_OUTER] + o];
+    kvbm_paged_addresses addresses = {NULL, dev.ids_int32, (uint64_t)(uintptr_t)slot, box->mn * box->in * unit};
+    if (dev.device_ids != NULL)
+        addresses.ids = dev.device_ids + box->b0 * (dev.ids_int32 ? 4 : 8);
+    else
+        memcpy(table + n, dev.host_ids + box->b0, (size_t)box->bn * sizeof *table);
+    return kvbm_launch_paged(&p, &addresses, table, NULL, move->vector_bytes, num_ctas, stream);
+}
+
+int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size)
+{
+    /* A piece's bases, and its host ids, travel by value. */
+    const kvbm_to_cache_ids *ids = move->to_cache.ids;
+    const int64_t bases = kvbm_to_cache_bases(move->to_cache.move);
+    if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
+        snprintf(why, why_size, "a table of %lld (layer, K/V) bases does not fit in a launch's parameters",
+                 (long long)bases);
+        return 0;
+    }
+    const int device_ids = move->to_cache.packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
+    return device_ids ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
+}
