@@ -45,11 +45,24 @@ typedef struct {
 } kv_paged_cache;
 
 /* Where array i of the cache is named in errors. */
-kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i);
+static inline kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i)
+{
+    if (self->kv_pairs) {
+        const kv_path pair = {"layers", {i / 2, i % 2}, 2};
+        return pair;
+    }
+    const kv_path path = {"layers", {i, 0}, PyList_Check(self->layers) || PyTuple_Check(self->layers) ? 1 : 0};
+    return path;
+}
 
 /* Array i of the cache as the caller gave it (borrowed): item i of the
  * tuple of layers, or the one array. */
-PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i);
+static inline PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i)
+{
+    if (self->kv_pairs)
+        return PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->layers, i / 2), i % 2);
+    return PyTuple_Check(self->layers) ? PyTuple_GET_ITEM(self->layers, i) : self->layers;
+}
 
 /* The base address of (layer l, outer o) of every moved layer, first,
  * first + step, ... (count of them), at out[i * no + o]: the table of a
