@@ -1,6 +1,9 @@
 /* Borrowing arrays from Python objects: DLPack (versioned and legacy
  * capsules), __cuda_array_interface__ (versions 2 and 3),
- * __array_interface__ and the buffer protocol, in that order of preference. */
+ * __array_interface__ and the buffer protocol, in that order of preference.
+ * array.c answers what can be asked of a kv_array; array_read.c reads one
+ * (kv_array_read, kv_array_keep) through the readers of readers.h, and
+ * torch.c tells torch about the writes. */
 #ifndef KVBM_ARRAY_H
 #define KVBM_ARRAY_H
 
@@ -141,5 +144,17 @@ int kv_check_itemsize(const kv_array *a, const kv_path *path);
 
 /* A readable name for an element type, e.g. "bfloat16", "raw2". */
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size);
+
+/* Steps that reading an array takes whatever its protocol (array_read.c
+ * and the readers of readers.h): an empty array to fill (host memory, no
+ * device); compact row-major strides from the shape; a dimension count
+ * refused beyond KV_MAX_NDIM (ValueError naming `path`). */
+void kv_array_clear(kv_array *out);
+void kv_set_compact_strides(kv_array *a);
+int kv_check_ndim(const kv_path *path, Py_ssize_t ndim);
+
+/* True when some extent is 0 (the array has no element, whatever the
+ * other extents). */
+int kv_array_has_empty_dimension(const kv_array *a);
 
 #endif /* KVBM_ARRAY_H */

@@ -1,32 +1,12 @@
 /* The layout conversions between block stacks, universal and operational
  * blocks: reading and checking a call's arguments.  See convert.h;
  * convert_run.c runs the call. */
-#include "convert_internal.h"
+#include "convert.h"
 
 #include <string.h>
 
 #include "args.h"
-#include "stream.h"
-
-static const char *const LAYOUT_NAMES[] = {"NHD", "HND"};
-
-/* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
-static const kv_side *side_of(const kv_call *call, Py_ssize_t i)
-{
-    return i < call->nb ? &call->flat : call->other_is_blocks ? NULL : &call->other;
-}
-
-kv_path kv_call_path(const kv_call *call, Py_ssize_t i)
-{
-    const kv_side *side = side_of(call, i);
-    if (side == NULL) {
-        const kv_path path = {call->other.name, {(i - call->nb) / call->nchunks, (i - call->nb) % call->nchunks}, 2};
-        return path;
-    }
-    /* A block of one array is named by the array. */
-    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, !side->has_whole};
-    return path;
-}
+#include "convert_run.h"
 
 /* What an array of the other side must look like, for error messages. */
 static const char *other_shape_hint(const kv_call *call)
@@ -56,7 +36,7 @@ static int check_array(const kv_call *call, Py_ssize_t i)
 {
     const kv_array *a = &call->arrays[i];
     const kv_path path = kv_call_path(call, i);
-    const kv_side *side = side_of(call, i);
+    const kv_side *side = kv_call_side(call, i);
     const int is_flat = i < call->nb;
     const int ndim = is_flat ? call->flat_ndim : 3;
     const int64_t *expected = is_flat ? call->flat_shape : call->other_shape;
@@ -191,15 +171,11 @@ static int read_dimensions(kv_call *call)
         chunk_elements = f->shape[2];
     }
 
-    /* Segment, vector and CTA counts are 32-bit in the kernels. */
     const int64_t chunk_bytes = chunk_elements * f->itemsize;
-    int64_t weight = 0;
-    if (chunk_bytes > (int64_t)UINT32_MAX
-        || (chunk_bytes > 0
-            && (__builtin_mul_overflow((int64_t)call->nb, call->nchunks, &weight)
-                || __builtin_mul_overflow(weight, chunk_bytes / 1024 + 1, &weight) || weight > (int64_t)INT32_MAX)))
-        return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld bytes); "
-                             "split it into several calls", call->nb, (long long)call->nchunks, (long long)chunk_bytes);
+    if (!kvbm_fits_one_launch(call->nb, call->nchunks, chunk_bytes))
+        return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld "
+                             "bytes); split it into several calls", call->nb, (long long)call->nchunks,
+                             (long long)chunk_bytes);
     return check_array(call, 0);
 }
 
@@ -325,19 +301,11 @@ int kv_convert(kv_state *state, kv_conversion conversion, int to_flat, PyObject 
     call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
     call.flat_ndim = conversion == KV_BLOCK_OPERATIONAL ? 3 : 5;
     call.function = function_name(conversion, to_flat);
-    call.stream_none = stream == NULL || stream == Py_None;
-    int layout_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
-    int64_t ctas;
-    if (kv_parse_name(layout, "layout", LAYOUT_NAMES, 2, KVBM_NHD, &layout_index) < 0
-        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
-        || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &ctas) < 0
-        || kv_stream_from_object(stream, &call.stream) < 0)
+    if (kv_layout_read(layout, "layout", &call.layout) < 0
+        || kv_move_options_read(backend, num_ctas, stream, &call.options) < 0)
         return -1;
-    call.layout = (kvbm_layout)layout_index;
-    call.backend = (kv_backend)backend_index;
-    call.num_ctas = (uint32_t)ctas;
     call.reader.protocols = &state->protocols;
-    call.reader.dlpack_stream = kv_stream_for_dlpack(call.stream);
+    call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.stream);
     if (call.reader.dlpack_stream == NULL)
         return -1;
 

@@ -1,13 +1,25 @@
 /* Running a conversion whose arguments are read and checked: placement,
  * aliasing, and the move (the layout kernel, the copy backends, or the
- * CPU).  See convert_internal.h. */
-#include "convert_internal.h"
+ * CPU).  See convert_run.h. */
+#include "convert_run.h"
 
 #include <string.h>
 
 #include "cpu_copy.h"
 #include "overlap.h"
-#include "target.h"
+#include "route.h"
+
+kv_path kv_call_path(const kv_call *call, Py_ssize_t i)
+{
+    const kv_side *side = kv_call_side(call, i);
+    if (side == NULL) {
+        const kv_path path = {call->other.name, {(i - call->nb) / call->nchunks, (i - call->nb) % call->nchunks}, 2};
+        return path;
+    }
+    /* A block of one array is named by the array. */
+    const kv_path path = {side->name, {i < call->nb ? i : i - call->nb, 0}, !side->has_whole};
+    return path;
+}
 
 /* A destination sharing memory with a source or another destination is
  * refused: the result would depend on the order of the copies. */
@@ -51,7 +63,8 @@ static int place_on_gpu(kv_call *call, kv_target *target)
         if (kv_target_add(target, &call->arrays[i], &path) < 0)
             return -1;
     }
-    return call->stream_none ? kv_target_default_stream(target, call->arrays, count) : 0;
+    const kv_array_group arrays = {call->arrays, count};
+    return kv_target_resolve_stream(target, &arrays, 1);
 }
 
 /* Block <-> operational: every chunk is one copy of chunk_bytes.  `target`
@@ -83,8 +96,7 @@ static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_targ
     }
     int rc = 0;
     if (target != NULL) {
-        rc = kv_copy_with_backend(gpu, &target->gpu, &pairs, call->backend, target->pinned, call->num_ctas,
-                                  call->function);
+        rc = kv_route_chunks(gpu, target, &pairs, &call->options, call->function);
     }
     else {
         Py_BEGIN_ALLOW_THREADS
@@ -162,18 +174,19 @@ static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_targe
     }
     kv_staged staged;
     const char *unstageable = target->pinned ? plan_staging(call, dims, addresses, &staged) : NULL;
-    const kv_route route = kv_route_move(call->backend, target->pinned, unstageable, call->num_ctas);
-    staged.async_copies = route.async_copies;
-    kv_gpu_report report;
-    memset(&report, 0, sizeof report);
     uint64_t bits = (uint64_t)dims->row_bytes;
     for (Py_ssize_t i = 0; i < count; i++)
         bits |= (uint64_t)(uintptr_t)table[i];
-    const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
-    const int rc = kv_gpu_block_universal(gpu, &target->gpu, dims, direction, table, kv_vector_bytes(bits),
-                                          route.ctas, route.staged ? &staged : NULL, &report);
-    if (rc == 0)
-        kv_debug_move(call->function, &route, &report, target->gpu.device);
+    kv_move move;
+    memset(&move, 0, sizeof move);
+    move.kind = KV_MOVE_BLOCK_UNIVERSAL;
+    move.block.dims = dims;
+    move.block.direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
+    move.table = table;
+    move.entries = kvbm_table_entries(dims);
+    move.vector_bytes = kvbm_vector_bytes(bits);
+    const int rc = kv_route_move(gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
+                                 unstageable, &call->options, call->function);
     PyMem_Free(addresses);
     return rc;
 }
@@ -234,9 +247,10 @@ int kv_convert_run(kv_call *call)
     for (Py_ssize_t i = 0; i < count && !on_gpu; i++)
         on_gpu = call->arrays[i].place == KV_DEVICE;
     kv_target target;
-    kv_target_init(&target, call->stream, -1, "the call runs");
+    kv_target_init(&target, call->options.stream, -1, "the call runs");
     int rc = -1;
-    if ((on_gpu && place_on_gpu(call, &target) < 0) || check_aliasing(call) < 0 || mark_written(call) < 0)
+    if ((on_gpu ? place_on_gpu(call, &target) : kv_move_options_check_host(&call->options)) < 0
+        || check_aliasing(call) < 0 || mark_written(call) < 0)
         goto done;
     kv_gpu *gpu = call->state->gpu;
     const kv_target *where = on_gpu ? &target : NULL;

@@ -1,109 +1,17 @@
-/* Batched raw copies.  See copy.h. */
+/* The raw copies of vectorized_copy and memcpy_batch.  See copy.h. */
 #include "copy.h"
 
-#include <stdio.h>
 #include <string.h>
 
 #include "address_list.h"
 #include "args.h"
-#include "debug.h"
 #include "overlap.h"
-#include "stream.h"
-#include "target.h"
-
-const char *const KV_BACKEND_NAMES[KV_BACKEND_COUNT] = {"kernel", "async", "batch", "auto", "copy_engines"};
+#include "route.h"
 
 static const char *const MODE_NAMES[3] = {"batched_with_fallback", "fallback_only", "batch_without_fallback"};
 enum { MODE_BATCHED_WITH_FALLBACK, MODE_FALLBACK_ONLY, MODE_BATCH_WITHOUT_FALLBACK };
 
 static const char *const LIST_NAMES[2] = {"src_ptrs", "dst_ptrs"};
-
-/* Runs the pairs with `engine` and logs what ran and why. */
-static int copy_and_log(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
-                        int fallback, const char *function, const char *reason)
-{
-    kv_engine ran;
-    char why[160];
-    if (kv_gpu_copy_pairs(gpu, target, pairs, engine, fallback, &ran, why, sizeof why) < 0)
-        return -1;
-    const char *path = ran == KV_ENGINE_KERNEL ? "kernel" : "copy_engines";
-    if (ran != engine)
-        kv_debug("%s: path %s (backend %s, falling back from %s: %s)", function, path, KV_ENGINE_NAMES[ran],
-                 KV_ENGINE_NAMES[engine], why);
-    else
-        kv_debug("%s: path %s (backend %s, %s, %lld copies on cuda:%d)", function, path, KV_ENGINE_NAMES[ran], reason,
-                 (long long)pairs->count, target->device);
-    return 0;
-}
-
-int kv_copy_with_backend(kv_gpu *gpu, const kv_gpu_target *target, kv_pairs *pairs, kv_backend backend, int over_pcie,
-                         uint32_t num_ctas, const char *function)
-{
-    pairs->max_ctas = num_ctas != 0 ? num_ctas : over_pcie ? KV_PINNED_CTAS : 0;
-    switch (backend) {
-    case KV_BACKEND_KERNEL:
-        return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function, "requested");
-    case KV_BACKEND_ASYNC:
-        return copy_and_log(gpu, target, pairs, KV_ENGINE_ASYNC, 1, function, "requested");
-    case KV_BACKEND_BATCH:
-    case KV_BACKEND_COPY_ENGINES:
-        return copy_and_log(gpu, target, pairs, KV_ENGINE_BATCH, 1, function, "requested");
-    default:
-        break;
-    }
-    if (!over_pcie)
-        return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function, "auto: device to device");
-    if (!kv_gpu_batch_available())
-        return copy_and_log(gpu, target, pairs, KV_ENGINE_KERNEL, 1, function,
-                            "auto: over PCIe, no cudaMemcpyBatchAsync");
-    return copy_and_log(gpu, target, pairs, KV_ENGINE_BATCH, 1, function, "auto: over PCIe");
-}
-
-kv_route kv_route_move(kv_backend backend, int pinned, const char *unstageable, uint32_t num_ctas)
-{
-    kv_route route = {0, num_ctas != 0 ? num_ctas : pinned ? KV_PINNED_CTAS : 0, backend == KV_BACKEND_ASYNC, NULL};
-    if (backend == KV_BACKEND_KERNEL)
-        route.why = pinned ? "requested; pinned host memory read directly" : "requested";
-    else if (!pinned)
-        route.why = backend == KV_BACKEND_AUTO ? "auto: device to device"
-                                               : "copy engines requested, but no pinned host memory takes part";
-    else if (unstageable != NULL)
-        route.why = unstageable;
-    else {
-        route.staged = 1;
-        route.ctas = num_ctas; /* 0: the staging's defaults (gpu.h) */
-        route.why = backend == KV_BACKEND_AUTO ? "auto: pinned host memory takes part" : "requested";
-    }
-    return route;
-}
-
-void kv_debug_move(const char *function, const kv_route *route, const kv_gpu_report *report, int device)
-{
-    if (!kv_debug_enabled())
-        return;
-    char ctas[80];
-    if (report->ctas == 0)
-        snprintf(ctas, sizeof ctas, "every CTA it needs");
-    else if (report->staged && report->edge_ctas != report->ctas)
-        snprintf(ctas, sizeof ctas, "at most %u CTAs, %u for the short pieces at the ends", report->ctas,
-                 report->edge_ctas);
-    else
-        snprintf(ctas, sizeof ctas, "at most %u CTAs", report->ctas);
-    if (report->staged) {
-        char lane[32];
-        if (report->lane < 0)
-            snprintf(lane, sizeof lane, "the graph-capture lane");
-        else
-            snprintf(lane, sizeof lane, "lane %d", report->lane);
-        kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, cuda:%d)", function,
-                 route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane, ctas,
-                 route->async_copies ? "one cudaMemcpyAsync per run" : "copy engines", device);
-    }
-    else if (report->fallback[0] != '\0')
-        kv_debug("%s: path kernel (cannot stage: %s; %s, cuda:%d)", function, report->fallback, ctas, device);
-    else
-        kv_debug("%s: path kernel (%s; %s, cuda:%d)", function, route->why, ctas, device);
-}
 
 /* The three lists of one call and everything they borrow. */
 typedef struct {
@@ -128,6 +36,8 @@ static int read_call(kv_state *state, PyObject *src, PyObject *dst, PyObject *si
     memset(call, 0, sizeof *call);
     if (kv_stream_from_object(stream, &call->stream) < 0)
         return -1;
+    if (call->stream == KV_STREAM_CURRENT)
+        call->stream = 0; /* raw copies run on the legacy default stream unless told otherwise */
     call->dlpack_stream = kv_stream_for_dlpack(call->stream);
     if (call->dlpack_stream == NULL)
         return -1;
@@ -228,21 +138,6 @@ static int check_pair_aliasing(const kv_pairs *pairs)
     return rc > 0 ? -1 : rc;
 }
 
-/* Raw copies go through CUDA even between host buffers: without a device
- * (a build without CUDA, no GPU, no driver) they cannot run. */
-static int need_a_device(const char *function)
-{
-    if (kv_gpu_device_count() > 0)
-        return 0;
-    if (kv_gpu_compiled())
-        PyErr_Format(PyExc_RuntimeError, "%s needs a CUDA device (it copies with CUDA, host memory included), and "
-                     "none is visible: no GPU, or no usable driver", function);
-    else
-        PyErr_Format(PyExc_RuntimeError, "%s needs a CUDA device (it copies with CUDA, host memory included), but "
-                     "kvbm_ext was built without CUDA (nvcc was not found at build time)", function);
-    return -1;
-}
-
 /* Both Python functions: read and check the lists, then copy with `engine`.
  * The kernel takes device-resident lists but no pageable memory; the copy
  * engines take pageable memory but only lists they can read on the host. */
@@ -266,11 +161,11 @@ static int copy_pairs(kv_state *state, PyObject *src, PyObject *dst, PyObject *s
                      "split them into several calls", (long long)pairs.count);
         goto done;
     }
-    if (check_pair_aliasing(&pairs) < 0 || need_a_device(function) < 0)
+    if (check_pair_aliasing(&pairs) < 0 || kv_require_device(function, "it copies with CUDA, host memory included") < 0)
         goto done;
     if (kv_gpu_check_pairs(&pairs, LIST_NAMES, !kernel, &device) < 0 || resolve_target(&call, device, &target) < 0)
         goto done;
-    rc = copy_and_log(state->gpu, &target.gpu, &pairs, engine, fallback, function, reason);
+    rc = kv_route_pairs(state->gpu, &target.gpu, &pairs, engine, fallback, function, reason);
 done:
     kv_target_release(&target);
     release_call(&call);

@@ -1,12 +1,13 @@
 /* Everything that calls the CUDA runtime.  Built from the gpu_*.c files,
- * moves.c and staging.c when nvcc is available, from gpu_stub.c otherwise;
- * the rest of csrc/ needs no CUDA header. */
+ * moves.c, move_kernels.c and staging.c when nvcc is available, from
+ * gpu_stub.c otherwise; the rest of csrc/ needs no CUDA header. */
 #ifndef KVBM_GPU_H
 #define KVBM_GPU_H
 
 #include "array.h"
 #include "kvbm_layout.h"
 #include "kvbm_paged.h"
+#include "kvbm_to_cache.h"
 
 /* Per-module GPU resources (pointer-table staging, events), created lazily
  * per device. */
@@ -44,21 +45,6 @@ typedef struct {
  * release the GIL and return 0, or -1 with RuntimeError naming the CUDA
  * error. */
 
-/* CTAs a kernel gets by default when pinned host memory takes part in the
- * call (num_ctas=None), the direct kernel and the staged permute alike:
- * enough to keep ahead of PCIe alone, few enough that a memory-bound model
- * running beside the transfer slows by under 2 % (benchmarks/beside.py:
- * +1.7 % beside a read-modify-write sweep at 8 CTAs, +2.9 % at 16, +3.6 %
- * at 32, which moves 45 instead of 20 GB/s beside it). */
-#define KV_PINNED_CTAS 8
-
-/* CTAs by default for the one piece of a staged move that no copy overlaps
- * (an offload's first, an onload's last) and the short pieces next to it:
- * their permutes add to the call's time, in full or where the copy beside
- * them is too short to hide them, so they run wide; they are a few MiB of
- * a call, so the model beside loses little. */
-#define KV_PINNED_EDGE_CTAS 32
-
 /* A move between device memory and pinned host memory in which bytes are
  * rearranged can run "staged": a kernel permutes into (offload) or out of
  * (onload) device staging memory, and the copy engines carry the staging
@@ -76,33 +62,75 @@ typedef struct {
     int to_host;                   /* the bytes move into pinned memory */
     int flat_side;                 /* the pinned side is the call's flat side (universals; a paged call's blocks) */
     int64_t max_blocks;            /* whole blocks a piece may hold (the kernel's by-value table) */
-    int async_copies;              /* one cudaMemcpyAsync per contiguous run, not cudaMemcpyBatchAsync */
 } kv_staged;
+
+/* How a staged move is cut into pieces (pieces.h).  The first piece holds
+ * about lead_bytes.  Then comes the ramp: while each piece has held less
+ * than ramp_bytes, the next holds up to ramp_growth times more, but not
+ * over ramp_bytes; those pieces are permuted on the edge CTAs, fast enough
+ * to hide behind the copy of the small piece before them.  After the ramp
+ * each piece holds up to growth times what the one before holds.  No piece
+ * holds more than piece_bytes. */
+typedef struct {
+    int64_t lead_bytes, ramp_bytes, ramp_growth, growth, piece_bytes;
+} kv_cut;
+
+/* A layout move's kernel, described for the whole call: the kernel (kind)
+ * and what it takes, with the call's pointer table in host memory.  A
+ * staged piece runs the same kernel over part of the call (move_kernels.c
+ * rewrites the description for it). */
+typedef enum {
+    KV_MOVE_BLOCK_UNIVERSAL, /* kvbm_launch_block_universal: block stacks or operationals <-> universals */
+    KV_MOVE_PAGED,           /* kvbm_launch_paged: a paged cache <-> universals or operationals */
+    KV_MOVE_TO_CACHE,        /* kvbm_launch_to_cache: blocks of one paged cache into another (gpu_to_cache.h) */
+} kv_move_kind;
+
+struct kv_packing;
+
+typedef struct {
+    kv_move_kind kind;
+    union {
+        struct {
+            const kvbm_block_dims *dims;
+            kvbm_direction direction;
+        } block;
+        struct {
+            const kvbm_paged *paged;
+            const kvbm_paged_addresses *addresses;
+        } paged;
+        struct {
+            const kvbm_to_cache *move;
+            const kvbm_to_cache_ids *ids;
+            const struct kv_packing *packing; /* staged: how the pinned cache packs into units */
+        } to_cache;
+    };
+    const void *table; /* host memory: void * entries (block) or uint64_t (paged, to_cache), `entries` of them */
+    int64_t entries;
+    int vector_bytes;  /* the loads' and stores' width, which every address allows */
+} kv_move;
+
+/* How a layout move runs, as the route decided it (route.c). */
+typedef struct {
+    const kv_staged *staged; /* NULL: the kernel alone, reading and writing pinned memory directly */
+    uint32_t num_ctas;       /* the kernel's CTA bound, or the staged permute's (0: none) */
+    uint32_t edge_num_ctas;  /* staged: the permute's bound for the pieces at a call's ends */
+    int async_copies;        /* staged: one cudaMemcpyAsync per contiguous run, not cudaMemcpyBatchAsync */
+    kv_cut cut;              /* staged: how pieces are cut; piece_bytes is the staging's to set */
+} kv_move_plan;
 
 /* What a GPU move ran, for the KVBM_EXT_DEBUG line. */
 typedef struct {
     int staged;            /* the staged path ran; else the kernel alone */
     int64_t pieces, piece_bytes;
-    uint32_t ctas;         /* the kernel's CTA bound (0: none) */
-    uint32_t edge_ctas;    /* staged: the bound for the pieces at a call's ends */
     int lane;              /* the staging lane, -1 for the capture lane */
     char fallback[128];    /* why a staged move ran the kernel alone, or "" */
 } kv_gpu_report;
 
-/* A block stack (or operational) <-> universal move; `table` as
- * kvbm_launch_block_universal takes it.  `staged` NULL: the kernel alone,
- * on at most max_ctas CTAs (0: no bound); else staged, with max_ctas for
- * the permute (0: KV_PINNED_CTAS, and KV_PINNED_EDGE_CTAS for the pieces
- * at a call's ends; KV_PINNED_CTAS too where the move cannot be staged). */
-int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
-                           kvbm_direction direction, void *const *table, int vector_bytes, uint32_t max_ctas,
-                           const kv_staged *staged, kv_gpu_report *report);
-
-/* A paged cache <-> flat blocks move, as kvbm_launch_paged takes it (`table`
- * in host memory); staged or not as above. */
-int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
-                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
-                 const kv_staged *staged, kv_gpu_report *report);
+/* Runs `move` on the target as `plan` says.  A staged move that cannot be
+ * staged runs the kernel alone on plan->num_ctas CTAs (report->fallback
+ * says why). */
+int kv_gpu_move(kv_gpu *gpu, const kv_gpu_target *target, const kv_move *move, const kv_move_plan *plan,
+                kv_gpu_report *report);
 
 /* Staging memory per device: `bytes` (>= 0) split into `lanes`; a negative
  * value keeps the current one.  Staging already allocated is freed (after
@@ -123,7 +151,7 @@ typedef struct {
     uint64_t *sizes;       /* NULL: every pair moves uniform_size bytes */
     uint64_t uniform_size;
     int src_on_device, dst_on_device, sizes_on_device;
-    uint32_t max_ctas; /* the kernel's CTA bound (0: none) */
+    uint32_t num_ctas; /* the kernel's CTA bound (0: none) */
 } kv_pairs;
 
 /* How a batch of copies is carried out. */
@@ -132,8 +160,6 @@ typedef enum {
     KV_ENGINE_ASYNC,  /* one cudaMemcpyAsync per pair */
     KV_ENGINE_BATCH,  /* cudaMemcpyBatchAsync */
 } kv_engine;
-
-extern const char *const KV_ENGINE_NAMES[3]; /* "kernel", "async", "batch" */
 
 /* Runs the pairs with `engine`.  KV_ENGINE_BATCH falls back to
  * KV_ENGINE_ASYNC when the batch API is missing or fails and `fallback` is

@@ -7,8 +7,6 @@
 
 #include "kvbm_kernels.h"
 
-const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
-
 /* CTAs per pair: enough that one CTA moves about KVBM_COPY_TILE_BYTES of
  * the largest pair, or, when the sizes live on the device, enough CTAs to
  * fill the GPU several times over. */
@@ -32,7 +30,7 @@ static uint32_t slices_for(const kv_pairs *pairs)
 
 static int enqueue_copy_kernel(kv_ring *ring, cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
 {
-    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs), pairs->max_ctas};
+    kvbm_pairs launch = {pairs->count, NULL, NULL, NULL, pairs->uniform_size, slices_for(pairs), pairs->num_ctas};
     uint64_t *lists[3] = {pairs->src, pairs->dst, pairs->sizes};
     const int on_device[3] = {pairs->src_on_device, pairs->dst_on_device, pairs->sizes_on_device};
     const int nlists = pairs->sizes != NULL ? 3 : 2;
@@ -81,20 +79,6 @@ static int enqueue_async_loop(cudaStream_t stream, const kv_pairs *pairs, kv_fai
     return 0;
 }
 
-int kv_gpu_batch_available(void)
-{
-#if CUDART_VERSION >= 12080
-    int version = 0;
-    if (cudaDriverGetVersion(&version) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return version >= 12080;
-#else
-    return 0;
-#endif
-}
-
 /* cudaMemcpyBatchAsync over the pairs of non-zero size (it rejects zero-size
  * entries), on `stream`, or on the ring's batch stream when `stream` is a
  * default stream (which it rejects), ordered after and before `stream` with
@@ -102,7 +86,6 @@ int kv_gpu_batch_available(void)
  * the caller can fall back. */
 static cudaError_t enqueue_batch(kv_ring *ring, cudaStream_t stream, const kv_pairs *pairs, kv_failure *f)
 {
-#if CUDART_VERSION >= 12080
     if (!kv_gpu_batch_available())
         return cudaErrorNotSupported;
     void **dsts = PyMem_RawMalloc((size_t)pairs->count * sizeof(void *));
@@ -133,16 +116,7 @@ static cudaError_t enqueue_batch(kv_ring *ring, cudaStream_t stream, const kv_pa
             goto done;
         }
     }
-    struct cudaMemcpyAttributes attributes;
-    memset(&attributes, 0, sizeof attributes);
-    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t attribute_index = 0;
-#if CUDART_VERSION >= 13000
-    error = cudaMemcpyBatchAsync(dsts, (const void *const *)srcs, sizes, n, &attributes, &attribute_index, 1, run);
-#else
-    size_t failed = 0;
-    error = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attributes, &attribute_index, 1, &failed, run);
-#endif
+    error = kv_batch_copy(dsts, srcs, sizes, n, run);
     if (error != cudaSuccess) {
         cudaGetLastError();
         goto done;
@@ -161,43 +135,33 @@ done:
     PyMem_RawFree(srcs);
     PyMem_RawFree(sizes);
     return error;
-#else
-    (void)ring, (void)stream, (void)pairs, (void)f;
-    return cudaErrorNotSupported;
-#endif
 }
 
-typedef struct {
-    const kv_pairs *pairs;
-    kv_engine engine;
-    int fallback;
-    kv_engine *ran;
-    cudaError_t batch_error;
-} kv_copy_args;
-
-static int enqueue_copies(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
+/* Enqueues the pairs with `engine`, the batch falling back to the loop
+ * where `fallback` allows; *ran receives the engine that ran and
+ * *batch_error the batch API's error, if any. */
+static int enqueue_copies(kv_device *d, const kv_pairs *pairs, kv_engine engine, int fallback, kv_engine *ran,
+                          cudaError_t *batch_error)
 {
-    (void)gpu;
-    kv_copy_args *a = (kv_copy_args *)args;
-    *a->ran = a->engine;
-    switch (a->engine) {
+    kv_failure *f = &d->failure;
+    switch (engine) {
     case KV_ENGINE_KERNEL:
-        return enqueue_copy_kernel(ring, stream, a->pairs, f);
+        return enqueue_copy_kernel(d->ring, d->stream, pairs, f);
     case KV_ENGINE_ASYNC:
-        return enqueue_async_loop(stream, a->pairs, f);
+        return enqueue_async_loop(d->stream, pairs, f);
     case KV_ENGINE_BATCH:
-        a->batch_error = enqueue_batch(ring, stream, a->pairs, f);
+        *batch_error = enqueue_batch(d->ring, d->stream, pairs, f);
         if (f->error != cudaSuccess)
             return -1;
-        if (a->batch_error == cudaSuccess)
+        if (*batch_error == cudaSuccess)
             return 0;
-        if (!a->fallback) {
-            f->error = a->batch_error;
+        if (!fallback) {
+            f->error = *batch_error;
             f->what = "cudaMemcpyBatchAsync";
             return -1;
         }
-        *a->ran = KV_ENGINE_ASYNC;
-        return enqueue_async_loop(stream, a->pairs, f);
+        *ran = KV_ENGINE_ASYNC;
+        return enqueue_async_loop(d->stream, pairs, f);
     }
     return 0;
 }
@@ -205,19 +169,22 @@ static int enqueue_copies(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const
 int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
                       int fallback, kv_engine *ran, char *why, size_t why_size)
 {
-    kv_copy_args args = {pairs, engine, fallback, ran, cudaSuccess};
-    if (pairs->count == 0) {
-        *ran = engine;
+    *ran = engine;
+    if (pairs->count == 0)
         return 0;
-    }
-    const int rc = kv_run_on_device(gpu, target, enqueue_copies, &args);
+    cudaError_t batch_error = cudaSuccess;
+    kv_device device;
+    int rc = kv_device_enter(gpu, target, &device);
+    if (rc == 0)
+        rc = enqueue_copies(&device, pairs, engine, fallback, ran, &batch_error);
+    rc = kv_device_leave(&device, rc);
     if (why != NULL && why_size > 0) {
         why[0] = '\0';
-        if (args.batch_error == cudaErrorNotSupported && !kv_gpu_batch_available())
+        if (batch_error == cudaErrorNotSupported && !kv_gpu_batch_available())
             snprintf(why, why_size, "cudaMemcpyBatchAsync not available (build CUDA %d, needs 12080 in build and "
                      "driver)", CUDART_VERSION);
-        else if (args.batch_error != cudaSuccess)
-            snprintf(why, why_size, "cudaMemcpyBatchAsync failed: %s", cudaGetErrorName(args.batch_error));
+        else if (batch_error != cudaSuccess)
+            snprintf(why, why_size, "cudaMemcpyBatchAsync failed: %s", cudaGetErrorName(batch_error));
     }
     return rc;
 }

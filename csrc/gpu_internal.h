@@ -1,7 +1,8 @@
 /* What the files behind gpu.h share: the per-device resources and their
- * table ring (gpu_ring.c), the way a failed CUDA step is carried back to
- * Python and the runner every GPU entry point goes through (gpu_launch.c).
- * Only files built with the CUDA toolkit include it. */
+ * table ring (gpu_ring.c), how every GPU entry point holds its device and
+ * carries a failed CUDA step back to Python (gpu_launch.c), a layout
+ * move's kernels (move_kernels.c) and its staging (staging.c).  Only files
+ * built with the CUDA toolkit include it. */
 #ifndef KVBM_GPU_INTERNAL_H
 #define KVBM_GPU_INTERNAL_H
 
@@ -15,9 +16,8 @@
 #define KV_RING_INITIAL_BYTES ((size_t)4 << 20)
 #define KV_RING_ALIGN 256
 /* Device staging memory (staging.c), unless kvbm_ext.set_staging() says
- * otherwise: two lanes, so that an offload and an onload on two streams
- * run side by side, of 48 MiB, so that a call of 64 Llama-70B blocks needs
- * under 20 pieces of up to 24 MiB. */
+ * otherwise: two lanes, so that an offload and an onload on two streams run
+ * side by side, each large enough that a large call needs few pieces. */
 #define KV_STAGING_DEFAULT_BYTES ((size_t)96 << 20)
 #define KV_STAGING_DEFAULT_LANES 2
 
@@ -79,6 +79,11 @@ static inline int kv_is_default_stream(cudaStream_t stream)
     return handle == 0 || handle == 1 || handle == 2;
 }
 
+/* cudaMemcpyBatchAsync of `count` copies on `stream`, each source read in
+ * stream order (gpu_batch.c); cudaErrorNotSupported in a build without it.
+ * A failure is left for the caller to clear. */
+cudaError_t kv_batch_copy(void **dsts, void **srcs, size_t *sizes, size_t count, cudaStream_t stream);
+
 /* Raises RuntimeError naming the failed step (GIL held). */
 void kv_raise_failure(const kv_failure *f);
 
@@ -102,48 +107,75 @@ int kv_stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts,
  * `stream` is done.  Returns 0 or -1. */
 int kv_ring_commit(kv_ring *ring, size_t offset, size_t bytes, cudaStream_t stream, kv_failure *f);
 
-/* The work of one call, run by kv_run_on_device without the GIL, under
- * gpu->lock, on the target's device, after the producers' streams. */
-typedef int (*kv_gpu_work)(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f);
+/* One call's hold on its device, from kv_device_enter to kv_device_leave:
+ * the GIL released, gpu->lock held, the target's device current, the
+ * producers' streams ordered before `stream`. */
+typedef struct {
+    kv_gpu *gpu;
+    kv_ring *ring;        /* the device's, once entered */
+    cudaStream_t stream;  /* the target's */
+    kv_failure failure;   /* the step that failed, for kv_device_leave */
+    int previous;         /* the device to make current again, or -1 */
+    PyThreadState *thread;
+} kv_device;
 
-/* Runs `work` for the target: releases the GIL, takes the lock, selects the
- * device, orders the producers' streams before the target's.  Returns 0, or
- * -1 with RuntimeError. */
-int kv_run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args);
+/* Releases the GIL, takes the lock, selects the target's device and
+ * orders the producers' streams before the target's.  Returns 0, or -1
+ * with d->failure set; call kv_device_leave either way. */
+int kv_device_enter(kv_gpu *gpu, const kv_gpu_target *target, kv_device *d);
 
-/* A launch that reads a table of 8-byte entries: from host memory, by value,
- * when device_table is NULL. */
-typedef cudaError_t (*kv_table_launch)(const void *args, const void *host_table, const void *device_table,
-                                       cudaStream_t stream);
-
-/* Launches with `entries` table entries by value when they fit in the
- * kernel's parameters, else from a copy staged in the ring (not while the
- * stream is captured).  Returns 0 or -1. */
-int kv_launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries, kv_table_launch launch,
-                         const void *args, const char *what, kv_failure *f);
+/* Undoes kv_device_enter and, when `rc` < 0, raises RuntimeError naming
+ * d->failure.  Returns rc. */
+int kv_device_leave(kv_device *d, int rc);
 
 /* Frees a device's staging (staging.c; waits for the work using it). */
 void kv_staging_free(kv_staging *staging);
 
-/* Launches the permute of one piece of a staged move (pieces.h): between
- * the device side of the call and `slot`, which holds the piece's units
- * packed. */
+/* Allocates the staging of the ring's device, the current one, and its
+ * capture lane, unless they are.  Returns 0 or -1. */
+int kv_staging_reserve(kv_gpu *gpu, kv_ring *ring, kv_failure *f);
+
+/* What kvbm_ext.staging_info() says of a device's staging: `st`, or what
+ * the settings would allocate where `st` is NULL. */
+typedef struct {
+    int lanes;
+    size_t lane_bytes;
+    int allocated, capture_reserved;
+} kv_staging_facts;
+
+kv_staging_facts kv_staging_facts_of(const kv_gpu *gpu, const kv_staging *st);
+
+/* A layout move's kernel (move_kernels.c): over the whole call, with its
+ * table by value (device_table NULL) or in device memory, on at most
+ * num_ctas CTAs (0: no bound). */
+cudaError_t kv_move_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,
+                           cudaStream_t stream);
+
+/* The step kv_move_launch takes, for errors. */
+const char *kv_move_what(const kv_move *move);
+
+/* The whole blocks a staged piece of `move` may hold, so that its table
+ * travels by value; 0 when not even one block's does (`why` says so). */
+int64_t kv_move_piece_blocks(const kv_move *move, char *why, size_t why_size);
+
+/* The kernel over one piece (pieces.h) of a staged move: between the device
+ * side of the call and `slot`, which holds the piece's units packed. */
 struct kv_box;
-typedef cudaError_t (*kv_box_launch)(const void *ctx, const struct kv_box *box, char *slot, uint32_t max_ctas,
-                                     cudaStream_t stream);
+cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
+                                 uint32_t num_ctas, cudaStream_t stream);
 
-/* Runs a staged move on `caller` (under kv_run_on_device), its permute on
- * at most max_ctas CTAs.  Returns 0, -1 with *f set, or 1 when the move
- * cannot be staged (report->fallback says why; nothing was enqueued). */
-int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
-                   const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f);
+/* Runs plan->staged on `caller` (between kv_device_enter and
+ * kv_device_leave), its permutes on plan->num_ctas CTAs and on
+ * plan->edge_num_ctas for the pieces at the call's ends.  Returns 0, -1
+ * with *f set, or 1 when the move cannot be staged (report->fallback says
+ * why; nothing was enqueued). */
+int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
+                   kv_gpu_report *report, kv_failure *f);
 
-/* Runs a layout move (under kv_run_on_device): staged through `box_launch`
- * when `staged` is not NULL, else, or where the move cannot be staged
- * (report->fallback says why), the kernel alone through `whole_launch`
- * with its table of `entries` values (moves.c).  Returns 0 or -1. */
-int kv_run_move(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const kv_staged *staged, kv_box_launch box_launch,
-                kv_table_launch whole_launch, const void *args, const void *table, int64_t entries, uint32_t max_ctas,
-                kv_gpu_report *report, const char *what, kv_failure *f);
+/* kv_move_piece_blocks and kv_move_launch_piece for a KV_MOVE_TO_CACHE
+ * move (gpu_to_cache.c). */
+int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size);
+cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
+                                     uint32_t num_ctas, cudaStream_t stream);
 
 #endif /* KVBM_GPU_INTERNAL_H */

@@ -1,5 +1,5 @@
-/* The runner every GPU entry point goes through, and how a failed CUDA
- * step reaches Python.  See gpu_internal.h. */
+/* How every GPU entry point holds its device for one call, and how a
+ * failed CUDA step reaches Python.  See gpu_internal.h. */
 #include "gpu_internal.h"
 
 void kv_raise_failure(const kv_failure *f)
@@ -14,40 +14,46 @@ static int same_stream(intptr_t a, intptr_t b)
     return a == b || ((a == 0 || a == 1) && (b == 0 || b == 1));
 }
 
-int kv_run_on_device(kv_gpu *gpu, const kv_gpu_target *target, kv_gpu_work work, const void *args)
+/* Makes the target's stream wait for its producers' streams. */
+static int order_producers(kv_device *d, const kv_gpu_target *target)
 {
-    kv_failure failure = {cudaSuccess, NULL};
-    cudaStream_t stream = (cudaStream_t)target->stream;
-    int rc = -1, previous = -1;
-    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < target->producer_count; i++) {
+        if (same_stream(target->producers[i], target->stream))
+            continue;
+        CUDA_STEP(&d->failure, cudaEventRecord(d->ring->producer_done, (cudaStream_t)target->producers[i]),
+                  "ordering the producer's stream first");
+        CUDA_STEP(&d->failure, cudaStreamWaitEvent(d->stream, d->ring->producer_done, 0),
+                  "ordering the producer's stream first");
+    }
+    return 0;
+}
+
+int kv_device_enter(kv_gpu *gpu, const kv_gpu_target *target, kv_device *d)
+{
+    d->gpu = gpu;
+    d->ring = NULL;
+    d->stream = (cudaStream_t)target->stream;
+    d->failure.error = cudaSuccess;
+    d->failure.what = NULL;
+    d->previous = -1;
+    d->thread = PyEval_SaveThread();
     PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    cudaError_t error = kv_select_device(target->device, &previous);
+    const cudaError_t error = kv_select_device(target->device, &d->previous);
     if (error != cudaSuccess) {
-        failure.error = error;
-        failure.what = "selecting the arrays' device";
+        d->failure.error = error;
+        d->failure.what = "selecting the arrays' device";
+        return -1;
     }
-    else {
-        kv_ring *ring = kv_ring_for(gpu, target->device, &failure);
-        rc = ring == NULL ? -1 : 0;
-        for (Py_ssize_t i = 0; rc == 0 && i < target->producer_count; i++) {
-            if (same_stream(target->producers[i], target->stream))
-                continue;
-            error = cudaEventRecord(ring->producer_done, (cudaStream_t)target->producers[i]);
-            if (error == cudaSuccess)
-                error = cudaStreamWaitEvent(stream, ring->producer_done, 0);
-            if (error != cudaSuccess) {
-                failure.error = error;
-                failure.what = "ordering the producer's stream first";
-                rc = -1;
-            }
-        }
-        if (rc == 0)
-            rc = work(gpu, ring, stream, args, &failure);
-        kv_gpu_restore_device(previous);
-    }
-    PyThread_release_lock(gpu->lock);
-    Py_END_ALLOW_THREADS
+    d->ring = kv_ring_for(gpu, target->device, &d->failure);
+    return d->ring == NULL ? -1 : order_producers(d, target);
+}
+
+int kv_device_leave(kv_device *d, int rc)
+{
+    kv_gpu_restore_device(d->previous);
+    PyThread_release_lock(d->gpu->lock);
+    PyEval_RestoreThread(d->thread);
     if (rc < 0)
-        kv_raise_failure(&failure);
+        kv_raise_failure(&d->failure);
     return rc;
 }

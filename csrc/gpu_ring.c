@@ -17,8 +17,6 @@
 
 #include <string.h>
 
-#include "kvbm_kernels.h"
-
 kv_gpu *kv_gpu_new(void)
 {
     kv_gpu *gpu = PyMem_Calloc(1, sizeof *gpu);
@@ -38,7 +36,8 @@ kv_gpu *kv_gpu_new(void)
 
 static int ring_alloc_buffers(kv_ring *ring, size_t capacity, kv_failure *f)
 {
-    CUDA_STEP(f, cudaHostAlloc((void **)&ring->host, capacity, cudaHostAllocDefault), "allocating the pinned table ring");
+    CUDA_STEP(f, cudaHostAlloc((void **)&ring->host, capacity, cudaHostAllocDefault),
+              "allocating the pinned table ring");
     CUDA_STEP(f, cudaMalloc((void **)&ring->device, capacity), "allocating the device table ring");
     ring->capacity = capacity;
     ring->head = 0;
@@ -214,21 +213,4 @@ int kv_stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts,
     CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->table_ready, 0), "ordering the table upload first");
     *device_copy = ring->device + *offset;
     return 0;
-}
-
-int kv_launch_with_table(kv_ring *ring, cudaStream_t stream, const void *table, int64_t entries,
-                         kv_table_launch launch, const void *args, const char *what, kv_failure *f)
-{
-    if (entries <= KVBM_TABLE_BY_VALUE_MAX) {
-        CUDA_STEP(f, launch(args, table, NULL, stream), what);
-        return 0;
-    }
-    const void *parts[] = {table};
-    const size_t part_bytes[] = {(size_t)entries * 8};
-    char *device_table;
-    size_t offset, bytes;
-    if (kv_stage_table(ring, stream, parts, part_bytes, 1, &device_table, &offset, &bytes, f) < 0)
-        return -1;
-    CUDA_STEP(f, launch(args, NULL, device_table, stream), what);
-    return kv_ring_commit(ring, offset, bytes, stream, f);
 }

@@ -52,30 +52,10 @@ static int no_cuda(void)
     return -1;
 }
 
-int kv_gpu_block_universal(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_block_dims *dims,
-                           kvbm_direction direction, void *const *table, int vector_bytes, uint32_t max_ctas,
-                           const kv_staged *staged, kv_gpu_report *report)
+int kv_gpu_move(kv_gpu *gpu, const kv_gpu_target *target, const kv_move *move, const kv_move_plan *plan,
+                kv_gpu_report *report)
 {
-    (void)gpu, (void)target, (void)dims, (void)direction, (void)table, (void)vector_bytes, (void)max_ctas;
-    (void)staged, (void)report;
-    return no_cuda();
-}
-
-int kv_gpu_paged(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_paged *paged,
-                 const kvbm_paged_addresses *addresses, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
-                 const kv_staged *staged, kv_gpu_report *report)
-{
-    (void)gpu, (void)target, (void)paged, (void)addresses, (void)table, (void)vector_bytes, (void)max_ctas;
-    (void)staged, (void)report;
-    return no_cuda();
-}
-
-int kv_gpu_to_cache(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_to_cache *move,
-                    const kvbm_to_cache_ids *ids, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
-                    const kv_staged *staged, const kv_packing *packing, kv_gpu_report *report)
-{
-    (void)gpu, (void)target, (void)move, (void)ids, (void)table, (void)vector_bytes, (void)max_ctas, (void)staged;
-    (void)packing, (void)report;
+    (void)gpu, (void)target, (void)move, (void)plan, (void)report;
     return no_cuda();
 }
 
@@ -103,8 +83,6 @@ PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
     no_cuda();
     return NULL;
 }
-
-const char *const KV_ENGINE_NAMES[3] = {"kernel", "async", "batch"};
 
 int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
                       int fallback, kv_engine *ran, char *why, size_t why_size)

@@ -1,6 +1,6 @@
-/* The GPU side of PagedKVCache.to_cache.  See gpu_to_cache.h.
+/* The staged pieces of PagedKVCache.to_cache.  See gpu_to_cache.h.
  *
- * Staged, a piece is the paged kernel (kvbm_launch_paged) run between the
+ * A piece is the paged kernel (kvbm_launch_paged) run between the
  * device cache and the piece's slot: the device cache is its cache side,
  * and the slot, which holds the piece's units of the pinned cache packed
  * ([bn][mn][in][unit], pieces.h), its flat side, with the strides the
@@ -14,17 +14,6 @@
 #include "kvbm_kernels.h"
 #include "pieces.h"
 
-typedef struct {
-    const kvbm_to_cache *move;
-    const kvbm_to_cache_ids *ids;
-    const uint64_t *table;
-    int vector_bytes;
-    uint32_t max_ctas;
-    const kv_staged *staged;
-    const kv_packing *packing;
-    kv_gpu_report *report;
-} kv_to_cache_args;
-
 /* The device cache of a staged move: its strides, bases and ids. */
 typedef struct {
     int64_t block, head, token, shift, num_blocks;
@@ -34,22 +23,22 @@ typedef struct {
     int ids_int32;
 } kv_device_side;
 
-static kv_device_side device_side(const kv_to_cache_args *a)
+static kv_device_side device_side(const kv_move *move)
 {
-    const kvbm_to_cache *m = a->move;
+    const kvbm_to_cache *m = move->to_cache.move;
+    const kvbm_to_cache_ids *ids = move->to_cache.ids;
+    const uint64_t *table = move->table;
     const kvbm_paged *p = &m->p;
     kv_device_side s;
-    if (a->packing->pinned_is_dst) {
+    if (move->to_cache.packing->pinned_is_dst) {
         const kv_device_side src = {p->cache_block, p->cache_head, p->cache_token, p->cache_shift, p->num_blocks,
-                                    a->table, a->table + kvbm_to_cache_src_ids_at(m), a->ids->src_ids,
-                                    a->ids->src_int32};
+                                    table, table + kvbm_to_cache_src_ids_at(m), ids->src_ids, ids->src_int32};
         s = src;
     }
     else {
         const kv_device_side dst = {m->dst_block, p->flat_head, p->flat_token, p->flat_shift, m->dst_num_blocks,
-                                    a->table + kvbm_to_cache_bases(m),
-                                    a->table + kvbm_to_cache_dst_ids_at(m, a->ids), a->ids->dst_ids,
-                                    a->ids->dst_int32};
+                                    table + kvbm_to_cache_bases(m), table + kvbm_to_cache_dst_ids_at(m, ids),
+                                    ids->dst_ids, ids->dst_int32};
         s = dst;
     }
     if (s.device_ids != NULL)
@@ -61,13 +50,13 @@ static kv_device_side device_side(const kv_to_cache_args *a)
  * mid and inner, the box's ranges, between the device cache and `slot`.
  * Its table, by value: the piece's (layer, outer) bases of the device
  * cache, then its host ids. */
-static cudaError_t launch_box(const void *ctx, const kv_box *box, char *slot, uint32_t max_ctas, cudaStream_t stream)
+cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const kv_box *box, char *slot,
+                                     uint32_t num_ctas, cudaStream_t stream)
 {
-    const kv_to_cache_args *a = ctx;
-    const kv_packing *k = a->packing;
-    const kvbm_paged *whole = &a->move->p;
-    const kv_device_side dev = device_side(a);
-    const int64_t unit = a->staged->unit_bytes;
+    const kv_packing *k = move->to_cache.packing;
+    const kvbm_paged *whole = &move->to_cache.move->p;
+    const kv_device_side dev = device_side(move);
+    const int64_t unit = staged->unit_bytes;
     /* Fused, the (layer, outer) pairs are the layers of the piece. */
     int64_t count[KV_MOVED_DIMS] = {k->fused_outer ? whole->nl * whole->no : whole->nl,
                                     k->fused_outer ? 1 : whole->no, whole->nh, whole->nt};
@@ -104,42 +93,19 @@ static cudaError_t launch_box(const void *ctx, const kv_box *box, char *slot, ui
         addresses.ids = dev.device_ids + box->b0 * (dev.ids_int32 ? 4 : 8);
     else
         memcpy(table + n, dev.host_ids + box->b0, (size_t)box->bn * sizeof *table);
-    return kvbm_launch_paged(&p, &addresses, table, NULL, a->vector_bytes, max_ctas, stream);
+    return kvbm_launch_paged(&p, &addresses, table, NULL, move->vector_bytes, num_ctas, stream);
 }
 
-static cudaError_t launch_whole(const void *args, const void *host_table, const void *device_table,
-                                cudaStream_t stream)
-{
-    const kv_to_cache_args *a = args;
-    return kvbm_launch_to_cache(a->move, a->ids, host_table, device_table, a->vector_bytes, a->max_ctas, stream);
-}
-
-static int enqueue(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
-{
-    const kv_to_cache_args *a = args;
-    return kv_run_move(gpu, ring, stream, a->staged, launch_box, launch_whole, args, a->table,
-                       kvbm_to_cache_table_entries(a->move, a->ids), a->max_ctas, a->report,
-                       "launching the cache-to-cache kernel", f);
-}
-
-int kv_gpu_to_cache(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_to_cache *move,
-                    const kvbm_to_cache_ids *ids, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
-                    const kv_staged *staged, const kv_packing *packing, kv_gpu_report *report)
+int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size)
 {
     /* A piece's bases, and its host ids, travel by value. */
-    kv_staged bounded;
-    const int64_t bases = kvbm_to_cache_bases(move);
-    if (staged != NULL && bases >= KVBM_TABLE_BY_VALUE_MAX) {
-        snprintf(report->fallback, sizeof report->fallback, "a table of %lld (layer, K/V) bases does not fit in a "
-                 "launch's parameters", (long long)bases);
-        staged = NULL;
+    const kvbm_to_cache_ids *ids = move->to_cache.ids;
+    const int64_t bases = kvbm_to_cache_bases(move->to_cache.move);
+    if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
+        snprintf(why, why_size, "a table of %lld (layer, K/V) bases does not fit in a launch's parameters",
+                 (long long)bases);
+        return 0;
     }
-    if (staged != NULL) {
-        const int device_ids = packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
-        bounded = *staged;
-        bounded.max_blocks = device_ids ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
-        staged = &bounded;
-    }
-    const kv_to_cache_args args = {move, ids, table, vector_bytes, max_ctas, staged, packing, report};
-    return kv_run_on_device(gpu, target, enqueue, &args);
+    const int device_ids = move->to_cache.packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
+    return device_ids ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
 }

@@ -1,7 +1,8 @@
-/* The GPU side of PagedKVCache.to_cache: one kernel for a move whose
+/* The GPU side of PagedKVCache.to_cache, a KV_MOVE_TO_CACHE move (gpu.h)
+ * routed as every layout move is (route.c): one kernel for a move whose
  * caches are both device-addressable, or a staged move between a device
- * cache and a cache in pinned host memory (gpu_to_cache.c; gpu_stub.c
- * without nvcc). */
+ * cache and a cache in pinned host memory, whose pieces gpu_to_cache.c
+ * launches. */
 #ifndef KVBM_GPU_TO_CACHE_H
 #define KVBM_GPU_TO_CACHE_H
 
@@ -20,19 +21,11 @@ typedef enum {
 
 /* How the pinned cache's part of each block packs into units (gpu.h,
  * kv_staged), worked out by to_cache_run.c. */
-typedef struct {
+typedef struct kv_packing {
     kv_pack_role role[KV_MOVED_DIMS];
     int64_t unit_stride[KV_MOVED_DIMS]; /* bytes, of a dimension in the unit */
     int fused_outer;   /* the inner index runs over (layer, outer) pairs, each unit at an address of its own */
     int pinned_is_dst; /* the bytes move into the pinned cache */
 } kv_packing;
-
-/* Moves the blocks as `move` says, `table` in host memory: the kernel
- * alone (`staged` NULL) on at most max_ctas CTAs (0: no bound), else staged
- * as `staged` and `packing` describe the pinned cache (max_ctas then as
- * kv_gpu_paged takes it).  0, or -1 with RuntimeError. */
-int kv_gpu_to_cache(kv_gpu *gpu, const kv_gpu_target *target, const kvbm_to_cache *move,
-                    const kvbm_to_cache_ids *ids, const uint64_t *table, int vector_bytes, uint32_t max_ctas,
-                    const kv_staged *staged, const kv_packing *packing, kv_gpu_report *report);
 
 #endif /* KVBM_GPU_TO_CACHE_H */

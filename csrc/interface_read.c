@@ -83,7 +83,8 @@ static int parse_shape_strides(const kv_protocols *p, PyObject *dict, const kv_p
         return 0;
     }
     if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != ndim)
-        return kv_path_error(PyExc_TypeError, path, "array interface strides must be None or a tuple of %zd ints", ndim);
+        return kv_path_error(PyExc_TypeError, path, "array interface strides must be None or a tuple of %zd ints",
+                             ndim);
     for (Py_ssize_t i = 0; i < ndim; i++)
         if (read_entry(PyTuple_GET_ITEM(strides, i), path, "strides", i, INT64_MIN + 1, &out->strides[i]) < 0)
             return -1;
@@ -117,8 +118,8 @@ static int parse_data(const kv_protocols *p, PyObject *dict, const kv_path *path
     PyObject *pointer = PyTuple_GET_ITEM(data, 0);
     uint64_t address;
     if (read_address(pointer, &address) < 0)
-        return kv_path_error(PyExc_ValueError, path, "array interface data pointer %R is not an int from 0 to 2**64 - 1",
-                             pointer);
+        return kv_path_error(PyExc_ValueError, path, "array interface data pointer %R is not an int from 0 to "
+                             "2**64 - 1", pointer);
     out->data = (void *)(uintptr_t)address;
     out->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
     if (out->readonly < 0)

@@ -4,9 +4,11 @@
 
 #include "args.h"
 #include "convert.h"
+#include "copy.h"
 #include "host_buffer.h"
 #include "paged.h"
 #include "state.h"
+#include "target.h"
 
 #ifndef KVBM_VERSION
 #error "KVBM_VERSION must be defined by the build"
@@ -42,7 +44,9 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "bumped, as an in-place operation would.\n\n"                                                                     \
     "Memory, the same for every array argument: if every array is in host memory\n"                                   \
     "(pageable or pinned), the CPU implementation runs, without the GIL and without\n"                                \
-    "a GPU.  Otherwise every array is in device memory of one CUDA device or in\n"                                    \
+    "a GPU; backend, num_ctas and stream, which only a GPU move takes, must then\n"                                    \
+    "keep their defaults (ValueError naming the one that does not).  Otherwise\n"                                      \
+    "every array is in device memory of one CUDA device or in\n"                                                       \
     "pinned (page-locked) host memory (see backend); pageable host memory is then\n"                                  \
     "rejected, and so are devices other than CUDA (e.g. torch's meta).\n\n"                                          \
     "Streams: the work is enqueued on `stream`, on the arrays' device, and the call\n"                                 \
@@ -61,7 +65,7 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "    blocks are each C-contiguous; a single 3-D array means nb = 1.\n"
 
 #define BACKEND_DOC                                                                                                    \
-    "backend (for device or pinned arrays; all-host calls run on the CPU): \"auto\"\n"                                 \
+    "backend (calls with an array on a CUDA device; see Memory): \"auto\"\n"                                           \
     "    (default): the copy engines whenever pinned host memory takes part, the SM\n"                                 \
     "    kernel device to device.  \"copy_engines\": the copy engines carry every byte\n"                              \
     "    that crosses PCIe; where bytes are rearranged a kernel on a few CTAs permutes\n"                              \
@@ -246,7 +250,8 @@ static int staging_device(const char *function, PyObject *const *args, Py_ssize_
     static const char *const names[] = {"device", NULL};
     const kv_signature signature = {function, names, 0, 0, 1};
     PyObject *device;
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, &device) < 0)
+    if (kv_parse_arguments(&signature, args, nargs, kwnames, &device) < 0
+        || kv_require_device(function, "its staging memory is device memory") < 0)
         return -1;
     if (device == NULL || device == Py_None)
         return kv_gpu_current_device();

@@ -16,23 +16,6 @@
 #include "args.h"
 #include "state.h"
 
-kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i)
-{
-    if (self->kv_pairs) {
-        const kv_path pair = {"layers", {i / 2, i % 2}, 2};
-        return pair;
-    }
-    const kv_path path = {"layers", {i, 0}, PyList_Check(self->layers) || PyTuple_Check(self->layers) ? 1 : 0};
-    return path;
-}
-
-PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i)
-{
-    if (self->kv_pairs)
-        return PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->layers, i / 2), i % 2);
-    return PyTuple_Check(self->layers) ? PyTuple_GET_ITEM(self->layers, i) : self->layers;
-}
-
 Py_ssize_t kv_paged_array_of(const kv_paged_cache *self, int64_t l, int64_t o)
 {
     return self->kv_pairs ? (Py_ssize_t)(2 * l + o) : self->narrays == 1 ? 0 : (Py_ssize_t)l;

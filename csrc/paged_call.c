@@ -8,25 +8,34 @@
 
 #include "args.h"
 #include "state.h"
-#include "stream.h"
 
-static const char *const INNER_NAMES[] = {"NHD", "HND"};
-
-int kv_paged_read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
-                          PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
-                          PyObject *stream, kv_paged_options *o)
+/* The chunk order of the operational methods: layout=, or inner=, its
+ * deprecated spelling (a DeprecationWarning; TypeError when both are
+ * given). */
+static int read_layout(const char *function, PyObject *layout, PyObject *inner, kvbm_layout *out)
 {
-    int64_t max_ctas;
-    int inner_index = KVBM_NHD, backend_index = KV_BACKEND_AUTO;
+    if (inner == NULL)
+        return kv_layout_read(layout, "layout", out);
+    if (layout != NULL)
+        return kv_error(PyExc_TypeError, "%s() got both layout and inner, its deprecated spelling: pass layout only",
+                        function);
+    if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead", function)
+        < 0)
+        return -1;
+    return kv_layout_read(inner, "inner", out);
+}
+
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
+                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
+                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
+{
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (kv_read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
         || kv_read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
         || kv_parse_int(layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, 0, 0, &o->layer_offset) < 0
         || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
-        || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &max_ctas) < 0
-        || kv_parse_name(inner, "inner", INNER_NAMES, 2, KVBM_NHD, &inner_index) < 0
-        || kv_stream_from_object(stream, &o->stream) < 0)
+        || read_layout(function, layout, inner, &o->layout) < 0
+        || kv_move_options_read(backend, num_ctas, stream, &o->move) < 0)
         return -1;
     /* Any selection packs into exactly as many universal layers. */
     const int64_t bottom = kv_selection_bottom(&o->layers);
@@ -34,10 +43,6 @@ int kv_paged_read_options(const kv_paged_cache *self, PyObject *layers, PyObject
         return kv_error(PyExc_ValueError, "layer_offset: %lld would put cache layer %lld at universal layer %lld; it "
                         "must be at least %lld (minus the lowest layer moved)", (long long)o->layer_offset,
                         (long long)bottom, (long long)(bottom + o->layer_offset), (long long)-bottom);
-    o->max_ctas = (uint32_t)max_ctas;
-    o->backend = (kv_backend)backend_index;
-    o->stream_none = stream == NULL || stream == Py_None;
-    o->inner = (kvbm_layout)inner_index;
     return 0;
 }
 
@@ -364,18 +369,16 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
         return NULL;
     /* The options after the two positional arguments, in each form's order
      * (paged_type.c); those a form lacks stay NULL. */
-    PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *inner = NULL;
-    PyObject *layers, *backend, *num_ctas, *stream;
+    PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *layout = NULL;
+    PyObject *inner = NULL, *layers, *backend, *num_ctas, *stream;
     if (form->universal) {
         layers = v[2], layer_offset = v[3], heads = v[4], head_offset = v[5];
         backend = v[6], num_ctas = v[7], stream = v[8];
     }
     else {
-        inner = v[2], layers = v[3];
-        backend = v[4], num_ctas = v[5], stream = v[6];
+        layout = v[2], layers = v[3];
+        backend = v[4], num_ctas = v[5], stream = v[6], inner = v[7];
     }
-    if (stream == NULL)
-        stream = Py_None;
     kv_paged_call call;
     memset(&call, 0, sizeof call);
     call.cache = self;
@@ -385,25 +388,23 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (kv_paged_read_options(self, layers, layer_offset, heads, head_offset, backend, num_ctas, inner, stream,
-                              &call.options) < 0)
+    if (kv_paged_read_options(self, form->signature.function, layers, layer_offset, heads, head_offset, backend,
+                              num_ctas, layout, inner, stream, &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
         goto done;
     }
-    kv_target_init(&call.target, call.options.stream, self->device, "the cache is");
+    kv_target_init(&call.target, call.options.move.stream, self->device, "the cache is");
     call.reader.protocols = &call.state->protocols;
-    call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.stream);
+    call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.move.stream);
     if (call.reader.dlpack_stream == NULL || kv_paged_check_layers(self, &call.reader, &call.options.layers) < 0
         || (!form->to_flat && kv_paged_check_aliasing(self, &call.options.layers) < 0)
         || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0 || check_aliasing(&call) < 0)
         goto done;
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;
     const int64_t layers_moved = call.options.layers.count;
-    int64_t weight;
-    if (__builtin_mul_overflow((int64_t)call.ids.count * layers_moved, self->no * (chunk_bytes / 1024 + 1), &weight)
-        || weight > (int64_t)INT32_MAX) {
+    if (!kvbm_fits_one_launch(call.ids.count, layers_moved * self->no, chunk_bytes)) {
         PyErr_Format(PyExc_ValueError, "block_ids: too much data for one call (%zd blocks of %lld layers of %lld "
                      "bytes); split it into several calls", call.ids.count, (long long)layers_moved,
                      (long long)(self->no * chunk_bytes));
@@ -411,8 +412,10 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     }
     rc = 0;
     if (call.ids.count > 0 && layers_moved > 0 && self->no * chunk_bytes > 0) {
-        rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
-                           : kv_paged_mark_written(self, &call.state->protocols, &call.options.layers);
+        rc = self->device < 0 ? kv_move_options_check_host(&call.options.move) : 0;
+        if (rc == 0)
+            rc = form->to_flat ? kv_arrays_written(&call.state->protocols, call.flats, call.nflats)
+                               : kv_paged_mark_written(self, &call.state->protocols, &call.options.layers);
         if (rc == 0)
             rc = kv_paged_run(&call);
     }

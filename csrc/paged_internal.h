@@ -9,9 +9,10 @@
 
 #include "address_list.h"
 #include "args.h"
-#include "copy.h"
+#include "options.h"
 #include "overlap.h"
 #include "paged_layout.h"
+#include "state.h"
 #include "target.h"
 
 typedef struct {
@@ -44,11 +45,24 @@ typedef struct {
 } kv_paged_cache;
 
 /* Where array i of the cache is named in errors. */
-kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i);
+static inline kv_path kv_paged_layer_path(const kv_paged_cache *self, Py_ssize_t i)
+{
+    if (self->kv_pairs) {
+        const kv_path pair = {"layers", {i / 2, i % 2}, 2};
+        return pair;
+    }
+    const kv_path path = {"layers", {i, 0}, PyList_Check(self->layers) || PyTuple_Check(self->layers) ? 1 : 0};
+    return path;
+}
 
 /* Array i of the cache as the caller gave it (borrowed): item i of the
  * tuple of layers, or the one array. */
-PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i);
+static inline PyObject *kv_paged_layer(const kv_paged_cache *self, Py_ssize_t i)
+{
+    if (self->kv_pairs)
+        return PyTuple_GET_ITEM(PyTuple_GET_ITEM(self->layers, i / 2), i % 2);
+    return PyTuple_Check(self->layers) ? PyTuple_GET_ITEM(self->layers, i) : self->layers;
+}
 
 /* The base address of (layer l, outer o) of every moved layer, first,
  * first + step, ... (count of them), at out[i * no + o]: the table of a
@@ -107,11 +121,8 @@ typedef struct {
     kv_selection layers;        /* the cache layers moved */
     kv_selection heads;         /* the cache heads moved */
     int64_t layer_offset, head_offset;
-    uint32_t max_ctas;          /* 0: not given */
-    kv_backend backend;
-    kvbm_layout inner;
-    intptr_t stream;
-    int stream_none;            /* stream=None: the arrays' framework's current stream */
+    kvbm_layout layout;         /* the operationals' chunk order */
+    kv_move_options move;       /* backend, num_ctas, stream */
 } kv_paged_options;
 
 /* Everything one call reads, released by paged_call.c. */
@@ -133,10 +144,11 @@ typedef struct {
 } kv_paged_call;
 
 /* Reads and checks the options every call shares against `self` (the
- * cache whose layers and heads they select); absent ones are NULL. */
-int kv_paged_read_options(const kv_paged_cache *self, PyObject *layers, PyObject *layer_offset, PyObject *heads,
-                          PyObject *head_offset, PyObject *backend, PyObject *num_ctas, PyObject *inner,
-                          PyObject *stream, kv_paged_options *o);
+ * cache whose layers and heads they select); absent ones are NULL.
+ * `function` names the method in the layout/inner messages. */
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
+                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
+                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o);
 
 /* Host ids of a cache of num_blocks blocks must be in range and, when the
  * cache is `written`, each once: 0, or -1 with a ValueError naming the

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cpu_copy.h"
+#include "route.h"
 #include "state.h"
 
 /* The kernel's description of the call. */
@@ -37,11 +38,11 @@ static kvbm_paged plan(const kv_paged_call *call)
         p.flat_shift = o->head_offset * p.flat_head + o->layer_offset * p.flat_layer;
     }
     else {
-        /* [nl, no, nt*nh*hd], each chunk in the inner order */
+        /* [nl, no, nt*nh*hd], each chunk in the order `layout` names */
         p.flat_outer = p.nt * p.nh * rb;
         p.flat_layer = p.no * p.flat_outer;
-        p.flat_token = o->inner == KVBM_NHD ? p.nh * rb : rb;
-        p.flat_head = o->inner == KVBM_NHD ? rb : p.nt * rb;
+        p.flat_token = o->layout == KVBM_NHD ? p.nh * rb : rb;
+        p.flat_head = o->layout == KVBM_NHD ? rb : p.nt * rb;
     }
     /* The kernel counts moved layers: fold the first layer and the step in. */
     p.flat_shift += o->layers.first * p.flat_layer;
@@ -85,17 +86,17 @@ static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, 
     return NULL;
 }
 
-/* The GPU side of kv_paged_run(): the stream, the route, the launch. */
+/* The GPU side of kv_paged_run(): the stream, then the route, the launch
+ * and the log (route.c). */
 static int run_on_gpu(kv_gpu *gpu, kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
                       const uint64_t *table, int vector_bytes)
 {
     kv_target *target = &call->target;
     /* stream=None: the current stream of the call's arrays' framework, else
      * of the cache's (read at construction, asked now). */
-    if (call->options.stream_none
-        && (kv_target_default_stream(target, call->flats, call->nflats) < 0
-            || (call->ids.on_device && kv_target_default_stream(target, &call->ids.array, 1) < 0)
-            || kv_target_default_stream(target, call->cache->arrays, 1) < 0))
+    const kv_array_group groups[] = {
+        {call->flats, call->nflats}, {&call->ids.array, call->ids.on_device ? 1 : 0}, {call->cache->arrays, 1}};
+    if (kv_target_resolve_stream(target, groups, 3) < 0)
         return -1;
     uint64_t *addresses = PyMem_Malloc((size_t)(p->nb > 0 ? p->nb : 1) * sizeof(uint64_t));
     if (addresses == NULL) {
@@ -104,14 +105,16 @@ static int run_on_gpu(kv_gpu *gpu, kv_paged_call *call, const kvbm_paged *p, con
     }
     kv_staged staged;
     const char *unstageable = target->pinned ? plan_staging(call, p, a, addresses, &staged) : NULL;
-    const kv_route route = kv_route_move(call->options.backend, target->pinned, unstageable, call->options.max_ctas);
-    staged.async_copies = route.async_copies;
-    kv_gpu_report report;
-    memset(&report, 0, sizeof report);
-    const int rc = kv_gpu_paged(gpu, &target->gpu, p, a, table, vector_bytes, route.ctas,
-                                route.staged ? &staged : NULL, &report);
-    if (rc == 0)
-        kv_debug_move(call->form->name, &route, &report, target->gpu.device);
+    kv_move move;
+    memset(&move, 0, sizeof move);
+    move.kind = KV_MOVE_PAGED;
+    move.paged.paged = p;
+    move.paged.addresses = a;
+    move.table = table;
+    move.entries = kvbm_paged_table_entries(a, kvbm_paged_bases(p), p->nb);
+    move.vector_bytes = vector_bytes;
+    const int rc = kv_route_move(gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
+                                 unstageable, &call->options.move, call->form->name);
     PyMem_Free(addresses);
     return rc;
 }
@@ -157,7 +160,7 @@ int kv_paged_run(kv_paged_call *call)
     }
     int rc = 0;
     if (cache->device >= 0)
-        rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kv_vector_bytes(alignment));
+        rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kvbm_vector_bytes(alignment));
     else {
         Py_BEGIN_ALLOW_THREADS
         kv_cpu_paged(&p, &addresses, table);

@@ -12,10 +12,10 @@ static const char *const TO_UNIVERSAL[] = {"block_ids", "universals", "layers", 
                                            "head_offset", "backend", "num_ctas", "stream", NULL};
 static const char *const FROM_UNIVERSAL[] = {"universals", "block_ids", "layers", "layer_offset", "heads",
                                              "head_offset", "backend", "num_ctas", "stream", NULL};
-static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "inner", "layers", "backend", "num_ctas",
-                                             "stream", NULL};
-static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "inner", "layers", "backend",
-                                               "num_ctas", "stream", NULL};
+static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "layout", "layers", "backend", "num_ctas",
+                                             "stream", "inner", NULL};
+static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "layout", "layers", "backend",
+                                               "num_ctas", "stream", "inner", NULL};
 
 #define DEFINE_TRANSFER(name, names, to_flat, universal)                                                               \
     static PyObject *name(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)           \
@@ -58,7 +58,8 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "inn
     "is written.  With device-resident block_ids and one flat array, a call stages\n"                                  \
     "nothing and synchronizes nothing, so it can be captured in a CUDA graph\n"                                        \
     "(pass the capturing stream) and replayed with new ids written into block_ids;\n"                                  \
-    "on the staged path, call reserve_staging() before capturing.\n"
+    "on the staged path, call reserve_staging() before capturing.  A host cache runs\n"                                \
+    "on the CPU: backend, num_ctas and stream keep their defaults there (ValueError).\n"
 
 #define UNIVERSAL_DOC                                                                                                  \
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
@@ -77,7 +78,10 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "inn
 #define OPERATIONAL_BLOCKS_DOC                                                                                         \
     "operationals: a sequence of nb C-contiguous arrays [nl, no, nt*nh*hd] (every cache\n"                             \
     "    layer, whatever `layers` selects), or one array [nb, nl, no, nt*nh*hd].\n"                                    \
-    "inner: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]).\n"
+    "layout: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]),\n"                         \
+    "    any case, as the list API's layout.\n"                                                                        \
+    "inner: the deprecated spelling of layout, kept for one release (DeprecationWarning;\n"                            \
+    "    TypeError when both are given).\n"
 
 PyDoc_STRVAR(to_universal_doc,
              "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, heads=None, "
@@ -94,16 +98,16 @@ PyDoc_STRVAR(from_universal_doc,
 DEFINE_TRANSFER(from_universal, FROM_UNIVERSAL, 0, 1)
 
 PyDoc_STRVAR(to_operational_doc,
-             "to_operational($self, block_ids, operationals, /, *, inner='NHD', layers=None, backend='auto', "
-             "num_ctas=None, stream=None)\n--\n\n"
+             "to_operational($self, block_ids, operationals, /, *, layout='NHD', layers=None, backend='auto', "
+             "num_ctas=None, stream=None, inner=None)\n--\n\n"
              "Copy cache blocks into operational blocks:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
-             "for inner \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
+             "for layout \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
 DEFINE_TRANSFER(to_operational, TO_OPERATIONAL, 1, 0)
 
 PyDoc_STRVAR(from_operational_doc,
-             "from_operational($self, operationals, block_ids, /, *, inner='NHD', layers=None, backend='auto', "
-             "num_ctas=None, stream=None)\n--\n\n"
+             "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, backend='auto', "
+             "num_ctas=None, stream=None, inner=None)\n--\n\n"
              "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
              COMMON_DOC);
 DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)

@@ -21,25 +21,14 @@ typedef struct kv_box {
     int edge;       /* permuted on the edge CTAs: the first box, and the ramp */
 } kv_box;
 
-/* How to cut a move (kv_pieces_cut).  The first box holds about lead_bytes.
- * Then comes the ramp: while each box has held less than ramp_bytes, the
- * next holds up to ramp_growth times more, but not over ramp_bytes; those
- * boxes are permuted on the edge CTAs, fast enough to hide behind the copy
- * of the small box before them.  After the ramp each box holds up to growth
- * times what the one before holds, permuted on the default CTAs.  No box
- * holds more than piece_bytes. */
-typedef struct {
-    int64_t lead_bytes, ramp_bytes, ramp_growth, growth, piece_bytes;
-} kv_cut;
-
 /* A contiguous run of pinned memory and where it sits in the piece's slot. */
 typedef struct {
     uint64_t pinned, offset, bytes;
 } kv_run;
 
-/* Cuts the move into boxes, in unit order, as `cut` says, and returns their
- * count; fills `boxes` unless it is NULL.  No box holds more than
- * cut->piece_bytes (but each at least one unit), nor more than
+/* Cuts the move into boxes, in unit order, as `cut` says (gpu.h), and
+ * returns their count; fills `boxes` unless it is NULL.  No box holds more
+ * than cut->piece_bytes (but each at least one unit), nor more than
  * s->max_blocks whole blocks; a box within a block takes the rest of it
  * rather than leave a smaller remnant.  Starting small lets the copy
  * engines start early; growing keeps the count, and so the host's cost,

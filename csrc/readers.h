@@ -1,5 +1,5 @@
-/* The protocol readers behind kv_array_read (array.c), one file per family:
- * dlpack_read.c (DLPack capsules and the C exchange API),
+/* The protocol readers behind kv_array_read (array_read.c), one file per
+ * family: dlpack_read.c (DLPack capsules and the C exchange API),
  * interface_read.c (the typestr interfaces and the buffer protocol), and
  * torch.c (what torch tensors need beyond their protocol).  Each fills a
  * cleared kv_array (everything but what kv_array_read checks afterwards)
@@ -9,10 +9,6 @@
 
 #include "array.h"
 #include "dlpack.h"
-
-/* Shared steps (array.c). */
-void kv_set_compact_strides(kv_array *a);
-int kv_check_ndim(const kv_path *path, Py_ssize_t ndim);
 
 /* obj.__dlpack__(), asked of the array's device. */
 int kv_from_dlpack(const kv_reader *reader, PyObject *obj, const kv_path *path, kv_array *out);

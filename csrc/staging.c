@@ -24,18 +24,9 @@
  * bytes.  A call on a lane that last served another stream first waits for
  * that call to finish with the slots.
  *
- * What a call costs beyond its copies, measured on the H200: in traces of
- * back-to-back calls (benchmarks/trace.py), a permute that follows a copy
- * (the previous call's last copy and this call's first permute, or an
- * onload's last copy and its last permute) started 5 to 9 us after the copy
- * ended, a copy that follows a permute 1.5 to 8 us after it, and a piece's
- * copy 1.3 us after the previous piece's, against about 1 us between plain
- * memcpys (benchmarks/probes/copy_engine_handoffs.cu times the bare
- * hand-offs).  To that adds the permute of the one piece no copy overlaps,
- * which therefore runs on KV_PINNED_EDGE_CTAS when the call leaves num_ctas
- * to the default, as do the short pieces next to it, whose copies are too
- * short to hide a permute on fewer CTAs.  At nb = 1 that is 12 to 14 us on
- * 97 us of PCIe.
+ * Beyond its copies a call pays the hand-offs between the engines and the
+ * permute of the one piece no copy overlaps, which is why the pieces at
+ * its ends run wide (route.c; benchmarks/README.md, "Defaults in the code").
  *
  * Calls made while the caller's stream is captured into a CUDA graph use a
  * separate capture lane, which reserve_staging() allocates (nothing may be
@@ -51,31 +42,6 @@
 #define KV_MAX_LANES 16
 #define KV_LANE_SLOTS 16
 #define KV_STAGING_ALIGN 256
-/* How a call is cut (pieces.h).  Its first piece holds about
- * KV_LEAD_PIECE_BYTES (a head of a Llama-70B block at nt=16 is 640 KiB), so
- * that the copy engines start after a short permute.  The ramp follows: up
- * to KV_RAMP_GROWTH times more a piece, to KV_RAMP_BYTES, on the edge CTAs,
- * whose permute runs about 10 times faster than PCIe (5 MiB in 9.5 us on
- * 32 CTAs) and so hides behind the short copy before it.  Each next piece
- * holds up to KV_PIECE_GROWTH times more, which the permute on its default
- * 8 CTAs (about 2.4 times faster than PCIe, after a start of about 4 us)
- * still finishes while the piece before crosses PCIe; none over half a
- * lane.  Fewer, larger pieces keep the host's cost (about 5 API calls a
- * piece) low.
- *
- * Llama-70B at nt=16 on the H200 (benchmarks/beside.py): nb = 8 (40 MiB)
- * is cut 0.6, 4.4, 5, 10 and 20 MiB, and reaches 97.5 % (offload) and
- * 96.4 % (onload) of a same-size pinned memcpy; before the ramp (0.6, 1.9,
- * 2.5, 5, 15, 15 MiB, all but the first on 8 CTAs) the copy engines waited
- * 12 us for the second piece's permute: 96.0 and 95.3 %.  nb = 1 (5 MiB) is
- * cut 0.6 and 4.4 MiB: 87.7 and 88.2 %, against 84.9 and 84.1 % as one
- * piece, whose whole permute the copy waited for; beside a memory-bound model
- * it moves 25.4 / 24.3 GB/s at a 1.9 / 2.1 % slowdown instead of 27.5 / 26.2
- * at 2.0 / 2.3 %, the same cost to the model per GB/s. */
-#define KV_LEAD_PIECE_BYTES ((int64_t)1 << 20)
-#define KV_RAMP_BYTES ((int64_t)4 << 20)
-#define KV_RAMP_GROWTH 6
-#define KV_PIECE_GROWTH 2
 
 typedef struct {
     char *base;
@@ -282,8 +248,8 @@ static int grow_scratch(kv_staging *st, int64_t pieces, int64_t units, kv_failur
  * one cudaMemcpyAsync for one run (the usual case: a piece of contiguous
  * blocks), else the batch API, else (no batch API, `async_copies`, or a
  * capture, where the batch API is not promised) one cudaMemcpyAsync a run. */
-static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot, const kv_staged *s, int capturing,
-                     kv_failure *f)
+static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot, const kv_staged *s, int async_copies,
+                     int capturing, kv_failure *f)
 {
     for (int64_t i = 0; i < n; i++) {
         void *pinned = (void *)(uintptr_t)st->runs[i].pinned, *staged = slot + st->runs[i].offset;
@@ -291,27 +257,11 @@ static int copy_runs(kv_staging *st, cudaStream_t stream, int64_t n, char *slot,
         st->srcs[i] = s->to_host ? staged : pinned;
         st->sizes[i] = (size_t)st->runs[i].bytes;
     }
-#if CUDART_VERSION >= 12080
-    if (n > 1 && !s->async_copies && !capturing && kv_gpu_batch_available()) {
-        struct cudaMemcpyAttributes attributes;
-        memset(&attributes, 0, sizeof attributes);
-        attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-        size_t attribute_index = 0;
-#if CUDART_VERSION >= 13000
-        cudaError_t error = cudaMemcpyBatchAsync(st->dsts, (const void *const *)st->srcs, st->sizes, (size_t)n,
-                                                 &attributes, &attribute_index, 1, stream);
-#else
-        size_t failed = 0;
-        cudaError_t error = cudaMemcpyBatchAsync(st->dsts, st->srcs, st->sizes, (size_t)n, &attributes,
-                                                 &attribute_index, 1, &failed, stream);
-#endif
-        if (error == cudaSuccess)
+    if (n > 1 && !async_copies && !capturing && kv_gpu_batch_available()) {
+        if (kv_batch_copy(st->dsts, st->srcs, st->sizes, (size_t)n, stream) == cudaSuccess)
             return 0;
         cudaGetLastError(); /* fall back to the loop below */
     }
-#else
-    (void)capturing;
-#endif
     for (int64_t i = 0; i < n; i++)
         CUDA_STEP(f, cudaMemcpyAsync(st->dsts[i], st->srcs[i], st->sizes[i], cudaMemcpyDefault, stream),
                   "copying a staging slot");
@@ -332,11 +282,13 @@ static int64_t piece_bytes_for(size_t lane_bytes)
  * `freed` event; recorded only where a later piece of the call reuses the
  * slot, since the next call on the lane follows the whole of this one).
  * The piece no copy overlaps (an offload's first, an onload's last) and
- * the ramp next to it permute on edge_ctas CTAs, the others on ctas. */
-static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_staged *s, int64_t count,
-                          size_t slot_bytes, int nslots, kv_box_launch launch, const void *ctx, uint32_t ctas,
-                          uint32_t edge_ctas, int capturing, kv_failure *f)
+ * the ramp next to it permute on plan->edge_num_ctas CTAs, the others on
+ * plan->num_ctas. */
+static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_move *move,
+                          const kv_move_plan *plan, int64_t count, size_t slot_bytes, int nslots, int capturing,
+                          kv_failure *f)
 {
+    const kv_staged *s = plan->staged;
     /* The stream the copies run on (see the top of this file). */
     const cudaStream_t copies = kv_is_default_stream(caller) && !capturing ? lane->copy : caller;
     /* The permutes of an offload, and the copies on the lane's copy stream,
@@ -353,15 +305,16 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
         const int slot = (int)(k % nslots);
         char *memory = lane->base + (size_t)slot * slot_bytes;
         const int64_t runs = kv_box_runs(s, box, st->runs);
+        const uint32_t num_ctas = box->edge ? plan->edge_num_ctas : plan->num_ctas;
         if (s->to_host) {
             if (k >= nslots)
                 CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->freed[slot], 0),
                           "waiting for a free staging slot");
-            CUDA_STEP(f, launch(ctx, box, memory, box->edge ? edge_ctas : ctas, lane->permute),
+            CUDA_STEP(f, kv_move_launch_piece(move, s, box, memory, num_ctas, lane->permute),
                       "launching the staging permute");
             CUDA_STEP(f, cudaEventRecord(lane->ready[slot], lane->permute), "recording a staged piece");
             CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->ready[slot], 0), "ordering a staged piece");
-            if (copy_runs(st, copies, runs, memory, s, capturing, f) < 0)
+            if (copy_runs(st, copies, runs, memory, s, plan->async_copies, capturing, f) < 0)
                 return -1;
             if (k + nslots < count)
                 CUDA_STEP(f, cudaEventRecord(lane->freed[slot], copies), "recording a free staging slot");
@@ -369,11 +322,11 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
         }
         if (k >= nslots)
             CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->freed[slot], 0), "waiting for a free staging slot");
-        if (copy_runs(st, copies, runs, memory, s, capturing, f) < 0)
+        if (copy_runs(st, copies, runs, memory, s, plan->async_copies, capturing, f) < 0)
             return -1;
         CUDA_STEP(f, cudaEventRecord(lane->ready[slot], copies), "recording a staged piece");
         CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->ready[slot], 0), "ordering a staged piece");
-        CUDA_STEP(f, launch(ctx, box, memory, box->edge ? edge_ctas : ctas, lane->permute),
+        CUDA_STEP(f, kv_move_launch_piece(move, s, box, memory, num_ctas, lane->permute),
                   "launching the staging permute");
         if (k + nslots < count)
             CUDA_STEP(f, cudaEventRecord(lane->freed[slot], lane->permute), "recording a free staging slot");
@@ -389,9 +342,10 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
     return 0;
 }
 
-int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_staged *s, kv_box_launch launch,
-                   const void *ctx, uint32_t max_ctas, kv_gpu_report *report, kv_failure *f)
+int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
+                   kv_gpu_report *report, kv_failure *f)
 {
+    const kv_staged *s = plan->staged;
     enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_STEP(f, cudaStreamIsCapturing(caller, &capture), "asking whether the stream is capturing");
     const int capturing = capture != cudaStreamCaptureStatusNone;
@@ -407,8 +361,8 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     int index = -1;
     kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
 
-    const int64_t most = piece_bytes_for(lane->bytes);
-    const kv_cut cut = {KV_LEAD_PIECE_BYTES, KV_RAMP_BYTES, KV_RAMP_GROWTH, KV_PIECE_GROWTH, most};
+    kv_cut cut = plan->cut;
+    cut.piece_bytes = piece_bytes_for(lane->bytes);
     int64_t max_units;
     const int64_t count = kv_pieces_cut(s, &cut, NULL, &max_units);
     const size_t slot_bytes = ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN
@@ -428,9 +382,7 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
      * the slots (on this stream the call already follows it). */
     if (!capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller)
         CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "ordering after the lane's last call");
-    const uint32_t ctas = max_ctas != 0 ? max_ctas : KV_PINNED_CTAS;
-    const uint32_t edge_ctas = max_ctas != 0 ? max_ctas : KV_PINNED_EDGE_CTAS;
-    if (enqueue_pieces(st, lane, caller, s, count, slot_bytes, nslots, launch, ctx, ctas, edge_ctas, capturing, f) < 0)
+    if (enqueue_pieces(st, lane, caller, move, plan, count, slot_bytes, nslots, capturing, f) < 0)
         return -1;
     if (!capturing) {
         lane->owner = (intptr_t)caller;
@@ -439,64 +391,24 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_sta
     report->staged = 1;
     report->pieces = count;
     report->piece_bytes = max_units * s->unit_bytes;
-    report->ctas = ctas;
-    report->edge_ctas = edge_ctas;
     report->lane = index;
     return 0;
 }
 
-/* ------------------------------------------------------------ settings */
+/* ------------------------------------------------------------ reserving and describing */
 
-int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
+int kv_staging_reserve(kv_gpu *gpu, kv_ring *ring, kv_failure *f)
 {
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    if (bytes >= 0)
-        gpu->staging_bytes = (size_t)bytes;
-    if (lanes > 0)
-        gpu->staging_lanes = lanes;
-    for (int device = 0; device < KV_MAX_DEVICES; device++) {
-        kv_ring *ring = gpu->rings[device];
-        int previous = -1;
-        if (ring == NULL || ring->staging == NULL || kv_select_device(device, &previous) != cudaSuccess)
-            continue;
-        kv_staging_free(ring->staging);
-        ring->staging = NULL;
-        kv_gpu_restore_device(previous);
-    }
-    PyThread_release_lock(gpu->lock);
-    Py_END_ALLOW_THREADS
-    return 0;
-}
-
-/* Runs under the lock on `device` (kv_run_on_device), so that it shares the
- * device selection and the ring with the calls. */
-static int reserve(kv_gpu *gpu, kv_ring *ring, cudaStream_t stream, const void *args, kv_failure *f)
-{
-    (void)stream, (void)args;
     kv_staging *st = staging_of(gpu, ring, f);
     return st == NULL ? -1 : reserve_capture_lane(st, f);
 }
 
-int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
+kv_staging_facts kv_staging_facts_of(const kv_gpu *gpu, const kv_staging *st)
 {
-    const kv_gpu_target target = {device, 0, NULL, 0};
-    return kv_run_on_device(gpu, &target, reserve, NULL);
-}
-
-PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
-{
-    PyThreadState *attached = PyEval_SaveThread(); /* the lock's holder may be waiting for the GPU */
-    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
-    const kv_ring *ring = device >= 0 && device < KV_MAX_DEVICES ? gpu->rings[device] : NULL;
-    const kv_staging *st = ring != NULL ? ring->staging : NULL;
-    const int lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
-    const size_t lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(gpu->staging_bytes, lanes);
-    const int capture = st != NULL && st->capture_ready;
-    PyThread_release_lock(gpu->lock);
-    PyEval_RestoreThread(attached);
-    return Py_BuildValue("{s:i,s:K,s:i,s:K,s:O,s:O}", "device", device, "size_bytes",
-                         (unsigned long long)(lane_bytes * (size_t)lanes), "lanes", lanes, "lane_bytes",
-                         (unsigned long long)lane_bytes, "allocated", st != NULL ? Py_True : Py_False,
-                         "capture_reserved", capture ? Py_True : Py_False);
+    kv_staging_facts facts;
+    facts.allocated = st != NULL;
+    facts.lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
+    facts.lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(gpu->staging_bytes, facts.lanes);
+    facts.capture_reserved = st != NULL && st->capture_ready;
+    return facts;
 }

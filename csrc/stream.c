@@ -4,13 +4,15 @@
 #include "args.h"
 
 /* A handle given as an int or any object with __index__ (numpy.uint64),
- * never a bool, from 0 to 2**64 - 1, read as every int argument is. */
+ * never a bool, from 0 to 2**64 - 2, read as every int argument is. */
 static int handle_from_int(PyObject *value, intptr_t *handle)
 {
     const kv_path path = {"stream", {0, 0}, 0};
     uint64_t raw;
     if (kv_uint64(value, &path, &raw) < 0)
         return -1;
+    if (raw == UINT64_MAX)
+        return kv_path_error(PyExc_ValueError, &path, "2**64 - 1 is not a cudaStream_t handle");
     void *pointer = (void *)(uintptr_t)raw;
     *handle = (intptr_t)pointer;
     return 0;
@@ -19,7 +21,7 @@ static int handle_from_int(PyObject *value, intptr_t *handle)
 int kv_stream_from_object(PyObject *obj, intptr_t *handle)
 {
     if (obj == Py_None) {
-        *handle = 0;
+        *handle = KV_STREAM_CURRENT;
         return 0;
     }
     if (PyIndex_Check(obj))
@@ -45,9 +47,8 @@ int kv_stream_from_object(PyObject *obj, intptr_t *handle)
             return -1;
     }
     else {
-        PyErr_Format(PyExc_TypeError,
-                     "stream: expected None, an int handle, or an object with __cuda_stream__() or .cuda_stream, got %s",
-                     Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "stream: expected None, an int handle, or an object with __cuda_stream__() or "
+                     ".cuda_stream, got %s", Py_TYPE(obj)->tp_name);
         return -1;
     }
     rc = handle_from_int(value, handle);
@@ -57,5 +58,5 @@ int kv_stream_from_object(PyObject *obj, intptr_t *handle)
 
 PyObject *kv_stream_for_dlpack(intptr_t handle)
 {
-    return PyLong_FromVoidPtr((void *)(handle == 0 ? 1 : handle));
+    return PyLong_FromVoidPtr((void *)(handle == 0 || handle == KV_STREAM_CURRENT ? 1 : handle));
 }

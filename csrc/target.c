@@ -77,26 +77,49 @@ int kv_target_add(kv_target *t, kv_array *a, const kv_path *path)
     return add_producer(t, a);
 }
 
-int kv_target_default_stream(kv_target *t, const kv_array *arrays, Py_ssize_t count)
+/* The stream a group of arrays names (kv_target_resolve_stream), if any. */
+static int group_stream(kv_target *t, const kv_array_group *group)
 {
-    if (t->gpu.stream != 0)
-        return 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (arrays[i].current_work_stream != NULL) {
+    for (Py_ssize_t i = 0; i < group->count; i++) {
+        const kv_array *a = &group->arrays[i];
+        if (a->current_work_stream != NULL) {
             void *current = NULL;
-            if (kv_array_current_stream(&arrays[i], kDLCUDA, t->gpu.device, &current) < 0)
+            if (kv_array_current_stream(a, kDLCUDA, t->gpu.device, &current) < 0)
                 return -1;
             t->gpu.stream = (intptr_t)current;
             return 0;
         }
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (arrays[i].place == KV_DEVICE && arrays[i].has_stream) {
-            t->gpu.stream = arrays[i].stream;
+    for (Py_ssize_t i = 0; i < group->count; i++) {
+        const kv_array *a = &group->arrays[i];
+        if (a->place == KV_DEVICE && a->has_stream) {
+            t->gpu.stream = a->stream;
             return 0;
         }
     }
     return 0;
+}
+
+int kv_target_resolve_stream(kv_target *t, const kv_array_group *groups, int count)
+{
+    if (t->gpu.stream != KV_STREAM_CURRENT)
+        return 0;
+    t->gpu.stream = 0; /* the legacy default stream, unless a group names another */
+    for (int g = 0; g < count && t->gpu.stream == 0; g++)
+        if (group_stream(t, &groups[g]) < 0)
+            return -1;
+    return 0;
+}
+
+int kv_require_device(const char *function, const char *why)
+{
+    if (kv_gpu_device_count() > 0)
+        return 0;
+    if (kv_gpu_compiled())
+        return kv_error(PyExc_RuntimeError, "%s needs a CUDA device (%s), and none is visible: no GPU, or no usable "
+                        "driver", function, why);
+    return kv_error(PyExc_RuntimeError, "%s needs a CUDA device (%s), but kvbm_ext was built without CUDA (nvcc was "
+                    "not found at build time)", function, why);
 }
 
 void kv_target_release(kv_target *t)
@@ -105,10 +128,4 @@ void kv_target_release(kv_target *t)
     t->producers = NULL;
     t->gpu.producers = NULL;
     t->capacity = t->gpu.producer_count = 0;
-}
-
-int kv_vector_bytes(uint64_t bits)
-{
-    bits |= 16;
-    return (int)(bits & (~bits + 1));
 }

@@ -3,12 +3,12 @@
  * its device-resident lists): the device every device array is on, with no
  * pageable host memory beside it; whether pinned host memory takes part;
  * the stream (for stream=None, the arrays' framework's current one); the
- * producers' streams the call orders first; the widest vector every
- * address allows. */
+ * producers' streams the call orders first. */
 #ifndef KVBM_TARGET_H
 #define KVBM_TARGET_H
 
 #include "gpu.h"
+#include "stream.h"
 
 typedef struct {
     kv_gpu_target gpu;   /* what the GPU entry points take; producers point into `producers` */
@@ -38,18 +38,27 @@ int kv_target_fix_device(kv_target *t, kv_array *a, const kv_path *path);
  * to be ordered first.  Returns 0, or -1 with an exception. */
 int kv_target_add(kv_target *t, kv_array *a, const kv_path *path);
 
-/* For stream=None, called over groups of arrays in order of preference:
- * while the target's stream is still the legacy default stream (0), takes
- * the current stream on the call's device of the first array read through
- * a C exchange API (torch: torch.cuda.current_stream(), which
- * `with torch.cuda.stream(s)` sets), else the stream the first device
- * array's producer named (CAI v3).  Returns 0, or -1 with an exception. */
-int kv_target_default_stream(kv_target *t, const kv_array *arrays, Py_ssize_t count);
+/* Some of a call's arrays, asked in turn for the stream of stream=None. */
+typedef struct {
+    const kv_array *arrays;
+    Py_ssize_t count;
+} kv_array_group;
+
+/* For stream=None (the target's stream is KV_STREAM_CURRENT), the stream of
+ * the first group, in order of preference, that names one other than the
+ * legacy default stream: the current stream on the call's device of its
+ * first array read through a C exchange API (torch:
+ * torch.cuda.current_stream(), which `with torch.cuda.stream(s)` sets),
+ * else the stream its first device array's producer named (CAI v3); else
+ * the legacy default stream.  A stream the caller gave is kept.  Returns 0,
+ * or -1 with an exception. */
+int kv_target_resolve_stream(kv_target *t, const kv_array_group *groups, int count);
 
 void kv_target_release(kv_target *t);
 
-/* The widest vector (16, 8, 4, 2 or 1 bytes) that `bits`, the OR of every
- * address, stride and row size a kernel moves, allows. */
-int kv_vector_bytes(uint64_t bits);
+/* For `function`, which runs only on a CUDA device (`why` says what needs
+ * one): 0 when one is visible, else -1 with RuntimeError saying that none is
+ * (no GPU, no usable driver) or that this build has no CUDA. */
+int kv_require_device(const char *function, const char *why);
 
 #endif /* KVBM_TARGET_H */

@@ -65,7 +65,7 @@ static int place(kv_to_cache_call *call)
         return kv_error(PyExc_ValueError, "dst: on cuda:%d, but the cache is on cuda:%d; a call runs on one device",
                         dst->device, src->device);
     call->device = src->device >= 0 ? src->device : dst->device;
-    kv_target_init(&call->target, call->options.stream, call->device, src->device >= 0 ? "the cache is" : "dst is");
+    kv_target_init(&call->target, call->options.move.stream, call->device, src->device >= 0 ? "the cache is" : "dst is");
     const kv_paged_cache *host = src->device < 0 ? src : dst;
     if (call->device < 0 || (src->device >= 0 && dst->device >= 0))
         return 0;
@@ -123,9 +123,7 @@ static int check_size(const kv_to_cache_call *call)
 {
     const kv_paged_cache *c = call->src;
     const int64_t chunk_bytes = call->options.heads.count * c->nt * c->hd * c->itemsize;
-    int64_t weight;
-    if (__builtin_mul_overflow((int64_t)call->src_ids.count * call->options.layers.count,
-                               c->no * (chunk_bytes / 1024 + 1), &weight) || weight > (int64_t)INT32_MAX)
+    if (!kvbm_fits_one_launch(call->src_ids.count, call->options.layers.count * c->no, chunk_bytes))
         return kv_error(PyExc_ValueError, "src_ids: too much data for one call (%zd blocks of %lld layers of %lld "
                         "bytes); split it into several calls", call->src_ids.count,
                         (long long)call->options.layers.count, (long long)(c->no * chunk_bytes));
@@ -138,11 +136,12 @@ static int read_call(kv_to_cache_call *call, PyObject *const *v)
     if (check_dst(call, v[0]) < 0)
         return -1;
     call->dst = (kv_paged_cache *)v[0];
-    if (kv_paged_read_options(call->src, v[3], v[5], v[4], v[6], v[7], v[8], NULL, stream, &call->options) < 0
+    if (kv_paged_read_options(call->src, "to_cache", v[3], v[5], v[4], v[6], v[7], v[8], NULL, NULL, stream,
+                              &call->options) < 0
         || check_landing(call) < 0 || place(call) < 0)
         return -1;
     call->reader.protocols = &call->state->protocols;
-    call->reader.dlpack_stream = kv_stream_for_dlpack(call->options.stream);
+    call->reader.dlpack_stream = kv_stream_for_dlpack(call->options.move.stream);
     if (call->reader.dlpack_stream == NULL
         || read_ids(call, v[1], "src_ids", call->src, &call->src_ids, &call->src_ids_read) < 0
         || read_ids(call, v[2], "dst_ids", call->dst, &call->dst_ids, &call->dst_ids_read) < 0)
@@ -181,7 +180,9 @@ PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     const kv_paged_options *o = &call.options;
     if (rc == 0 && call.src_ids.count > 0 && o->layers.count > 0 && o->heads.count > 0) {
         const kv_selection written = {o->layers.first + o->layer_offset, o->layers.step, o->layers.count};
-        rc = kv_paged_mark_written(call.dst, &call.state->protocols, &written);
+        rc = call.device < 0 ? kv_move_options_check_host(&o->move) : 0;
+        if (rc == 0)
+            rc = kv_paged_mark_written(call.dst, &call.state->protocols, &written);
         if (rc == 0)
             rc = kv_to_cache_run(&call);
     }

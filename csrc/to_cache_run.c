@@ -8,6 +8,7 @@
 
 #include "cpu_copy.h"
 #include "gpu_to_cache.h"
+#include "route.h"
 #include "state.h"
 
 /* The move: moved head j of src lands on head head_offset + j of dst,
@@ -182,18 +183,19 @@ static const char *plan_staging(const kv_to_cache_call *call, const kvbm_to_cach
 
 /* ------------------------------------------------------------ running */
 
-/* The GPU side of kv_to_cache_run(): the stream, the route, the launch. */
+/* The GPU side of kv_to_cache_run(): the stream, then the route, the
+ * launch and the log (route.c). */
 static int run_on_gpu(kv_to_cache_call *call, const kvbm_to_cache *m, const kvbm_to_cache_ids *ids,
                       const uint64_t *table, int vector_bytes)
 {
     kv_target *target = &call->target;
     /* stream=None: the current stream of the call's arrays' framework: the
      * ids', else the caches'. */
-    if (call->options.stream_none
-        && ((call->src_ids.on_device && kv_target_default_stream(target, &call->src_ids.array, 1) < 0)
-            || (call->dst_ids.on_device && kv_target_default_stream(target, &call->dst_ids.array, 1) < 0)
-            || kv_target_default_stream(target, call->src->arrays, 1) < 0
-            || kv_target_default_stream(target, call->dst->arrays, 1) < 0))
+    const kv_array_group groups[] = {{&call->src_ids.array, call->src_ids.on_device ? 1 : 0},
+                                     {&call->dst_ids.array, call->dst_ids.on_device ? 1 : 0},
+                                     {call->src->arrays, 1},
+                                     {call->dst->arrays, 1}};
+    if (kv_target_resolve_stream(target, groups, 4) < 0)
         return -1;
     const int64_t units = m->p.nb * (call->located != NULL ? kvbm_to_cache_bases(m) : 1);
     uint64_t *addresses = PyMem_Malloc((size_t)(units > 0 ? units : 1) * sizeof(uint64_t));
@@ -206,14 +208,17 @@ static int run_on_gpu(kv_to_cache_call *call, const kvbm_to_cache *m, const kvbm
     memset(&staged, 0, sizeof staged);
     memset(&packing, 0, sizeof packing);
     const char *unstageable = target->pinned ? plan_staging(call, m, table, addresses, &staged, &packing) : NULL;
-    const kv_route route = kv_route_move(call->options.backend, target->pinned, unstageable, call->options.max_ctas);
-    staged.async_copies = route.async_copies;
-    kv_gpu_report report;
-    memset(&report, 0, sizeof report);
-    const int rc = kv_gpu_to_cache(call->state->gpu, &target->gpu, m, ids, table, vector_bytes, route.ctas,
-                                   route.staged ? &staged : NULL, &packing, &report);
-    if (rc == 0)
-        kv_debug_move("PagedKVCache.to_cache", &route, &report, target->gpu.device);
+    kv_move move;
+    memset(&move, 0, sizeof move);
+    move.kind = KV_MOVE_TO_CACHE;
+    move.to_cache.move = m;
+    move.to_cache.ids = ids;
+    move.to_cache.packing = &packing;
+    move.table = table;
+    move.entries = kvbm_to_cache_table_entries(m, ids);
+    move.vector_bytes = vector_bytes;
+    const int rc = kv_route_move(call->state->gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
+                                 unstageable, &call->options.move, "PagedKVCache.to_cache");
     PyMem_Free(addresses);
     return rc;
 }
@@ -242,7 +247,7 @@ int kv_to_cache_run(kv_to_cache_call *call)
         memcpy(table + kvbm_to_cache_dst_ids_at(&m, &ids), call->dst_ids.values, (size_t)m.p.nb * sizeof(uint64_t));
     int rc = 0;
     if (call->device >= 0)
-        rc = run_on_gpu(call, &m, &ids, table, kv_vector_bytes(alignment_of(&m, table)));
+        rc = run_on_gpu(call, &m, &ids, table, kvbm_vector_bytes(alignment_of(&m, table)));
     else {
         Py_BEGIN_ALLOW_THREADS
         kv_cpu_to_cache(&m, table);

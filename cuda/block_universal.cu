@@ -3,7 +3,7 @@
 // The work is pure data movement, so the kernel is shaped around memory
 // traffic: every thread moves kUnroll vectors of V bytes (move_vectors), and
 // CTAs move tiles of chunks (Tiling, kvbm_device.cuh) in a grid-stride loop,
-// so `max_ctas` bounds the SMs a transfer takes without changing what it
+// so `num_ctas` bounds the SMs a transfer takes without changing what it
 // moves.  Where a byte goes is decided by kvbm_layout.h, the same code the
 // CPU path uses.
 #include <stdint.h>
@@ -84,11 +84,11 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
                                                    void *const *device_table,
                                                    kvbm_direction direction,
                                                    int vector_bytes,
-                                                   uint32_t max_ctas,
+                                                   uint32_t num_ctas,
                                                    cudaStream_t stream)
 {
-    // The caller has validated that these counts fit: vectors per chunk and
-    // the grid below 2^31, segments per chunk below 2^32.
+    // The call fits one launch (kvbm_fits_one_launch): a chunk's vectors
+    // and segments in 32 bits, the call's tiles below 2^31.
     const int64_t segment_bytes = kvbm_segment_rows(dims) * dims->row_bytes;
     const uint32_t vectors_per_chunk =
         (uint32_t)(kvbm_segments_per_chunk(dims) * segment_bytes / vector_bytes);
@@ -98,17 +98,12 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
     Params p;
     p.dims = *dims;
     unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, dims->nb * dims->nchunks, max_ctas, &grid, &threads);
+    p.tiling = make_tiling(vectors_per_chunk, dims->nb * dims->nchunks, num_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
     p.to_universal = direction == KVBM_TO_UNIVERSAL;
 
-    switch (vector_bytes) {
-    case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
-    case 8: return launch<8>(p, host_table, device_table, grid, threads, stream);
-    case 4: return launch<4>(p, host_table, device_table, grid, threads, stream);
-    case 2: return launch<2>(p, host_table, device_table, grid, threads, stream);
-    case 1: return launch<1>(p, host_table, device_table, grid, threads, stream);
-    default: return cudaErrorInvalidValue;
-    }
+    return with_vector_bytes(vector_bytes, [&](auto v) {
+        return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
+    });
 }

@@ -1,7 +1,7 @@
 // Batched raw copies: one launch moves every (src, dst, size) pair.
 //
 // A pair is cut into `slices` equal shares, one CTA step each (a grid-stride
-// loop, so that `max_ctas` bounds the SMs taken), so a few large pairs fill
+// loop, so that `num_ctas` bounds the SMs taken), so a few large pairs fill
 // the GPU as well as many small ones.  The vector width is picked
 // per pair, inside the kernel, from its two addresses and its size: lists on
 // the device are never read by the host.
@@ -77,8 +77,7 @@ copy_pairs_kernel(const __grid_constant__ Table table, const __grid_constant__ P
         const uint64_t size = p.has_sizes ? entry(table, 2, pair, p.count) : p.uniform_size;
 
         // The widest vector that divides both addresses and the size.
-        const uint64_t bits = src | dst | size | 16;
-        const uint32_t v = (uint32_t)(bits & (~bits + 1));
+        const uint32_t v = (uint32_t)kvbm_vector_bytes(src | dst | size);
         const uint64_t n = size / v;
         const uint32_t slices = p.slices.divisor;
         const uint64_t part = n / slices, extra = n % slices;
@@ -111,7 +110,7 @@ extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uin
     p.uniform_size = pairs->uniform_size;
     p.has_sizes = pairs->sizes != nullptr;
     p.shares = (uint32_t)(pairs->count * pairs->slices);
-    const unsigned grid = pairs->max_ctas != 0 && pairs->max_ctas < p.shares ? pairs->max_ctas : p.shares;
+    const unsigned grid = pairs->num_ctas != 0 && pairs->num_ctas < p.shares ? pairs->num_ctas : p.shares;
     if (by_value == nullptr) {
         const ListsInMemory lists = {{pairs->src, pairs->dst, pairs->sizes}};
         copy_pairs_kernel<<<grid, kThreads, 0, stream>>>(lists, p);

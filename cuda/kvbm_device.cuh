@@ -5,12 +5,15 @@
 
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "kvbm_kernels.h"
 
 namespace kvbm {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // 8 measured no faster on the H200
+constexpr int kUnroll = 4;  // vectors in flight per thread; 8 is no faster (benchmarks/README.md)
+static_assert(kThreads * kUnroll == KVBM_TILE_MIN_BYTES, "the C side bounds a call's tiles with KVBM_TILE_MIN_BYTES");
 
 template <int V> struct VectorOf;
 template <> struct VectorOf<16> { using type = uint4; };
@@ -19,12 +22,26 @@ template <> struct VectorOf<4> { using type = uint32_t; };
 template <> struct VectorOf<2> { using type = uint16_t; };
 template <> struct VectorOf<1> { using type = uint8_t; };
 
+// Returns launch(std::integral_constant<int, V>()) for V = vector_bytes, one
+// of the widths above: the kernels are instantiated for each.
+template <class Launch>
+cudaError_t with_vector_bytes(int vector_bytes, const Launch &launch)
+{
+    switch (vector_bytes) {
+    case 16: return launch(std::integral_constant<int, 16>());
+    case 8: return launch(std::integral_constant<int, 8>());
+    case 4: return launch(std::integral_constant<int, 4>());
+    case 2: return launch(std::integral_constant<int, 2>());
+    case 1: return launch(std::integral_constant<int, 1>());
+    default: return cudaErrorInvalidValue;
+    }
+}
+
 // Moves the vectors j = first + k * stride (k < kUnroll, j < count) of V
 // bytes from src to dst, issuing every load before any store so that each
 // thread keeps kUnroll vectors in flight.  offsets(j, &from, &to) gives the
 // byte offsets of vector j in the source and the destination.  Plain
-// accesses: the evict-first hints (__ldcs, __stcs) measured 2 to 3 % slower
-// on the H200.
+// accesses: the evict-first hints (__ldcs, __stcs) are slower.
 template <int V, class Offsets>
 __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_t first, uint32_t stride,
                                              uint32_t count, const Offsets &offsets)
@@ -56,20 +73,19 @@ __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_
 // bounded to a few CTAs (the staged permute beside a model) cannot make up
 // for.  CTAs stay at kThreads when the grid is bounded too: the bytes a
 // bounded grid keeps in flight set its share of HBM beside a memory-bound
-// model, and 8 CTAs of 1024 threads measured +3.6 % on such a model where 8
-// of 256 cost +1.7 % (benchmarks/beside.py on the H200).
+// model, so wider CTAs would slow the model more (benchmarks/README.md).
 struct Tiling {
     kvbm_divisor tiles_per_chunk;
     uint32_t vectors_per_chunk;
     uint32_t vectors_per_tile;
     uint32_t tile_threads;
     uint32_t groups;
-    uint32_t tiles;  // in all; the caller keeps this below 2^31
+    uint32_t tiles;  // in all; below 2^31 (kvbm_fits_one_launch)
 };
 
 // The tiling of `chunks` chunks of vectors_per_chunk vectors each, and the
-// launch shape: at most max_ctas CTAs (0: as many as there are tile groups).
-inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t max_ctas, unsigned *grid,
+// launch shape: at most num_ctas CTAs (0: as many as there are tile groups).
+inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t num_ctas, unsigned *grid,
                           unsigned *threads)
 {
     Tiling t;
@@ -83,7 +99,7 @@ inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t m
     t.tiles = (uint32_t)(chunks * tiles_per_chunk);
     t.groups = kThreads / tile_threads;
     const uint32_t groups_needed = (t.tiles + t.groups - 1) / t.groups;
-    *grid = max_ctas != 0 && max_ctas < groups_needed ? max_ctas : groups_needed;
+    *grid = num_ctas != 0 && num_ctas < groups_needed ? num_ctas : groups_needed;
     *threads = t.groups * tile_threads;
     return t;
 }

@@ -24,13 +24,13 @@ extern "C" {
  * then must not exceed KVBM_TABLE_BY_VALUE_MAX pointers, is read from host
  * memory at `host_table` and passed by value.  Every pointer, and row_bytes,
  * must be a multiple of `vector_bytes` (16, 8, 4, 2 or 1), the width of the
- * loads and stores.  At most `max_ctas` CTAs run (0: one per tile). */
+ * loads and stores.  At most `num_ctas` CTAs run (0: one per tile). */
 cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
                                         void *const *host_table,
                                         void *const *device_table,
                                         kvbm_direction direction,
                                         int vector_bytes,
-                                        uint32_t max_ctas,
+                                        uint32_t num_ctas,
                                         cudaStream_t stream);
 
 /* A batch of raw copies: pair i moves size(i) bytes from src[i] to dst[i],
@@ -44,11 +44,11 @@ typedef struct {
     const uint64_t *sizes;
     uint64_t uniform_size;
     uint32_t slices;   /* shares per pair, each moved by one CTA step */
-    uint32_t max_ctas; /* at most this many CTAs (0: one per share) */
+    uint32_t num_ctas; /* at most this many CTAs (0: one per share) */
 } kvbm_pairs;
 
 /* Enqueues every pair of `pairs` in one launch of count * slices shares (the
- * caller keeps that below 2^31), at most max_ctas CTAs.  Each pair moves with the widest vector
+ * caller keeps that below 2^31), at most num_ctas CTAs.  Each pair moves with the widest vector
  * (16, 8, 4, 2 or 1 bytes) that both its addresses and its size allow.
  * When `by_value` is not NULL it holds the lists themselves, src then dst
  * then (if pairs->sizes is not NULL) sizes, at most
@@ -62,10 +62,10 @@ cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_v
  * values) is `device_table` in device memory or, when that is NULL, read
  * from `host_table` and passed by value (at most KVBM_TABLE_BY_VALUE_MAX
  * values).  Every address, stride and the segment size must be a multiple of
- * `vector_bytes`.  At most `max_ctas` CTAs run (0: one per tile). */
+ * `vector_bytes`.  At most `num_ctas` CTAs run (0: one per tile). */
 cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
                               const uint64_t *host_table, const uint64_t *device_table,
-                              int vector_bytes, uint32_t max_ctas, cudaStream_t stream);
+                              int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
 
 /* Moves move->p.nb blocks from one paged cache to another in one launch, as
  * kvbm_to_cache.h describes; move->p has been planned (kvbm_paged_plan).
@@ -73,10 +73,10 @@ cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresse
  * device memory or, when that is NULL, read from `host_table` and passed
  * by value (at most KVBM_TABLE_BY_VALUE_MAX values).  Every address, stride
  * and the segment size must be a multiple of `vector_bytes`.  At most
- * `max_ctas` CTAs run (0: one per tile). */
+ * `num_ctas` CTAs run (0: one per tile). */
 cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_ids *ids,
                                  const uint64_t *host_table, const uint64_t *device_table,
-                                 int vector_bytes, uint32_t max_ctas, cudaStream_t stream);
+                                 int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
 
 /* Vectors of 16 bytes that one CTA of kvbm_launch_copy_pairs moves per step:
  * the slice size a caller aims for when it picks `slices`. */

@@ -1,6 +1,7 @@
 /* The block <-> universal layout definition, shared by the CPU implementation
  * (csrc/cpu_copy.c) and the CUDA kernels (cuda/block_universal.cu), so the two
- * cannot disagree about where a byte goes.
+ * cannot disagree about where a byte goes; and what one launch of any kernel
+ * can take, which the C side checks before it launches.
  *
  * A block stack holds `nchunks = nl * no` chunks per block, chunk c = l*no + o,
  * each [nt, nh, hd] (NHD) or [nh, nt, hd] (HND), each its own allocation.  An
@@ -63,6 +64,37 @@ KVBM_HOST_DEVICE uint32_t kvbm_div(kvbm_divisor v, uint32_t n)
     return (uint32_t)(((uint64_t)high + n) >> v.shift);
 }
 
+/* What one launch can take, the same for every kernel. */
+
+/* The widest vector (16, 8, 4, 2 or 1 bytes) that `bits`, the OR of every
+ * address, stride and size a kernel moves, allows: its lowest set bit, 16
+ * at most. */
+KVBM_HOST_DEVICE int kvbm_vector_bytes(uint64_t bits)
+{
+    bits |= 16;
+    return (int)(bits & (~bits + 1));
+}
+
+/* The least a tile moves of a chunk that spans several tiles: kThreads
+ * (256) threads of kUnroll (4) vectors of at least one byte
+ * (kvbm_device.cuh, Tiling). */
+#define KVBM_TILE_MIN_BYTES 1024
+
+/* Whether one launch can move `blocks` blocks of chunks_per_block chunks
+ * of chunk_bytes each.  The kernels count in 32 bits: a chunk's vectors
+ * (one-byte vectors at worst, so chunk_bytes below 2^32) and the call's
+ * tiles (signed), of which a chunk has at most chunk_bytes /
+ * KVBM_TILE_MIN_BYTES + 1; a call that moves nothing always fits. */
+KVBM_HOST_DEVICE int kvbm_fits_one_launch(int64_t blocks, int64_t chunks_per_block, int64_t chunk_bytes)
+{
+    if (blocks == 0 || chunks_per_block == 0 || chunk_bytes == 0)
+        return 1;
+    if (chunk_bytes > (int64_t)UINT32_MAX)
+        return 0;
+    const int64_t tiles_per_chunk = chunk_bytes / KVBM_TILE_MIN_BYTES + 1;
+    return blocks <= (int64_t)INT32_MAX / tiles_per_chunk / chunks_per_block;
+}
+
 typedef struct {
     int64_t nb;        /* blocks in the call */
     int64_t nchunks;   /* nl * no chunks per block */
@@ -111,7 +143,7 @@ KVBM_HOST_DEVICE int64_t kvbm_segments_per_chunk(const kvbm_block_dims *d)
 }
 
 /* The (head, first token) of segment s of a chunk.  Segments per chunk fit
- * in 32 bits (checked when the call is validated). */
+ * in 32 bits (kvbm_fits_one_launch). */
 KVBM_HOST_DEVICE void kvbm_segment_start(const kvbm_block_dims *d, uint32_t s,
                                          int64_t *h, int64_t *t)
 {

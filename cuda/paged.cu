@@ -1,7 +1,7 @@
 // Paged KV cache <-> universal or operational blocks.
 //
 // A chunk is (block b, moved layer i, outer o); CTAs move tiles of chunks
-// (Tiling, kvbm_device.cuh) in a grid-stride loop, so `max_ctas` bounds the
+// (Tiling, kvbm_device.cuh) in a grid-stride loop, so `num_ctas` bounds the
 // SMs a transfer takes without changing what it moves.  Each thread moves
 // kUnroll vectors (move_vectors).  Block ids and flat addresses come from the
 // launch's parameters, the device or both; where a byte goes is decided by
@@ -30,7 +30,8 @@ __device__ __forceinline__ int64_t block_id(const Table &table, const Params &p,
 {
     if (p.a.ids == nullptr)
         return (int64_t)table[p.bases + b];
-    return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b] : static_cast<const int64_t *>(p.a.ids)[b];
+    return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b]
+                         : static_cast<const int64_t *>(p.a.ids)[b];
 }
 
 template <class Table>
@@ -93,10 +94,10 @@ static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 40
 
 extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
                                          const uint64_t *host_table, const uint64_t *device_table,
-                                         int vector_bytes, uint32_t max_ctas, cudaStream_t stream)
+                                         int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
 {
-    // The caller has validated that the counts below fit in 32 bits and the
-    // tiles below 2^31.
+    // The call fits one launch (kvbm_fits_one_launch): a chunk's vectors
+    // and segments in 32 bits, the call's tiles below 2^31.
     const uint32_t vectors_per_chunk = (uint32_t)(paged->segments * paged->segment_bytes / vector_bytes);
     const int64_t chunks = paged->nb * paged->nl * paged->no;
     if (chunks == 0 || vectors_per_chunk == 0)
@@ -106,18 +107,13 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     p.p = *paged;
     p.a = *addresses;
     unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, chunks, max_ctas, &grid, &threads);
+    p.tiling = make_tiling(vectors_per_chunk, chunks, num_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.outers = kvbm_divisor_make((uint32_t)paged->no);
     p.bases = (uint32_t)kvbm_paged_bases(paged);
 
-    switch (vector_bytes) {
-    case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
-    case 8: return launch<8>(p, host_table, device_table, grid, threads, stream);
-    case 4: return launch<4>(p, host_table, device_table, grid, threads, stream);
-    case 2: return launch<2>(p, host_table, device_table, grid, threads, stream);
-    case 1: return launch<1>(p, host_table, device_table, grid, threads, stream);
-    default: return cudaErrorInvalidValue;
-    }
+    return with_vector_bytes(vector_bytes, [&](auto v) {
+        return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
+    });
 }

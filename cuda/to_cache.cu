@@ -2,7 +2,7 @@
 //
 // A chunk is (block b, moved layer i, outer o), at table entry i*no + o of
 // each side (kvbm_to_cache.h); CTAs move tiles of chunks in a grid-stride
-// loop, as the paged kernel does, so `max_ctas` bounds the SMs a transfer
+// loop, as the paged kernel does, so `num_ctas` bounds the SMs a transfer
 // takes without changing what it moves.  Where a byte goes is decided by
 // kvbm_to_cache.h and kvbm_paged.h, the code the CPU path runs too.
 #include <stdint.h>
@@ -81,7 +81,7 @@ static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 40
 
 extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_ids *ids,
                                             const uint64_t *host_table, const uint64_t *device_table,
-                                            int vector_bytes, uint32_t max_ctas, cudaStream_t stream)
+                                            int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
 {
     // The caller has validated that the counts below fit in 32 bits and the
     // tiles below 2^31.
@@ -95,19 +95,14 @@ extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvb
     p.m = *move;
     p.ids = *ids;
     unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, chunks, max_ctas, &grid, &threads);
+    p.tiling = make_tiling(vectors_per_chunk, chunks, num_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.bases = (uint32_t)kvbm_to_cache_bases(move);
     p.src_ids_at = (uint32_t)kvbm_to_cache_src_ids_at(move);
     p.dst_ids_at = (uint32_t)kvbm_to_cache_dst_ids_at(move, ids);
 
-    switch (vector_bytes) {
-    case 16: return launch<16>(p, host_table, device_table, grid, threads, stream);
-    case 8: return launch<8>(p, host_table, device_table, grid, threads, stream);
-    case 4: return launch<4>(p, host_table, device_table, grid, threads, stream);
-    case 2: return launch<2>(p, host_table, device_table, grid, threads, stream);
-    case 1: return launch<1>(p, host_table, device_table, grid, threads, stream);
-    default: return cudaErrorInvalidValue;
-    }
+    return with_vector_bytes(vector_bytes, [&](auto v) {
+        return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
+    });
 }

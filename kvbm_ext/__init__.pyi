@@ -209,11 +209,12 @@ class PagedKVCache:
         operationals: Sequence[_Array] | _Array,
         /,
         *,
-        inner: str = "NHD",
+        layout: str = "NHD",
         layers: SupportsIndex | slice | range | None = None,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,
+        inner: str | None = None,
     ) -> None: ...
     def from_operational(
         self,
@@ -221,11 +222,12 @@ class PagedKVCache:
         block_ids: _BlockIds,
         /,
         *,
-        inner: str = "NHD",
+        layout: str = "NHD",
         layers: SupportsIndex | slice | range | None = None,
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,
+        inner: str | None = None,
     ) -> None: ...
     def to_cache(
         self,

@@ -75,11 +75,15 @@ def test_operational_both_ways(device, spelling):
 @pytest.mark.parametrize("spelling,backend", BACKENDS)
 @pytest.mark.parametrize("name", ["block_to_operational", "operational_to_block"])
 def test_backend_spellings_name_kvbm_ext_backends(monkeypatch, name, spelling, backend):
+    """A GPU call gets the backend the spelling names; a call that can only run on the CPU
+    gets "auto", the one backend kvbm_ext takes there."""
     seen = []
     monkeypatch.setattr(kvbm_ext, name, lambda *args, **kwargs: seen.append(kwargs["backend"]))
     flat = torch.zeros(2, 2, 6)
     getattr(ctk, name)(flat, flat, spelling)
-    assert seen == [backend]
+    monkeypatch.setattr(ctk, "_runs_on_cpu", lambda flats: False)
+    getattr(ctk, name)(flat, flat, spelling)
+    assert seen == ["auto", backend]
 
 
 def test_empty_batch_does_nothing_whatever_the_blocks():

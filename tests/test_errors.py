@@ -389,7 +389,7 @@ class IndexOnly:
         return self.value
 
 
-STREAM_INTS = {"np.uint64(0)": np.uint64(0), "np.uint64(2**64-1)": np.uint64(2**64 - 1), "np.int64(7)": np.int64(7),
+STREAM_INTS = {"np.uint64(0)": np.uint64(0), "np.uint64(2**64-2)": np.uint64(2**64 - 2), "np.int64(7)": np.int64(7),
                "np.int32(1)": np.int32(1), "__index__": IndexOnly(3)}
 
 
@@ -397,25 +397,25 @@ STREAM_INTS = {"np.uint64(0)": np.uint64(0), "np.uint64(2**64-1)": np.uint64(2**
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_stream_with_index_is_a_handle_like_an_int(direction, stream, gen):
     """A stream handle given as an object with __index__ (NumPy integer scalars) is taken
-    as the int it stands for; host calls run on the CPU whatever the stream."""
+    as the int it stands for: host calls, which run on the CPU, then refuse it as an
+    option only a GPU move takes (a value that is no handle is refused as such)."""
     blocks, universals = case(gen)
-    if direction == "b2u":
-        b2u_and_check(blocks, universals, "NHD", NO, stream=stream)
-    else:
-        u2b_and_check(universals, blocks, "NHD", stream=stream)
+    check_rejected(direction, blocks, universals, ValueError, "stream", "orders a GPU move", stream=stream)
 
 
 def test_paged_stream_with_index_is_a_handle_like_an_int(gen):
     layers = [torch.randn((2, 4, NT, NH, HD), generator=gen) for _ in range(NL)]
     cache = kvbm_ext.PagedKVCache(layers, "kbthd")
-    universals = [torch.zeros(NH, NL, 2, NT, HD) for _ in range(2)]
-    cache.to_universal([3, 0], universals, stream=np.uint64(0))
-    assert torch.equal(universals[0][:, 1, 0], layers[1][0, 3].permute(1, 0, 2))
+    universals = [torch.full((NH, NL, 2, NT, HD), -3.5) for _ in range(2)]
+    with pytest.raises(ValueError, match=path_regex("stream")) as info:
+        cache.to_universal([3, 0], universals, stream=np.uint64(0))
+    assert "orders a GPU move" in str(info.value), str(info.value)
+    assert all(torch.equal(u, torch.full_like(u, -3.5)) for u in universals)
 
 
 @pytest.mark.parametrize("bad,exc", [(IndexOnly(2**64), ValueError), (IndexOnly(-1), ValueError),
-                                     (True, TypeError), (np.float64(1.0), TypeError)],
-                         ids=["2**64", "-1", "bool", "np.float64"])
+                                     (np.uint64(2**64 - 1), ValueError), (True, TypeError), (np.float64(1.0), TypeError)],
+                         ids=["2**64", "-1", "2**64-1", "bool", "np.float64"])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_stream_index_out_of_range_or_not_an_int(direction, bad, exc, gen):
     blocks, universals = case(gen)
@@ -571,11 +571,11 @@ class RaisingIndex:
                          ids=["np.int64", "np.uint8", "np.int32", "torch-0d", "__index__"])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_num_ctas_takes_any_index_int(direction, value, gen):
+    """Read as the int it stands for (the message gives it back): host calls, which run on
+    the CPU, then refuse it as an option only a GPU move takes."""
     blocks, universals = case(gen)
-    if direction == "b2u":
-        b2u_and_check(blocks, universals, "NHD", NO, num_ctas=value)
-    else:
-        u2b_and_check(universals, blocks, "NHD", num_ctas=value)
+    check_rejected(direction, blocks, universals, ValueError, "num_ctas", "num_ctas: 3 bounds the CUDA blocks",
+                   num_ctas=value)
 
 
 @pytest.mark.parametrize("bad,exc", [(True, TypeError), (np.True_, TypeError), (2.0, TypeError),

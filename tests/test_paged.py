@@ -900,11 +900,16 @@ def test_host_zero_blocks(form, gen):
 
 
 @pytest.mark.parametrize("num_ctas", [None, 1, 3, 1000])
-def test_host_num_ctas_is_accepted_and_ignored(num_ctas, gen):
+def test_host_num_ctas_is_refused_unless_none(num_ctas, gen):
+    """A host cache runs on the CPU: num_ctas=None runs, a bound (GPU only) is refused."""
     case = CacheCase("kbthd", 2, 6, 2, 2, 3, 5, torch.bfloat16, gen)
     cache = case.build()
     for method in METHODS:
-        check(case, cache, method, [4, 1, 5], gen, num_ctas=num_ctas, stream=None)
+        if num_ctas is None:
+            check(case, cache, method, [4, 1, 5], gen, num_ctas=num_ctas, stream=None)
+        else:
+            reject(case, cache, method, [4, 1, 5], good_other(case, method, gen), ValueError, "num_ctas",
+                   f"num_ctas: {num_ctas} bounds the CUDA blocks", num_ctas=num_ctas)
 
 
 @pytest.mark.parametrize("inner", ["nhd", "hnd", "Hnd", "nHD"])

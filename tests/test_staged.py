@@ -13,9 +13,10 @@ any byte is written. After a call only the CALLER'S stream is synchronized befor
 (not the whole device), so a missing join shows up as wrong bytes.
 
 Sections:
-  1. host (runs everywhere): the checking helper; backend / num_ctas accepted on host
-     arrays and host caches, and validated there and (marked gpu) with pinned memory in a
-     GPU call; set_staging / staging_info / reserve_staging arguments
+  1. host (runs everywhere): the checking helper; backend / num_ctas read and validated on
+     host arrays and host caches, where only their defaults run (the CPU takes no GPU
+     option), and validated (marked gpu) with pinned memory in a GPU call;
+     set_staging / staging_info / reserve_staging arguments
   2. GPU: every conversion with pinned memory and every backend (list API, PagedKVCache),
      layers and offsets, mixed placements, stream forms, transfers needing many pieces
   3. GPU: a small staging (slots wrap many times; blocks larger than the staging)
@@ -301,17 +302,26 @@ HOST_SHAPE = (3, 2, 2, 3, 4, 5)  # nb, nl, no, nh, nt, hd (nt != nh: NHD and HND
 @pytest.mark.parametrize("backend", BACKENDS + ["COPY_ENGINES", "Auto", "kerNEL", "Batch", "ASYNC"])
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
 def test_host_list_every_backend_value(direction, backend, gen):
-    """Every backend value (any case) is accepted on host arrays; the CPU path gives the
-    reference's bytes."""
+    """Every backend value (any case) is read on host arrays: "auto" runs on the CPU with the
+    reference's bytes; the others, which pick how a GPU moves the bytes, are refused naming
+    the backend read, before any byte is written."""
     src, dst = list_arrays(direction, HOST_SHAPE, torch.bfloat16, "HND", gen, "pageable", "pageable")
-    list_check(direction, src, dst, "HND", stream_form="host", backend=backend)
+    if backend.lower() == "auto":
+        list_check(direction, src, dst, "HND", stream_form="host", backend=backend)
+    else:
+        expect_rejected(lambda: list_call(direction, src, dst, "HND", backend=backend), src, dst, ValueError,
+                        "backend", (f'"{backend.lower()}" picks how a GPU',))
 
 
 @pytest.mark.parametrize("num_ctas", [None, 1, 8, 1000])
 @pytest.mark.parametrize("direction", LIST_DIRECTIONS)
-def test_host_list_num_ctas_accepted_and_ignored(direction, num_ctas, gen):
+def test_host_list_num_ctas_none_runs_a_bound_is_refused(direction, num_ctas, gen):
     src, dst = list_arrays(direction, HOST_SHAPE, torch.float16, "NHD", gen, "pageable", "pageable")
-    list_check(direction, src, dst, "NHD", stream_form="host", num_ctas=num_ctas)
+    if num_ctas is None:
+        list_check(direction, src, dst, "NHD", stream_form="host", num_ctas=num_ctas)
+    else:
+        expect_rejected(lambda: list_call(direction, src, dst, "NHD", num_ctas=num_ctas), src, dst, ValueError,
+                        "num_ctas", (f"num_ctas: {num_ctas} bounds the CUDA blocks",))
 
 
 BAD_BACKENDS = [("copy-engine", ValueError), ("copy engines", ValueError), ("", ValueError),
@@ -356,10 +366,18 @@ def host_cache(gen, layout="kbthd"):
 @pytest.mark.parametrize("backend", BACKENDS + ["COPY_ENGINES", "Kernel"])
 @pytest.mark.parametrize("direction", PAGED_DIRECTIONS)
 def test_host_cache_every_backend_value(direction, backend, gen):
+    """A host cache runs on the CPU: "auto" moves the reference's bytes, the other backends
+    (GPU only) are refused naming the backend read."""
     case, cache = host_cache(gen)
-    kwargs = {"NH": case.nh + 1, "head_offset": 1} if "universal" in direction else {}
-    paged_check(case, cache, direction, [7, 0, 4], gen, where="host", form="list", stream_form="host",
-                backend=backend, **kwargs)
+    if backend.lower() == "auto":
+        kwargs = {"NH": case.nh + 1, "head_offset": 1} if "universal" in direction else {}
+        paged_check(case, cache, direction, [7, 0, 4], gen, where="host", form="list", stream_form="host",
+                    backend=backend, **kwargs)
+        return
+    method, _ = split(direction)
+    other = paged_other(case, method, 3, gen, where="host", form="list").arg
+    paged_reject(case, cache, method, [4, 0, 7], other, ValueError, "backend", f'"{backend.lower()}" picks how a GPU',
+                 backend=backend)
 
 
 @pytest.mark.parametrize("argument,bad,exc", BAD_ARGUMENTS, ids=bad_id)

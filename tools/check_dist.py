@@ -26,8 +26,9 @@ from readme import relative_links
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUPPORTED = ("3.10", "3.11", "3.12", "3.13")   # requires-python and the classifiers
-# Tracked but not shipped: CI configuration and measured results (nothing builds or tests with them).
-NOT_SHIPPED = (".ci/", ".gitignore", "benchmarks/results/")
+# Tracked but not shipped: CI configuration, the formatter's settings and measured results (nothing builds or
+# tests with them).
+NOT_SHIPPED = (".ci/", ".clang-format", ".gitignore", "benchmarks/results/")
 BUILT = (".so", ".o", ".pyc", ".pyd")
 WHEEL_FILES = ("kvbm_ext/__init__.py", "kvbm_ext/__init__.pyi", "kvbm_ext/py.typed", "kvbm_ext/__main__.py",
                "kvbm_ext/_debug.py", "kvbm_ext/_no_gpu.py", "kvbm_ext/compat/__init__.py", "kvbm_ext/compat/dynamo.py",

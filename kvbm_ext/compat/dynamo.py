@@ -72,7 +72,7 @@ def block_to_operational(blocks, operationals, backend=None):
     backend = _backend(backend)
     flats = _tensor_list(operationals, "operationals")
     if flats:
-        _synchronized(kvbm_ext.block_to_operational, flats, blocks, flats, backend=backend)
+        _synchronized(kvbm_ext.block_to_operational, flats, blocks, flats, backend=_backend_for(flats, backend))
 
 
 def operational_to_block(operationals, blocks, backend=None):
@@ -80,7 +80,7 @@ def operational_to_block(operationals, blocks, backend=None):
     backend = _backend(backend)
     flats = _tensor_list(operationals, "operationals")
     if flats:
-        _synchronized(kvbm_ext.operational_to_block, flats, flats, blocks, backend=backend)
+        _synchronized(kvbm_ext.operational_to_block, flats, flats, blocks, backend=_backend_for(flats, backend))
 
 
 def _layout(layout):
@@ -101,6 +101,18 @@ def _backend(backend):
     if canonical is None:
         raise ValueError(f"backend: unknown backend {backend!r}, expected 'auto', 'kernel', 'async' or 'batch'")
     return canonical
+
+
+def _runs_on_cpu(flats):
+    """True when no operational is in device or pinned memory: then the call can only run
+    on the CPU, or be refused for mixing pageable memory with device memory."""
+    return not any(isinstance(f, torch.Tensor) and (f.is_cuda or f.is_pinned()) for f in flats)
+
+
+def _backend_for(flats, backend):
+    """Dynamo's backend picks a GPU path; kvbm_ext refuses one on the CPU, where Dynamo's
+    spellings are read and checked and the CPU path runs."""
+    return "auto" if _runs_on_cpu(flats) else backend
 
 
 def _tensor_list(flats, name):

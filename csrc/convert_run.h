@@ -1,9 +1,17 @@
-/* What convert.c (reading and checking a conversion's arguments) and
- * convert_run.c (placing and running it) share. */
-#ifndef KVBM_CONVERT_INTERNAL_H
-#define KVBM_CONVERT_INTERNAL_H
+/* A conversion's call as convert.c reads and checks its arguments
+ * (kv_call), and running it once they are (convert_run.c). */
+#ifndef KVBM_CONVERT_RUN_H
+#define KVBM_CONVERT_RUN_H
 
-#include "convert.h"
+#include "options.h"
+#include "state.h"
+
+/* The three conversions, by the arrays on each side. */
+typedef enum {
+    KV_BLOCK_UNIVERSAL,       /* flat side: universals; other: blocks */
+    KV_UNIVERSAL_OPERATIONAL, /* flat side: universals; other: operationals */
+    KV_BLOCK_OPERATIONAL,     /* flat side: operationals; other: blocks */
+} kv_conversion;
 
 /* One side of a call as given: a sequence of arrays, one per block, or one
  * array, either a single block (a 5-D universal, a 3-D operational) or a
@@ -29,11 +37,8 @@ typedef struct {
     kv_conversion conversion;
     int to_flat; /* the bytes move into the flat side */
     kvbm_layout layout;
-    kv_backend backend;
-    uint32_t num_ctas; /* 0: not given */
+    kv_move_options options;
     const char *function;
-    intptr_t stream;
-    int stream_none; /* stream=None: the arrays' framework's current stream (kv_target_default_stream) */
     kv_state *state;
     kv_reader reader;
     kv_side flat, other;
@@ -59,6 +64,12 @@ static inline int kv_call_writes(const kv_call *call, Py_ssize_t i)
     return (i < call->nb) == call->to_flat;
 }
 
+/* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
+static inline const kv_side *kv_call_side(const kv_call *call, Py_ssize_t i)
+{
+    return i < call->nb ? &call->flat : call->other_is_blocks ? NULL : &call->other;
+}
+
 /* Where arrays[i] sits in the arguments. */
 kv_path kv_call_path(const kv_call *call, Py_ssize_t i);
 
@@ -68,4 +79,4 @@ kv_path kv_call_path(const kv_call *call, Py_ssize_t i);
  * copy backends or the CPU.  Returns 0, or -1 with an exception. */
 int kv_convert_run(kv_call *call);
 
-#endif /* KVBM_CONVERT_INTERNAL_H */
+#endif /* KVBM_CONVERT_RUN_H */
