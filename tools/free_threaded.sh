@@ -55,7 +55,8 @@ build() {
     local tree="$1" flags="$2"
     mkdir -p "$tree"
     cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" \
-        "$root/LICENSE" "$root/tests" "$root/tools" "$root/benchmarks" "$root/examples" "$tree/"
+        "$root/LICENSE" "$root/tests" "$root/tools" "$root/benchmarks" "$root/examples" \
+        "$root/docs" "$root/CHANGELOG.md" "$tree/"
     rm -f "$tree"/kvbm_ext/*.so
     (cd "$tree" && PATH=/usr/bin:/bin CUDA_HOME=/nonexistent CUDA_PATH=/nonexistent CFLAGS="$flags" \
         LDFLAGS="$flags" "$py" setup.py build_ext --inplace > build.log 2>&1) || { tail -30 "$tree/build.log"; exit 1; }
