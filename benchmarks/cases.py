@@ -642,7 +642,7 @@ def paged_cases(gpu, shape, layouts):
                                             num_ctas, kinds=("device_ids",))
         for placement, arena in placements(shape.device_b, shape.pinned):
             cases += paged_kv_cases(fields, placement, setup, operational_pairing(setup, arena),
-                                    PAGED_OP_DIRECTIONS, gpu.stream, gpu.sms, inner=layout)
+                                    PAGED_OP_DIRECTIONS, gpu.stream, gpu.sms, layout=layout)
     return cases
 
 GROUPS = {

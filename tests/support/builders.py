@@ -340,9 +340,9 @@ def block_buffers(form, nb, shape, dtype, gen, device="cpu", pin=False):
 
 
 def split(direction):
-    """A PagedKVCache method code 'to_operational:HND' -> ('to_operational', {'inner': 'HND'})."""
-    method, _, inner = direction.partition(":")
-    return method, ({"inner": inner} if inner else {})
+    """A PagedKVCache method code 'to_operational:HND' -> ('to_operational', {'layout': 'HND'})."""
+    method, _, layout = direction.partition(":")
+    return method, ({"layout": layout} if layout else {})
 
 
 def pick_ids(NB, nb, gen):
