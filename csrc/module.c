@@ -7,6 +7,7 @@
 #include "copy.h"
 #include "host_buffer.h"
 #include "paged.h"
+#include "staging_api.h"
 #include "state.h"
 #include "target.h"
 
@@ -241,83 +242,6 @@ static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
     return PyBool_FromLong(kv_gpu_batch_available());
 }
 
-/* ------------------------------------------------------------ staging */
-
-/* The device a staging function (`function`) names, from its one optional
- * argument `device`: None for the current one.  -1 with an exception. */
-static int staging_device(const char *function, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    static const char *const names[] = {"device", NULL};
-    const kv_signature signature = {function, names, 0, 0, 1};
-    PyObject *device;
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, &device) < 0
-        || kv_require_device(function, "its staging memory is device memory") < 0)
-        return -1;
-    if (device == NULL || device == Py_None)
-        return kv_gpu_current_device();
-    int64_t index;
-    if (kv_parse_int(device, "device", 0, INT32_MAX, 0, 0, &index) < 0)
-        return -1;
-    const int count = kv_gpu_device_count();
-    if (index >= count) {
-        PyErr_Format(PyExc_ValueError, "device: cuda:%lld does not exist (%d CUDA devices)", (long long)index, count);
-        return -1;
-    }
-    return (int)index;
-}
-
-PyDoc_STRVAR(set_staging_doc,
-             "set_staging(size_bytes=None, *, lanes=None)\n--\n\n"
-             "Size the device staging memory of the copy-engine path (backend \"auto\" or\n"
-             "\"copy_engines\" with pinned host memory): size_bytes per CUDA device (at least\n"
-             "1 MiB; default 96 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
-             "one stream at a time: calls on up to `lanes` streams at once never share staging,\n"
-             "more queue behind each other.  None keeps the current value.  Staging already\n"
-             "allocated is freed (after the work that uses it) and allocated anew, at the new\n"
-             "size, by the next call that needs it.");
-
-static PyObject *set_staging(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    static const char *const names[] = {"size_bytes", "lanes", NULL};
-    static const kv_signature signature = {"set_staging", names, 0, 0, 1};
-    PyObject *v[2];
-    int64_t bytes, count;
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
-        || kv_parse_int(v[0], "size_bytes", (int64_t)1 << 20, (int64_t)1 << 40, -1, 1, &bytes) < 0
-        || kv_parse_int(v[1], "lanes", 1, 16, -1, 1, &count) < 0
-        || kv_gpu_set_staging(state_of(module)->gpu, bytes, (int)count) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(reserve_staging_doc,
-             "reserve_staging(device=None)\n--\n\n"
-             "Allocate the staging memory of `device` (an index; None: the current device)\n"
-             "now rather than on first need, and the lane that staged calls use while their\n"
-             "stream is captured into a CUDA graph.  Call it before capturing such calls.\n"
-             "Graphs holding staged calls share that lane: do not replay two of them at once\n"
-             "on different streams.  RuntimeError without a CUDA device.");
-
-static PyObject *reserve_staging(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    const int index = staging_device("reserve_staging", args, nargs, kwnames);
-    if (index < 0 || kv_gpu_reserve_staging(state_of(module)->gpu, index) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(staging_info_doc,
-             "staging_info(device=None)\n--\n\n"
-             "The staging memory of `device` (None: the current device): {\"device\",\n"
-             "\"size_bytes\", \"lanes\", \"lane_bytes\", \"allocated\", \"capture_reserved\"}.\n"
-             "RuntimeError without a CUDA device.");
-
-static PyObject *staging_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    const int index = staging_device("staging_info", args, nargs, kwnames);
-    return index < 0 ? NULL : kv_gpu_staging_info(state_of(module)->gpu, index);
-}
-
 /* ------------------------------------------------------------ build facts */
 
 PyDoc_STRVAR(is_using_stubs_doc,
@@ -388,10 +312,11 @@ static PyMethodDef module_methods[] = {
      vectorized_copy_doc},
     {"memcpy_batch", (PyCFunction)(void (*)(void))memcpy_batch, METH_FASTCALL | METH_KEYWORDS, memcpy_batch_doc},
     {"is_memcpy_batch_available", is_memcpy_batch_available, METH_NOARGS, is_memcpy_batch_available_doc},
-    {"set_staging", (PyCFunction)(void (*)(void))set_staging, METH_FASTCALL | METH_KEYWORDS, set_staging_doc},
-    {"reserve_staging", (PyCFunction)(void (*)(void))reserve_staging, METH_FASTCALL | METH_KEYWORDS,
-     reserve_staging_doc},
-    {"staging_info", (PyCFunction)(void (*)(void))staging_info, METH_FASTCALL | METH_KEYWORDS, staging_info_doc},
+    {"set_staging", (PyCFunction)(void (*)(void))kv_set_staging, METH_FASTCALL | METH_KEYWORDS, kv_set_staging_doc},
+    {"reserve_staging", (PyCFunction)(void (*)(void))kv_reserve_staging, METH_FASTCALL | METH_KEYWORDS,
+     kv_reserve_staging_doc},
+    {"staging_info", (PyCFunction)(void (*)(void))kv_staging_info, METH_FASTCALL | METH_KEYWORDS,
+     kv_staging_info_doc},
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},

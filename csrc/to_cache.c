@@ -65,7 +65,8 @@ static int place(kv_to_cache_call *call)
         return kv_error(PyExc_ValueError, "dst: on cuda:%d, but the cache is on cuda:%d; a call runs on one device",
                         dst->device, src->device);
     call->device = src->device >= 0 ? src->device : dst->device;
-    kv_target_init(&call->target, call->options.move.stream, call->device, src->device >= 0 ? "the cache is" : "dst is");
+    kv_target_init(&call->target, call->options.move.stream, call->device,
+                   src->device >= 0 ? "the cache is" : "dst is");
     const kv_paged_cache *host = src->device < 0 ? src : dst;
     if (call->device < 0 || (src->device >= 0 && dst->device >= 0))
         return 0;

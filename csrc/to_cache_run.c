@@ -217,8 +217,9 @@ static int run_on_gpu(kv_to_cache_call *call, const kvbm_to_cache *m, const kvbm
     move.table = table;
     move.entries = kvbm_to_cache_table_entries(m, ids);
     move.vector_bytes = vector_bytes;
-    const int rc = kv_route_move(call->state->gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
-                                 unstageable, &call->options.move, "PagedKVCache.to_cache");
+    const kv_staged *pinned_side = target->pinned && unstageable == NULL ? &staged : NULL;
+    const int rc = kv_route_move(call->state->gpu, target, &move, pinned_side, unstageable, &call->options.move,
+                                 "PagedKVCache.to_cache");
     PyMem_Free(addresses);
     return rc;
 }

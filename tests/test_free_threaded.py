@@ -297,7 +297,7 @@ class Worker:
     def op_paged_to_operational(self):
         ids, inner = self.some_ids(), self.random.choice(("NHD", "HND"))
         poison([self.ops])
-        self.s.cache.to_operational(np.array(ids), list(self.ops), inner=inner)
+        self.s.cache.to_operational(np.array(ids), list(self.ops), layout=inner)
         expect_equal(self.ops, paged_operational(self.s.layers, ids, inner), f"PagedKVCache.to_operational {inner}")
 
     def op_paged_from_universal(self):
@@ -308,7 +308,7 @@ class Worker:
     def op_paged_from_operational(self):
         ids, inner = self.random.sample(self.own, NB), self.random.choice(("NHD", "HND"))
         source = random_array(self.rng, (NB, NL, NO, NT * NH * HD))
-        self.s.cache.from_operational(source, ids, inner=inner)
+        self.s.cache.from_operational(source, ids, layout=inner)
         expect_equal(paged_operational(self.s.layers, ids, inner), source, f"PagedKVCache.from_operational {inner}")
 
     def op_paged_construct(self):
