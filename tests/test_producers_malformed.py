@@ -150,7 +150,7 @@ def test_null_strides_describe_a_strided_array_as_compact():
     assert not np.array_equal(read_as.view(np.uint16), view.view(np.uint16))
 
 
-@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA GPU visible to torch")
+@pytest.mark.gpu
 @pytest.mark.parametrize("route", ROUTES)
 def test_gpu_malformed_device_producer_is_a_clean_error(route):
     """A producer claiming a CUDA array with a NULL shape or a huge ndim: refused before the

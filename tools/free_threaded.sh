@@ -11,8 +11,9 @@
 #   2. pytest over tests/ with tools/without_torch.py: torch has no wheel for this
 #      interpreter, so the files that import it are reported skipped and the others run
 #      (today test_free_threaded, test_fuzz, test_cli, test_packaging, test_readme, with
-#      the tests of theirs that need torch or a GPU skipped); test_bench.py is left out,
-#      since every script it runs imports torch.  The stress runs KVBM_EXT_STRESS_SECONDS
+#      the tests of theirs that need torch or a GPU skipped); test_bench.py and
+#      test_bench_units.py are left out, since every script they run imports torch.
+#      The stress runs KVBM_EXT_STRESS_SECONDS
 #      (default 30) with 16 threads;
 #   3. the stress again, 16 threads for the same time, against a copy built with
 #      -fsanitize=thread, libtsan preloaded: any report fails the run.
@@ -69,7 +70,7 @@ assert not sys._is_gil_enabled(), "importing kvbm_ext turned the GIL on"
 print("kvbm_ext", kvbm_ext.__version__, "imported on", sys.version.split()[0], "free-threaded: GIL off")'
 # PYTHONPATH: the tests' child interpreters (the fuzzer's workers) import this build too.
 KVBM_EXT_STRESS_SECONDS="$seconds" PYTHONPATH="$PWD:$PWD/tools" "$py" -m pytest -p without_torch --noconftest \
-    -p no:cacheprovider -q -rs --ignore=tests/test_bench.py tests
+    -p no:cacheprovider -q -rs --ignore=tests/test_bench.py --ignore=tests/test_bench_units.py tests
 
 build "$work/tsan" "-fsanitize=thread -g -O1 -fno-omit-frame-pointer"
 cd "$work/tsan"

@@ -44,6 +44,13 @@ def gen():
     pytest.skip(f"{NO_TORCH} (the gen fixture is a torch.Generator)")
 
 
+def pytest_collection_modifyitems(items):
+    """tests/conftest.py skips a test marked gpu where no GPU is visible; here none is."""
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=f"{NO_TORCH} (and a CUDA GPU)"))
+
+
 def pytest_configure(config):
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
