@@ -2,6 +2,7 @@
  * settings of the staging memory (staging.c) and its allocation ahead of
  * need.  See gpu.h. */
 #include "gpu_internal.h"
+#include "kvbm_kernels.h"
 
 int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
 {
@@ -25,6 +26,19 @@ int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
     return 0;
 }
 
+/* Every kernel of the extension loaded on the current device. */
+static int load_kernels(kv_failure *f)
+{
+    cudaError_t (*const loaders[])(void) = {kvbm_load_block_universal, kvbm_load_copy_pairs, kvbm_load_paged,
+                                            kvbm_load_to_cache};
+    for (size_t i = 0; i < sizeof loaders / sizeof *loaders; i++)
+        if ((f->error = loaders[i]()) != cudaSuccess) {
+            f->what = "loading the kernels";
+            return -1;
+        }
+    return 0;
+}
+
 int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
 {
     /* Held as a call holds it, so that it shares the device selection and
@@ -34,6 +48,8 @@ int kv_gpu_reserve_staging(kv_gpu *gpu, int device)
     int rc = kv_device_enter(gpu, &target, &held);
     if (rc == 0)
         rc = kv_staging_reserve(gpu, held.ring, &held.failure);
+    if (rc == 0)
+        rc = load_kernels(&held.failure);
     return kv_device_leave(&held, rc);
 }
 

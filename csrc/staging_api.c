@@ -59,6 +59,8 @@ const char kv_reserve_staging_doc[] =
     "Allocate the staging memory of `device` (an index; None: the current device)\n"
     "now rather than on first need, and the lane that staged calls use while their\n"
     "stream is captured into a CUDA graph.  Call it before capturing such calls.\n"
+    "It also loads every kernel of the extension on the device: CUDA loads a kernel\n"
+    "at its first launch, and that launch waits until the device is idle.\n"
     "Graphs holding staged calls share that lane: do not replay two of them at once\n"
     "on different streams.  RuntimeError without a CUDA device.";
 

@@ -107,3 +107,14 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
         return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
     });
 }
+
+extern "C" cudaError_t kvbm_load_block_universal(void)
+{
+    return load_every_width([](auto v) {
+        constexpr int V = decltype(v)::value;
+        return load_kernels(block_universal_kernel<V, TableInMemory<void *>>,
+                            block_universal_kernel<V, TableByValue<void *, kTinyTable>>,
+                            block_universal_kernel<V, TableByValue<void *, kSmallTable>>,
+                            block_universal_kernel<V, TableByValue<void *, KVBM_TABLE_BY_VALUE_MAX>>);
+    });
+}

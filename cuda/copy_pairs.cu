@@ -123,3 +123,10 @@ extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uin
     }
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t kvbm_load_copy_pairs(void)
+{
+    return load_kernels(copy_pairs_kernel<ListsInMemory>, copy_pairs_kernel<TableByValue<uint64_t, kTinyTable>>,
+                        copy_pairs_kernel<TableByValue<uint64_t, kSmallTable>>,
+                        copy_pairs_kernel<TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>);
+}

@@ -37,6 +37,30 @@ cudaError_t with_vector_bytes(int vector_bytes, const Launch &launch)
     }
 }
 
+// CUDA loads a kernel at its first launch, and that launch waits for the
+// device to be idle: loading the kernels ahead (kvbm_load_*) keeps it off the
+// calls.  Asking for a kernel's attributes loads it.
+template <class... Kernels>
+cudaError_t load_kernels(Kernels... kernels)
+{
+    cudaFuncAttributes attributes;
+    cudaError_t error = cudaSuccess;
+    ((error = error != cudaSuccess ? error : cudaFuncGetAttributes(&attributes, (const void *)kernels)), ...);
+    return error;
+}
+
+// load(std::integral_constant<int, V>()) for every width with_vector_bytes
+// knows; the first error.
+template <class Load>
+cudaError_t load_every_width(const Load &load)
+{
+    cudaError_t error = cudaSuccess;
+    for (const int vector_bytes : {16, 8, 4, 2, 1})
+        if (error == cudaSuccess)
+            error = with_vector_bytes(vector_bytes, load);
+    return error;
+}
+
 // Moves the vectors j = first + k * stride (k < kUnroll, j < count) of V
 // bytes from src to dst, issuing every load before any store so that each
 // thread keeps kUnroll vectors in flight.  offsets(j, &from, &to) gives the

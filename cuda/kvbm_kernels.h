@@ -78,6 +78,13 @@ cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_
                                  const uint64_t *host_table, const uint64_t *device_table,
                                  int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
 
+/* Load every instance of one file's kernel now (CUDA would at its first
+ * launch, waiting for the device to be idle); on the current device. */
+cudaError_t kvbm_load_block_universal(void);
+cudaError_t kvbm_load_copy_pairs(void);
+cudaError_t kvbm_load_paged(void);
+cudaError_t kvbm_load_to_cache(void);
+
 /* Vectors of 16 bytes that one CTA of kvbm_launch_copy_pairs moves per step:
  * the slice size a caller aims for when it picks `slices`. */
 #define KVBM_COPY_TILE_BYTES (256 * 4 * 16)

@@ -117,3 +117,14 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
         return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
     });
 }
+
+extern "C" cudaError_t kvbm_load_paged(void)
+{
+    return load_every_width([](auto v) {
+        constexpr int V = decltype(v)::value;
+        return load_kernels(paged_kernel<V, TableInMemory<uint64_t>>,
+                            paged_kernel<V, TableByValue<uint64_t, kTinyTable>>,
+                            paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
+                            paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>);
+    });
+}

@@ -106,3 +106,14 @@ extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvb
         return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
     });
 }
+
+extern "C" cudaError_t kvbm_load_to_cache(void)
+{
+    return load_every_width([](auto v) {
+        constexpr int V = decltype(v)::value;
+        return load_kernels(to_cache_kernel<V, TableInMemory<uint64_t>>,
+                            to_cache_kernel<V, TableByValue<uint64_t, kTinyTable>>,
+                            to_cache_kernel<V, TableByValue<uint64_t, kSmallTable>>,
+                            to_cache_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>);
+    });
+}

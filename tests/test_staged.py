@@ -905,6 +905,65 @@ def test_gpu_fresh_process_capture_after_reserve(lifecycle):
     assert lifecycle_value(lifecycle, "returncode")[0] == 0, report
 
 
+FIRST_CALLS_SCRIPT = r"""
+import json, sys, time
+import torch, kvbm_ext
+reserve = sys.argv[1] == "1"
+torch.manual_seed(7)
+source = torch.randn(6, 4, 3, 2, 16, 64, dtype=torch.bfloat16, device="cuda")    # [N, nh, nl, 2, nt, hd]
+targets = {"device": torch.empty_like(source), "pinned": torch.empty(source.shape, dtype=source.dtype).pin_memory()}
+torch.cuda.synchronize()
+if reserve:
+    kvbm_ext.reserve_staging()
+cache = kvbm_ext.PagedKVCache(source, "bhlktd")
+side, mine = torch.cuda.Stream(), torch.cuda.Stream()
+found = {}
+for name, target in targets.items():
+    target.view(torch.int16).fill_(-7)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        start.record()
+        torch.cuda._sleep(400_000_000)
+        end.record()
+    began = time.perf_counter()
+    cache.to_cache(kvbm_ext.PagedKVCache(target, "bhlktd"), [4, 0, 5], [1, 3, 2], stream=mine)
+    host_ms = (time.perf_counter() - began) * 1e3
+    torch.cuda.synchronize()
+    moved = all(torch.equal(target[d].cpu(), source[s].cpu()) for s, d in ((4, 1), (0, 3), (5, 2)))
+    found[name] = {"host_ms": host_ms, "sleep_ms": start.elapsed_time(end), "moved": moved,
+                   "untouched": bool((target[[0, 4, 5]].view(torch.int16) == -7).all())}
+print("RESULT " + json.dumps(found))
+"""
+
+
+def first_calls(reserve):
+    """The first device-to-device and device-to-pinned to_cache calls of a fresh process
+    (lazy module loading on), each made while another stream sleeps ~0.2 s."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvbm_ext.__file__)))
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("KVBM_EXT_DEBUG", None)
+    result = subprocess.run([sys.executable, "-c", FIRST_CALLS_SCRIPT, "1" if reserve else "0"],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=root)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reserve", [False, True], ids=["first_launch_waits", "reserved"])
+def test_gpu_reserve_staging_loads_the_kernels(reserve):
+    found = first_calls(reserve)
+    for name, call in found.items():
+        assert call["moved"] and call["untouched"], (name, call)
+        assert call["sleep_ms"] > 100, (name, call)
+        if reserve:   # nothing left to load: the call does not wait for the other stream
+            assert call["host_ms"] < 0.25 * call["sleep_ms"], (name, call)
+    if not reserve:   # the control: without it, CUDA's first launch waits for the device
+        assert found["device"]["host_ms"] > 0.5 * found["device"]["sleep_ms"], found
+
+
 # ==========================================================================
 # 6. GPU: fork / join with the caller's stream.
 # ==========================================================================

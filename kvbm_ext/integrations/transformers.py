@@ -23,6 +23,8 @@ instead, which changes how the bytes move and nothing else:
 - the pool is one pinned array from kvbm_ext.pinned_empty, in universal order
   `[num_pool_blocks, nh, nl, 2, block_size, hd]`: each block's heads lead, so an engine
   with another tensor-parallel size can read the heads it needs as one contiguous slice;
+- when the manager is made, kvbm_ext.reserve_staging() readies the device's staging
+  memory and loads the kernels, so that the first offload waits for neither;
 - an offload is one `to_cache` call (GPU blocks into pool blocks) and a restore one call
   back, both on the stream transformers computes on, so a block freed by an offload is
   read before the next forward pass writes it, and a restored block is written before
@@ -77,8 +79,8 @@ class KvbmOffloadingManager(OffloadingManager):
 
     Attributes once the pool exists (num_pool_blocks > 0): `gpu_cache` and `pool_cache`
     (the PagedKVCache descriptions), `pool` (a torch view of the pinned pool), `pool_buffer`
-    (kvbm_ext's HostBuffer under it) and `pool_seconds` (the time to allocate the pool and
-    describe it).  Counters: `offloaded_requests`, `offloaded_blocks`, `restored_requests`,
+    (kvbm_ext's HostBuffer under it) and `pool_seconds` (the time to reserve the device's
+    staging memory and load the kernels, allocate the pool and describe it).  Counters: `offloaded_requests`, `offloaded_blocks`, `restored_requests`,
     `restored_blocks`."""
 
     def __init__(self, cache, scheduler, cpu_offload_space_gib, safety_threshold, compute_stream,
@@ -98,6 +100,8 @@ class KvbmOffloadingManager(OffloadingManager):
             return
         self.gpu_cache = describe_gpu_cache(cache)
         started = time.perf_counter()
+        # Staging memory and kernels ready now: the first offload waits for neither.
+        kvbm_ext.reserve_staging(cache.key_cache[0].device.index)
         self.pool_buffer, self.pool = allocate_pool(self._num_cpu_blocks, cache)
         self.pool_cache = kvbm_ext.PagedKVCache(self.pool, POOL_LAYOUT)
         self.pool_seconds = time.perf_counter() - started
