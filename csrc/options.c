@@ -43,3 +43,11 @@ int kv_layout_read(PyObject *value, const char *argument, kvbm_layout *out)
     *out = (kvbm_layout)index;
     return 0;
 }
+
+int kv_switch_read(PyObject *value, const char *argument, int *out)
+{
+    *out = value == Py_True;
+    if (value == NULL || PyBool_Check(value))
+        return 0;
+    return kv_error(PyExc_TypeError, "%s: expected True or False, got %s", argument, Py_TYPE(value)->tp_name);
+}

@@ -1,6 +1,7 @@
 /* The options every layout move takes, the list API's conversions and
  * PagedKVCache's methods alike: backend=, num_ctas= and stream=, read once
- * into one description (kv_move_options), and the chunk order (layout=). */
+ * into one description (kv_move_options), the chunk order (layout=), and
+ * the switches (pack_layers=). */
 #ifndef KVBM_OPTIONS_H
 #define KVBM_OPTIONS_H
 
@@ -45,5 +46,10 @@ int kv_move_options_check_host(const kv_move_options *options);
 /* Reads a chunk order, "NHD" or "HND" in any case (NULL: NHD), named
  * `argument` in errors.  Returns 0, or -1 with TypeError/ValueError. */
 int kv_layout_read(PyObject *value, const char *argument, kvbm_layout *out);
+
+/* Reads a switch, True or False (NULL: False), named `argument` in errors:
+ * any other object is a TypeError, so that no __bool__ runs and a value
+ * such as "no" or 0 is not taken for one.  Returns 0, or -1. */
+int kv_switch_read(PyObject *value, const char *argument, int *out);
 
 #endif /* KVBM_OPTIONS_H */

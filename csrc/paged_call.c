@@ -25,25 +25,35 @@ static int read_layout(const char *function, PyObject *layout, PyObject *inner, 
     return kv_layout_read(inner, "inner", out);
 }
 
+/* Every moved layer lands on a layer from 0 on. */
+static int check_layer_offset(const kv_paged_options *o)
+{
+    if (o->pack_layers && o->layer_offset < 0)
+        return kv_error(PyExc_ValueError, "layer_offset: %lld is negative, but with pack_layers=True the j-th layer "
+                        "moved lands on layer layer_offset + j; it must be at least 0", (long long)o->layer_offset);
+    const int64_t bottom = kv_selection_bottom(&o->layers);
+    if (!o->pack_layers && o->layer_offset < -bottom)
+        return kv_error(PyExc_ValueError, "layer_offset: %lld would put cache layer %lld at universal layer %lld; it "
+                        "must be at least %lld (minus the lowest layer moved)", (long long)o->layer_offset,
+                        (long long)bottom, (long long)(bottom + o->layer_offset), (long long)-bottom);
+    return 0;
+}
+
 int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
-                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
-                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
+                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *pack_layers,
+                          PyObject *backend, PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream,
+                          kv_paged_options *o)
 {
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (kv_read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
         || kv_read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
         || kv_parse_int(layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, 0, 0, &o->layer_offset) < 0
         || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
+        || kv_switch_read(pack_layers, "pack_layers", &o->pack_layers) < 0
         || read_layout(function, layout, inner, &o->layout) < 0
         || kv_move_options_read(backend, num_ctas, stream, &o->move) < 0)
         return -1;
-    /* Any selection packs into exactly as many universal layers. */
-    const int64_t bottom = kv_selection_bottom(&o->layers);
-    if (o->layer_offset < -bottom)
-        return kv_error(PyExc_ValueError, "layer_offset: %lld would put cache layer %lld at universal layer %lld; it "
-                        "must be at least %lld (minus the lowest layer moved)", (long long)o->layer_offset,
-                        (long long)bottom, (long long)(bottom + o->layer_offset), (long long)-bottom);
-    return 0;
+    return check_layer_offset(o);
 }
 
 static void release_call(kv_paged_call *call)
@@ -175,23 +185,34 @@ static kv_path flat_path(const kv_paged_call *call, Py_ssize_t b)
     return path;
 }
 
-/* The shape every flat block must have, for errors: "[NH >= 8, NL >= 80, 2, 16, 128]". */
+/* The layers of every flat block: at least this many in a universal, exactly in an operational. */
+static int64_t flat_layers(const kv_paged_call *call)
+{
+    const kv_paged_options *o = &call->options;
+    const kv_selection landing = kv_paged_landing(o);
+    if (call->form->universal)
+        return kv_selection_top(&landing) + 1;
+    return o->pack_layers ? o->layers.count : call->cache->nl;
+}
+
+/* The shape every flat block must have, for errors: "[NH >= 8, NL >= 80, 2, 16, 128] (...)". */
 static void expected_flat(const kv_paged_call *call, char *buf, size_t size)
 {
     const kv_paged_cache *c = call->cache;
     const kv_paged_options *o = &call->options;
-    if (call->form->universal) {
-        const int64_t top = kv_selection_top(&o->layers);
+    char layers[80];
+    if (o->pack_layers)
+        snprintf(layers, sizeof layers, "%lld layers moved, packed", (long long)o->layers.count);
+    else
+        snprintf(layers, sizeof layers, "layers up to %lld", (long long)kv_selection_top(&o->layers));
+    if (call->form->universal)
         snprintf(buf, size, "[NH >= %lld, NL >= %lld, %lld, %lld, %lld] ([heads, layers, no, nt, hd], head_offset %lld "
-                 "+ %lld heads moved, layer_offset %lld + layers up to %lld)",
-                 (long long)(o->head_offset + o->heads.count), (long long)(o->layer_offset + top + 1),
-                 (long long)c->no, (long long)c->nt, (long long)c->hd, (long long)o->head_offset,
-                 (long long)o->heads.count, (long long)o->layer_offset, (long long)top);
-    }
-    else {
-        snprintf(buf, size, "[%lld, %lld, %lld] ([nl, no, nt*nh*hd])", (long long)c->nl, (long long)c->no,
-                 (long long)(c->nt * c->nh * c->hd));
-    }
+                 "+ %lld heads moved, layer_offset %lld + %s)", (long long)(o->head_offset + o->heads.count),
+                 (long long)flat_layers(call), (long long)c->no, (long long)c->nt, (long long)c->hd,
+                 (long long)o->head_offset, (long long)o->heads.count, (long long)o->layer_offset, layers);
+    else
+        snprintf(buf, size, "[%lld, %lld, %lld] (%s, no, nt*nh*hd])", (long long)flat_layers(call), (long long)c->no,
+                 (long long)(c->nt * c->nh * c->hd), o->pack_layers ? "[len(layers)" : "[nl");
 }
 
 /* Whether a flat block's shape fits the cache and the options. */
@@ -200,10 +221,9 @@ static int flat_shape_fits(const kv_paged_call *call, const int64_t *shape)
     const kv_paged_cache *c = call->cache;
     const kv_paged_options *o = &call->options;
     if (!call->form->universal)
-        return shape[0] == c->nl && shape[1] == c->no && shape[2] == c->nt * c->nh * c->hd;
-    return shape[0] >= o->head_offset + o->heads.count
-        && shape[1] >= o->layer_offset + kv_selection_top(&o->layers) + 1
-        && shape[2] == c->no && shape[3] == c->nt && shape[4] == c->hd;
+        return shape[0] == flat_layers(call) && shape[1] == c->no && shape[2] == c->nt * c->nh * c->hd;
+    return shape[0] >= o->head_offset + o->heads.count && shape[1] >= flat_layers(call) && shape[2] == c->no
+        && shape[3] == c->nt && shape[4] == c->hd;
 }
 
 /* A flat block's shape does not fit: the expected one, or that of the first
@@ -364,20 +384,20 @@ int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *p, const kv
 PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                             const kv_paged_form *form)
 {
-    PyObject *v[9];
+    PyObject *v[10];
     if (kv_parse_arguments(&form->signature, args, nargs, kwnames, v) < 0)
         return NULL;
     /* The options after the two positional arguments, in each form's order
      * (paged_type.c); those a form lacks stay NULL. */
     PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *layout = NULL;
-    PyObject *inner = NULL, *layers, *backend, *num_ctas, *stream;
+    PyObject *inner = NULL, *layers, *pack_layers, *backend, *num_ctas, *stream;
     if (form->universal) {
-        layers = v[2], layer_offset = v[3], heads = v[4], head_offset = v[5];
-        backend = v[6], num_ctas = v[7], stream = v[8];
+        layers = v[2], layer_offset = v[3], heads = v[4], head_offset = v[5], pack_layers = v[6];
+        backend = v[7], num_ctas = v[8], stream = v[9];
     }
     else {
-        layout = v[2], layers = v[3];
-        backend = v[4], num_ctas = v[5], stream = v[6], inner = v[7];
+        layout = v[2], layers = v[3], pack_layers = v[4];
+        backend = v[5], num_ctas = v[6], stream = v[7], inner = v[8];
     }
     kv_paged_call call;
     memset(&call, 0, sizeof call);
@@ -388,8 +408,8 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *block_ids = form->to_flat ? first : second;
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
-    if (kv_paged_read_options(self, form->signature.function, layers, layer_offset, heads, head_offset, backend,
-                              num_ctas, layout, inner, stream, &call.options) < 0)
+    if (kv_paged_read_options(self, form->signature.function, layers, layer_offset, heads, head_offset, pack_layers,
+                              backend, num_ctas, layout, inner, stream, &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");

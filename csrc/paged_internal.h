@@ -121,9 +121,20 @@ typedef struct {
     kv_selection layers;        /* the cache layers moved */
     kv_selection heads;         /* the cache heads moved */
     int64_t layer_offset, head_offset;
+    int pack_layers;            /* moved layer k lands on layer_offset + k, not on its cache index + layer_offset */
     kvbm_layout layout;         /* the operationals' chunk order */
     kv_move_options move;       /* backend, num_ctas, stream */
 } kv_paged_options;
+
+/* The layers of the universal or operational blocks (or of to_cache's dst)
+ * the moved layers land on: moved layer k, cache layer layers.first + k *
+ * layers.step, on layer landing.first + k * landing.step. */
+static inline kv_selection kv_paged_landing(const kv_paged_options *o)
+{
+    const kv_selection packed = {o->layer_offset, 1, o->layers.count};
+    const kv_selection kept = {o->layers.first + o->layer_offset, o->layers.step, o->layers.count};
+    return o->pack_layers ? packed : kept;
+}
 
 /* Everything one call reads, released by paged_call.c. */
 typedef struct {
@@ -147,8 +158,9 @@ typedef struct {
  * cache whose layers and heads they select); absent ones are NULL.
  * `function` names the method in the layout/inner messages. */
 int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
-                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *backend,
-                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o);
+                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *pack_layers,
+                          PyObject *backend, PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream,
+                          kv_paged_options *o);
 
 /* Host ids of a cache of num_blocks blocks must be in range and, when the
  * cache is `written`, each once: 0, or -1 with a ValueError naming the

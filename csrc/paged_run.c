@@ -35,7 +35,7 @@ static kvbm_paged plan(const kv_paged_call *call)
         p.flat_outer = p.nt * rb;
         p.flat_layer = p.no * p.flat_outer;
         p.flat_head = call->flat_shape[1] * p.flat_layer;
-        p.flat_shift = o->head_offset * p.flat_head + o->layer_offset * p.flat_layer;
+        p.flat_shift = o->head_offset * p.flat_head;
     }
     else {
         /* [nl, no, nt*nh*hd], each chunk in the order `layout` names */
@@ -44,9 +44,10 @@ static kvbm_paged plan(const kv_paged_call *call)
         p.flat_token = o->layout == KVBM_NHD ? p.nh * rb : rb;
         p.flat_head = o->layout == KVBM_NHD ? rb : p.nt * rb;
     }
-    /* The kernel counts moved layers: fold the first layer and the step in. */
-    p.flat_shift += o->layers.first * p.flat_layer;
-    p.flat_layer *= o->layers.step;
+    /* The kernel counts moved layers: fold the first layer they land on and the step in. */
+    const kv_selection landing = kv_paged_landing(o);
+    p.flat_shift += landing.first * p.flat_layer;
+    p.flat_layer *= landing.step;
     p.to_flat = call->form->to_flat;
     kvbm_paged_plan(&p);
     return p;

@@ -9,13 +9,13 @@
 /* The parameters of the four methods: two positional-only, the options
  * keyword-only. */
 static const char *const TO_UNIVERSAL[] = {"block_ids", "universals", "layers", "layer_offset", "heads",
-                                           "head_offset", "backend", "num_ctas", "stream", NULL};
+                                           "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
 static const char *const FROM_UNIVERSAL[] = {"universals", "block_ids", "layers", "layer_offset", "heads",
-                                             "head_offset", "backend", "num_ctas", "stream", NULL};
-static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "layout", "layers", "backend", "num_ctas",
-                                             "stream", "inner", NULL};
-static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "layout", "layers", "backend",
-                                               "num_ctas", "stream", "inner", NULL};
+                                             "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
+static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "layout", "layers", "pack_layers",
+                                             "backend", "num_ctas", "stream", "inner", NULL};
+static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "layout", "layers", "pack_layers",
+                                               "backend", "num_ctas", "stream", "inner", NULL};
 
 #define DEFINE_TRANSFER(name, names, to_flat, universal)                                                               \
     static PyObject *name(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)           \
@@ -64,10 +64,16 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
 #define UNIVERSAL_DOC                                                                                                  \
     "universals: a sequence of nb C-contiguous arrays [NH, NL, no, nt, hd], or one\n"                                  \
     "    array [nb, NH, NL, no, nt, hd] whose blocks are C-contiguous, with\n"                                         \
-    "    NH >= head_offset + len(heads), NL >= layer_offset + the highest layer moved.\n"                              \
+    "    NH >= head_offset + len(heads), NL >= layer_offset + the highest layer moved + 1\n"                           \
+    "    (layer_offset + len(layers) with pack_layers=True).\n"                                                        \
     "layer_offset: cache layer l is universal layer l + layer_offset: layers keep their\n"                             \
     "    cache index.  It may be negative down to minus the lowest layer moved, so that\n"                             \
     "    layers=range(a, b), layer_offset=-a fills a block of exactly b - a layers.\n"                                 \
+    "    With pack_layers=True, where the packed layers start (at least 0).\n"                                         \
+    "pack_layers: False (default): layers keep their cache index, so a stepped\n"                                      \
+    "    selection keeps its gaps.  True: the layers moved are numbered as heads are,\n"                               \
+    "    the j-th of `layers` on universal layer layer_offset + j, so any selection\n"                                 \
+    "    (range(1, 6, 2), slice(None, None, -1)) fills exactly len(layers) layers.\n"                                  \
     "heads: None (every head), an int, a slice or a range of the cache's heads (the\n"                                 \
     "    rule of layers=): the heads moved, in that order, renumbered from head_offset\n"                              \
     "    (a receiver's share when resharding).\n"                                                                      \
@@ -77,7 +83,11 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
 
 #define OPERATIONAL_BLOCKS_DOC                                                                                         \
     "operationals: a sequence of nb C-contiguous arrays [nl, no, nt*nh*hd] (every cache\n"                             \
-    "    layer, whatever `layers` selects), or one array [nb, nl, no, nt*nh*hd].\n"                                    \
+    "    layer, whatever `layers` selects; nl = len(layers) with pack_layers=True), or\n"                              \
+    "    one array [nb, nl, no, nt*nh*hd].\n"                                                                          \
+    "pack_layers: False (default): cache layer l is operational layer l.  True: the\n"                                 \
+    "    j-th of `layers` is operational layer j, so the operational blocks hold the\n"                                \
+    "    layers moved and no other.\n"                                                                                 \
     "layout: the order inside each chunk, \"NHD\" ([nt, nh, hd]) or \"HND\" ([nh, nt, hd]),\n"                         \
     "    any case, as the list API's layout.\n"                                                                        \
     "inner: the deprecated spelling of layout, kept for one release (DeprecationWarning;\n"                            \
@@ -85,42 +95,46 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
 
 PyDoc_STRVAR(to_universal_doc,
              "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, heads=None, "
-             "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy cache blocks into universal blocks:\n"
              "universals[b][head_offset + j, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, heads[j])\n"
-             "for every layer l in `layers` and every j < len(heads).\n\n" UNIVERSAL_DOC COMMON_DOC);
+             "for every layer l in `layers` and every j < len(heads) (with pack_layers=True,\n"
+             "layer_offset + i for the i-th layer l of `layers`).\n\n" UNIVERSAL_DOC COMMON_DOC);
 DEFINE_TRANSFER(to_universal, TO_UNIVERSAL, 1, 1)
 
 PyDoc_STRVAR(from_universal_doc,
              "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, heads=None, "
-             "head_offset=0, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
 DEFINE_TRANSFER(from_universal, FROM_UNIVERSAL, 0, 1)
 
 PyDoc_STRVAR(to_operational_doc,
-             "to_operational($self, block_ids, operationals, /, *, layout='NHD', layers=None, backend='auto', "
-             "num_ctas=None, stream=None, inner=None)\n--\n\n"
+             "to_operational($self, block_ids, operationals, /, *, layout='NHD', layers=None, pack_layers=False, "
+             "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
              "Copy cache blocks into operational blocks:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
-             "for layout \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\").\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
+             "for layout \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\"), for every layer l in\n"
+             "`layers` (with pack_layers=True, operationals[b][i] for the i-th layer l).\n\n"
+             OPERATIONAL_BLOCKS_DOC COMMON_DOC);
 DEFINE_TRANSFER(to_operational, TO_OPERATIONAL, 1, 0)
 
 PyDoc_STRVAR(from_operational_doc,
-             "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, backend='auto', "
-             "num_ctas=None, stream=None, inner=None)\n--\n\n"
+             "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, pack_layers=False, "
+             "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
              "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
              COMMON_DOC);
 DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)
 
 PyDoc_STRVAR(to_cache_doc,
              "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, "
-             "backend='auto', num_ctas=None, stream=None)\n--\n\n"
+             "pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy blocks src_ids[b] of this cache into blocks dst_ids[b] of dst, another\n"
              "PagedKVCache of the same num_outer, tokens_per_block, head_dim and dtype, in\n"
              "whatever layout each has:\n"
              "dst row (dst_ids[b], l + layer_offset, o, t, head_offset + j) = row (src_ids[b], l, o, t, heads[j])\n"
              "for every layer l in `layers` and every j < len(heads), as to_universal numbers\n"
-             "them.  Other layers, heads and blocks of dst are not touched.\n\n"
+             "them (with pack_layers=True, dst layer layer_offset + i for the i-th layer l).\n"
+             "Other layers, heads and blocks of dst are not touched.\n\n"
              "dst: a PagedKVCache sharing no memory with this one; on the same CUDA device, or\n"
              "    one of the two in pinned host memory (the call runs on the device), or both\n"
              "    in host memory (the call runs on the CPU, without the GIL).\n"
@@ -128,6 +142,9 @@ PyDoc_STRVAR(to_cache_doc,
              "    dst (each once, where they are on the host).\n"
              "layers, heads: of this cache, as for to_universal.\n"
              "layer_offset, head_offset: where they land in dst, as for to_universal.\n"
+             "pack_layers: False (default): source layer l lands on dst layer l + layer_offset.\n"
+             "    True: the j-th of `layers` lands on dst layer layer_offset + j (layer_offset\n"
+             "    at least 0), as to_universal numbers them.\n"
              "Device to device: one kernel launch for every layer and block.  With a cache in\n"
              "pinned host memory whose ids are on the host, \"auto\" stages the move: the copy\n"
              "engines carry the pinned cache's blocks in its own layout, and a kernel on a\n"

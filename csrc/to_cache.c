@@ -33,7 +33,7 @@ static int check_dst(const kv_to_cache_call *call, PyObject *dst)
 }
 
 /* The heads and layers moved land inside dst: moved head j on dst head
- * head_offset + j, layer l on dst layer l + layer_offset. */
+ * head_offset + j, the layers on kv_paged_landing's. */
 static int check_landing(const kv_to_cache_call *call)
 {
     const kv_paged_options *o = &call->options;
@@ -41,16 +41,13 @@ static int check_landing(const kv_to_cache_call *call)
     if (o->head_offset + o->heads.count > dst->nh)
         return kv_error(PyExc_ValueError, "head_offset: %lld + %lld heads moved exceed dst's %lld heads",
                         (long long)o->head_offset, (long long)o->heads.count, (long long)dst->nh);
-    if (o->layers.count == 0)
-        return 0;
-    const int64_t last = o->layers.first + (o->layers.count - 1) * o->layers.step;
-    const int64_t low = o->layers.step > 0 ? o->layers.first : last;
-    const int64_t high = o->layers.step > 0 ? last : o->layers.first;
-    if (low + o->layer_offset < 0 || high + o->layer_offset >= dst->nl)
+    const kv_selection landing = kv_paged_landing(o);
+    const int64_t low = kv_selection_bottom(&landing), high = kv_selection_top(&landing);
+    if (low < 0 || high >= dst->nl)
         return kv_error(PyExc_ValueError, "layer_offset: the layers moved, %lld to %lld, land on dst layers %lld to "
-                        "%lld, but dst has layers 0 to %lld", (long long)low, (long long)high,
-                        (long long)(low + o->layer_offset), (long long)(high + o->layer_offset),
-                        (long long)dst->nl - 1);
+                        "%lld%s, but dst has layers 0 to %lld", (long long)kv_selection_bottom(&o->layers),
+                        (long long)kv_selection_top(&o->layers), (long long)low, (long long)high,
+                        o->pack_layers ? " (packed)" : "", (long long)dst->nl - 1);
     return 0;
 }
 
@@ -133,11 +130,11 @@ static int check_size(const kv_to_cache_call *call)
 
 static int read_call(kv_to_cache_call *call, PyObject *const *v)
 {
-    PyObject *stream = v[9] != NULL ? v[9] : Py_None;
+    PyObject *stream = v[10] != NULL ? v[10] : Py_None;
     if (check_dst(call, v[0]) < 0)
         return -1;
     call->dst = (kv_paged_cache *)v[0];
-    if (kv_paged_read_options(call->src, "to_cache", v[3], v[5], v[4], v[6], v[7], v[8], NULL, NULL, stream,
+    if (kv_paged_read_options(call->src, "to_cache", v[3], v[5], v[4], v[6], v[7], v[8], v[9], NULL, NULL, stream,
                               &call->options) < 0
         || check_landing(call) < 0 || place(call) < 0)
         return -1;
@@ -167,9 +164,9 @@ static void release_call(kv_to_cache_call *call)
 PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     static const char *const NAMES[] = {"dst", "src_ids", "dst_ids", "layers", "heads", "layer_offset",
-                                        "head_offset", "backend", "num_ctas", "stream", NULL};
+                                        "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
     static const kv_signature SIGNATURE = {"to_cache", NAMES, 0, 3, 3};
-    PyObject *v[10];
+    PyObject *v[11];
     if (kv_parse_arguments(&SIGNATURE, args, nargs, kwnames, v) < 0)
         return NULL;
     kv_to_cache_call call;
@@ -180,7 +177,7 @@ PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     int rc = read_call(&call, v);
     const kv_paged_options *o = &call.options;
     if (rc == 0 && call.src_ids.count > 0 && o->layers.count > 0 && o->heads.count > 0) {
-        const kv_selection written = {o->layers.first + o->layer_offset, o->layers.step, o->layers.count};
+        const kv_selection written = kv_paged_landing(o);
         rc = call.device < 0 ? kv_move_options_check_host(&o->move) : 0;
         if (rc == 0)
             rc = kv_paged_mark_written(call.dst, &call.state->protocols, &written);

@@ -12,8 +12,8 @@
 #include "state.h"
 
 /* The move: moved head j of src lands on head head_offset + j of dst,
- * moved layer i (src layer layers.first + i * layers.step) on dst layer
- * layer_offset + that; the bases in the table carry the layers. */
+ * moved layer i (src layer layers.first + i * layers.step) on the dst layer
+ * kv_paged_landing gives; the bases in the table carry the layers. */
 static kvbm_to_cache plan(const kv_to_cache_call *call)
 {
     const kv_paged_cache *src = call->src, *dst = call->dst;
@@ -41,17 +41,16 @@ static kvbm_to_cache plan(const kv_to_cache_call *call)
     return m;
 }
 
-/* The (layer, outer) bases of `cache` for the layers moved, from `first`:
+/* The (layer, outer) bases of `cache` for `layers`, its layers moved:
  * where its arrays were located for the device (`located`, not NULL), each
  * base moves with its array. */
-static void fill_bases(const kv_to_cache_call *call, const kv_paged_cache *cache, int64_t first,
-                       const kv_array *located, uint64_t *out)
+static void fill_bases(const kv_paged_cache *cache, const kv_selection *layers, const kv_array *located,
+                       uint64_t *out)
 {
-    const kv_selection *layers = &call->options.layers;
-    kv_paged_outer_bases(cache, first, layers->step, layers->count, out);
+    kv_paged_outer_bases(cache, layers->first, layers->step, layers->count, out);
     for (int64_t i = 0; located != NULL && i < layers->count; i++)
         for (int64_t o = 0; o < cache->no; o++) {
-            const Py_ssize_t a = kv_paged_array_of(cache, first + i * layers->step, o);
+            const Py_ssize_t a = kv_paged_array_of(cache, layers->first + i * layers->step, o);
             out[i * cache->no + o] += (uint64_t)(uintptr_t)located[a].data - (uint64_t)(uintptr_t)cache->arrays[a].data;
         }
 }
@@ -238,10 +237,9 @@ int kv_to_cache_run(kv_to_cache_call *call)
         PyErr_NoMemory();
         return -1;
     }
-    const kv_selection *layers = &call->options.layers;
-    fill_bases(call, call->src, layers->first, call->src->device < 0 ? call->located : NULL, table);
-    fill_bases(call, call->dst, layers->first + call->options.layer_offset,
-               call->dst->device < 0 ? call->located : NULL, table + bases);
+    const kv_selection landing = kv_paged_landing(&call->options);
+    fill_bases(call->src, &call->options.layers, call->src->device < 0 ? call->located : NULL, table);
+    fill_bases(call->dst, &landing, call->dst->device < 0 ? call->located : NULL, table + bases);
     if (ids.src_ids == NULL)
         memcpy(table + kvbm_to_cache_src_ids_at(&m), call->src_ids.values, (size_t)m.p.nb * sizeof(uint64_t));
     if (ids.dst_ids == NULL)

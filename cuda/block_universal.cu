@@ -60,20 +60,6 @@ block_universal_kernel(const __grid_constant__ Table table, const __grid_constan
     });
 }
 
-template <int V>
-cudaError_t launch(const Params &p, void *const *host_table, void *const *device_table, unsigned grid,
-                   unsigned threads, cudaStream_t stream)
-{
-    if (device_table != nullptr)
-        block_universal_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<void *>{device_table}, p);
-    else
-        launch_by_value(block_universal_kernel<V, TableByValue<void *, kTinyTable>>,
-                        block_universal_kernel<V, TableByValue<void *, kSmallTable>>,
-                        block_universal_kernel<V, TableByValue<void *, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
-                        kvbm_table_entries(&p.dims), p, grid, threads, stream);
-    return cudaGetLastError();
-}
-
 static_assert(sizeof(Params) + sizeof(TableByValue<void *, kSmallTable>) <= 4096,
               "a small by-value launch stays under 4 KB of parameters");
 
@@ -104,7 +90,9 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
     p.to_universal = direction == KVBM_TO_UNIVERSAL;
 
     return with_vector_bytes(vector_bytes, [&](auto v) {
-        return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
+        constexpr int V = decltype(v)::value;
+        return launch_table([](auto table) { return block_universal_kernel<V, typename decltype(table)::type>; },
+                            host_table, device_table, kvbm_table_entries(dims), p, grid, threads, stream);
     });
 }
 
@@ -112,9 +100,7 @@ extern "C" cudaError_t kvbm_load_block_universal(void)
 {
     return load_every_width([](auto v) {
         constexpr int V = decltype(v)::value;
-        return load_kernels(block_universal_kernel<V, TableInMemory<void *>>,
-                            block_universal_kernel<V, TableByValue<void *, kTinyTable>>,
-                            block_universal_kernel<V, TableByValue<void *, kSmallTable>>,
-                            block_universal_kernel<V, TableByValue<void *, KVBM_TABLE_BY_VALUE_MAX>>);
+        return load_table_kernels<void *>(
+            [](auto table) { return block_universal_kernel<V, typename decltype(table)::type>; });
     });
 }

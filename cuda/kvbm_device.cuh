@@ -187,6 +187,81 @@ void launch_by_value(KernelTiny tiny, KernelSmall small, KernelMax large, const 
         launch_with<T, KVBM_TABLE_BY_VALUE_MAX>(large, host, count, p, grid, threads, stream);
 }
 
+// Names a table type for a kernel family (launch_table).
+template <class T> struct TableType {
+    using type = T;
+};
+
+// Launches kernel_for(TableType<Table>()), a kernel taking (Table, Params),
+// <<<grid, threads>>> on `stream` with the table in device-readable memory
+// (`device_table`), or, where that is NULL, by value (`count` entries read
+// from `host_table`) in the smallest parameter block that holds it.
+// Returns the launch's status.
+template <class T, class KernelFor, class Params>
+cudaError_t launch_table(const KernelFor &kernel_for, const T *host_table, const T *device_table, int64_t count,
+                         const Params &p, unsigned grid, unsigned threads, cudaStream_t stream)
+{
+    if (device_table != nullptr) {
+        const auto kernel = kernel_for(TableType<TableInMemory<T>>());
+        kernel<<<grid, threads, 0, stream>>>(TableInMemory<T>{device_table}, p);
+    }
+    else {
+        launch_by_value(kernel_for(TableType<TableByValue<T, kTinyTable>>()),
+                        kernel_for(TableType<TableByValue<T, kSmallTable>>()),
+                        kernel_for(TableType<TableByValue<T, KVBM_TABLE_BY_VALUE_MAX>>()), host_table, count, p,
+                        grid, threads, stream);
+    }
+    return cudaGetLastError();
+}
+
+// Loads kernel_for(TableType<Table>()) for every table launch_table passes.
+template <class T, class KernelFor>
+cudaError_t load_table_kernels(const KernelFor &kernel_for)
+{
+    return load_kernels(kernel_for(TableType<TableInMemory<T>>()), kernel_for(TableType<TableByValue<T, kTinyTable>>()),
+                        kernel_for(TableType<TableByValue<T, kSmallTable>>()),
+                        kernel_for(TableType<TableByValue<T, KVBM_TABLE_BY_VALUE_MAX>>()));
+}
+
+// What the kernels moving kvbm_paged chunks (paged.cu, to_cache.cu) share:
+// a chunk is (block b, moved layer i, outer o), b * nl * no + i * no + o,
+// of `segments` runs of segment_bytes each (kvbm_paged.h).
+struct PagedTiling {
+    Tiling tiling;
+    kvbm_divisor vectors_per_segment;
+    kvbm_divisor chunks_per_block;  // nl * no
+};
+
+// The tiling of `paged`'s chunks in vectors of vector_bytes, and the launch
+// shape (make_tiling); false when there is nothing to move.  The call fits
+// one launch (kvbm_fits_one_launch): a chunk's vectors and segments in 32
+// bits, the call's tiles below 2^31.
+inline bool make_paged_tiling(const kvbm_paged *paged, int vector_bytes, uint32_t num_ctas, PagedTiling *out,
+                              unsigned *grid, unsigned *threads)
+{
+    const uint32_t vectors_per_chunk = (uint32_t)(paged->segments * paged->segment_bytes / vector_bytes);
+    const int64_t chunks = paged->nb * paged->nl * paged->no;
+    if (chunks == 0 || vectors_per_chunk == 0)
+        return false;
+    out->tiling = make_tiling(vectors_per_chunk, chunks, num_ctas, grid, threads);
+    out->vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
+    out->chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
+    return true;
+}
+
+// The byte offsets of vector j of a chunk (of V bytes) on the cache side
+// and on the flat side, from the chunk's starts (kvbm_paged_segment).
+template <int V>
+__device__ __forceinline__ void paged_vector(const kvbm_paged *p, const PagedTiling &t, uint32_t j, int64_t *cache_off,
+                                             int64_t *flat_off)
+{
+    const uint32_t s = kvbm_div(t.vectors_per_segment, j);
+    const int64_t within = (int64_t)(j - s * t.vectors_per_segment.divisor) * V;
+    kvbm_paged_segment(p, s, cache_off, flat_off);
+    *cache_off += within;
+    *flat_off += within;
+}
+
 }  // namespace kvbm
 
 #endif  // KVBM_DEVICE_CUH

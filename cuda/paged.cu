@@ -18,11 +18,9 @@ using namespace kvbm;
 struct Params {
     kvbm_paged p;
     kvbm_paged_addresses a;
-    Tiling tiling;
-    kvbm_divisor vectors_per_segment;
-    kvbm_divisor chunks_per_block;  // nl * no
-    kvbm_divisor outers;            // no
-    uint32_t bases;                 // table entries before the ids (kvbm_paged_bases)
+    PagedTiling tiles;
+    kvbm_divisor outers;  // no
+    uint32_t bases;       // table entries before the ids (kvbm_paged_bases)
 };
 
 template <class Table>
@@ -46,9 +44,9 @@ template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
 paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
-    for_each_tile(p.tiling, [&](uint32_t chunk, uint32_t first) {  // chunk = (b * nl + i) * no + o
-        const uint32_t b = kvbm_div(p.chunks_per_block, chunk);
-        const uint32_t layer_outer = chunk - b * p.chunks_per_block.divisor;
+    for_each_tile(p.tiles.tiling, [&](uint32_t chunk, uint32_t first) {  // chunk = (b * nl + i) * no + o
+        const uint32_t b = kvbm_div(p.tiles.chunks_per_block, chunk);
+        const uint32_t layer_outer = chunk - b * p.tiles.chunks_per_block.divisor;
         const uint32_t i = kvbm_div(p.outers, layer_outer);
         const uint32_t o = layer_outer - i * p.outers.divisor;
 
@@ -61,30 +59,14 @@ paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params
         const char *src = p.p.to_flat ? cache : flat;
         char *dst = p.p.to_flat ? flat : cache;
 
-        move_vectors<V>(src, dst, first, p.tiling.tile_threads, p.tiling.vectors_per_chunk,
+        move_vectors<V>(src, dst, first, p.tiles.tiling.tile_threads, p.tiles.tiling.vectors_per_chunk,
                         [&](uint32_t j, int64_t *from, int64_t *to) {
-                            const uint32_t s = kvbm_div(p.vectors_per_segment, j);
-                            const int64_t within = (int64_t)(j - s * p.vectors_per_segment.divisor) * V;
                             int64_t cache_off, flat_off;
-                            kvbm_paged_segment(&p.p, s, &cache_off, &flat_off);
-                            *from = (p.p.to_flat ? cache_off : flat_off) + within;
-                            *to = (p.p.to_flat ? flat_off : cache_off) + within;
+                            paged_vector<V>(&p.p, p.tiles, j, &cache_off, &flat_off);
+                            *from = p.p.to_flat ? cache_off : flat_off;
+                            *to = p.p.to_flat ? flat_off : cache_off;
                         });
     });
-}
-
-template <int V>
-cudaError_t launch(const Params &p, const uint64_t *host_table, const uint64_t *device_table, unsigned grid,
-                   unsigned threads, cudaStream_t stream)
-{
-    if (device_table != nullptr)
-        paged_kernel<V><<<grid, threads, 0, stream>>>(TableInMemory<uint64_t>{device_table}, p);
-    else
-        launch_by_value(paged_kernel<V, TableByValue<uint64_t, kTinyTable>>,
-                        paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
-                        paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>, host_table,
-                        kvbm_paged_table_entries(&p.a, p.bases, p.p.nb), p, grid, threads, stream);
-    return cudaGetLastError();
 }
 
 static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 4096,
@@ -96,25 +78,20 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
                                          const uint64_t *host_table, const uint64_t *device_table,
                                          int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
 {
-    // The call fits one launch (kvbm_fits_one_launch): a chunk's vectors
-    // and segments in 32 bits, the call's tiles below 2^31.
-    const uint32_t vectors_per_chunk = (uint32_t)(paged->segments * paged->segment_bytes / vector_bytes);
-    const int64_t chunks = paged->nb * paged->nl * paged->no;
-    if (chunks == 0 || vectors_per_chunk == 0)
-        return cudaSuccess;
-
     Params p;
+    unsigned grid, threads;
+    if (!make_paged_tiling(paged, vector_bytes, num_ctas, &p.tiles, &grid, &threads))
+        return cudaSuccess;
     p.p = *paged;
     p.a = *addresses;
-    unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, chunks, num_ctas, &grid, &threads);
-    p.vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
-    p.chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     p.outers = kvbm_divisor_make((uint32_t)paged->no);
     p.bases = (uint32_t)kvbm_paged_bases(paged);
+    const int64_t entries = kvbm_paged_table_entries(addresses, p.bases, paged->nb);
 
     return with_vector_bytes(vector_bytes, [&](auto v) {
-        return launch<decltype(v)::value>(p, host_table, device_table, grid, threads, stream);
+        constexpr int V = decltype(v)::value;
+        return launch_table([](auto table) { return paged_kernel<V, typename decltype(table)::type>; }, host_table,
+                            device_table, entries, p, grid, threads, stream);
     });
 }
 
@@ -122,9 +99,6 @@ extern "C" cudaError_t kvbm_load_paged(void)
 {
     return load_every_width([](auto v) {
         constexpr int V = decltype(v)::value;
-        return load_kernels(paged_kernel<V, TableInMemory<uint64_t>>,
-                            paged_kernel<V, TableByValue<uint64_t, kTinyTable>>,
-                            paged_kernel<V, TableByValue<uint64_t, kSmallTable>>,
-                            paged_kernel<V, TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>);
+        return load_table_kernels<uint64_t>([](auto table) { return paged_kernel<V, typename decltype(table)::type>; });
     });
 }

@@ -409,23 +409,21 @@ class Resharder:
     def _pack(self, src_cache: Any, src_ids: Any, nb: int, device: str,
               stream: Any) -> list[tuple[ReshardTransfer, torch.Tensor]]:
         """Pack every message this rank sends and every local copy it makes into its staging:
-        the transfer's layers of the cache are universal layers 0 on (layer_offset = minus
-        the first)."""
+        the transfer's layers of the cache are universal layers 0 on, in order (pack_layers)."""
         packed = []
         for key, transfers in (("send", self._sends), ("local", self._locals)):
             for i, t in enumerate(transfers):
                 buffer = self._buffer((key, i), src_cache, nb, t, device)
                 src_cache.to_universal(src_ids, buffer, layers=_whole_or(t.src_layers, src_cache.num_layers),
-                                       layer_offset=-t.src_layers.start,
-                                       heads=_whole_or(t.src_heads, src_cache.num_heads), stream=stream)
+                                       pack_layers=True, heads=_whole_or(t.src_heads, src_cache.num_heads),
+                                       stream=stream)
                 packed.append((t, buffer))
         return packed
 
     @staticmethod
     def _unpack(t: ReshardTransfer, buffer: torch.Tensor, cache: PagedKVCache, ids: Any, stream: Any) -> None:
-        cache.from_universal(buffer, ids, layers=_whole_or(t.dst_layers, cache.num_layers),
-                             layer_offset=-t.dst_layers.start, heads=_whole_or(t.dst_heads, cache.num_heads),
-                             stream=stream)
+        cache.from_universal(buffer, ids, layers=_whole_or(t.dst_layers, cache.num_layers), pack_layers=True,
+                             heads=_whole_or(t.dst_heads, cache.num_heads), stream=stream)
 
     def _transfer(self, packed: list[tuple[ReshardTransfer, torch.Tensor]], dst_cache: Any, dst_ids: Any, nb: int,
                   device: str, stream: Any, timeout: float) -> ReshardStats:

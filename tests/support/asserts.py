@@ -267,7 +267,8 @@ def expected_after(case, method, ids, other_buf, cache_bases, other_bases, kwarg
     `other_bases` are the snapshots taken before the call."""
     sel = selected(case.nl, kwargs.get("layers"))
     common = dict(layer_offset=kwargs.get("layer_offset", 0), head_offset=kwargs.get("head_offset", 0),
-                  inner=kwargs.get("layout", kwargs.get("inner", "NHD")), heads=selected(case.nh, kwargs.get("heads")))
+                  inner=kwargs.get("layout", kwargs.get("inner", "NHD")), heads=selected(case.nh, kwargs.get("heads")),
+                  pack_layers=kwargs.get("pack_layers", False))
     if method in ("to_operational", "from_operational"):
         assert common["layer_offset"] == 0 and common["head_offset"] == 0
     rows = cache_rows(case.buf.make(cache_bases), case.dims)

@@ -274,9 +274,11 @@ METHODS = ["to_universal", "from_universal", "to_operational", "from_operational
 
 
 class CacheCase:
-    """A cache's memory (Buffers), its dims and sizes. `layers` is the constructor argument."""
+    """A cache's memory (Buffers), its dims and sizes. `layers` is the constructor argument.
+    `pin`: the memory in pinned host memory (`device` is then ignored)."""
 
-    def __init__(self, layout, nl, NB, no, nh, nt, hd, dtype, gen, device="cpu", numpy=False, bases=None, make=None):
+    def __init__(self, layout, nl, NB, no, nh, nt, hd, dtype, gen, device="cpu", numpy=False, bases=None, make=None,
+                 pin=False):
         dims, per_layer, base_shape, default_make = CACHE_LAYOUTS[layout]
         make = make or default_make
         if "k" not in dims:
@@ -289,7 +291,7 @@ class CacheCase:
         shape = base_shape(nl, NB, no, nh, nt, hd)
         if bases is None:
             count = nl if per_layer else 1
-            bases = [random_tensor(shape, dtype, device, gen) for _ in range(count)]
+            bases = [random_tensor(shape, dtype, device, gen, pin) for _ in range(count)]
         self.buf = Buffers(bases, make, _numpy_views if numpy else None)
         rows = self.rows()
         assert len(rows) == nl and all(tuple(r.shape) == (NB, no, nt, nh, hd) for r in rows), (

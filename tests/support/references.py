@@ -22,6 +22,8 @@ outer o, token t, head h" whatever the physical order; `paged_reference` moves t
   to_operational:  operationals[b][l, o].view(nt, nh, hd)[t, h, :]           = rows[l][ids[b]][o, t, h]  (NHD)
                    operationals[b][l, o].view(nh, nt, hd)[h, t, :]           = rows[l][ids[b]][o, t, h]  (HND)
   from_*: the same equalities, written into the cache.
+  pack_layers=True: the j-th selected layer l is universal layer layer_offset + j
+  (operational layer j) in place of layer_offset + l (l).
 
 Every reference works on an integer view of the same element size, so every bit pattern
 (NaN payloads, fp8 specials) is moved exactly.
@@ -244,11 +246,13 @@ def ids_list(ids):
     return [int(v) for v in ids]
 
 
-def paged_reference(method, rows, blocks, ids, sel, layer_offset=0, head_offset=0, inner="NHD", heads=None):
+def paged_reference(method, rows, blocks, ids, sel, layer_offset=0, head_offset=0, inner="NHD", heads=None,
+                    pack_layers=False):
     """Applies `method` with plain torch indexing: for to_* `rows` (the cache) is read and
     `blocks` (per-block universal/operational views) written; for from_* the reverse.
     `heads`: the cache heads moved, in order (None: all), universal heads from head_offset.
-    Ids outside [0, NB) are skipped (device ids)."""
+    `pack_layers`: the j-th layer of `sel` is flat layer layer_offset + j, not
+    layer_offset + its cache index. Ids outside [0, NB) are skipped (device ids)."""
     inner = inner.upper()
     assert inner in ("NHD", "HND"), inner
     if not ids:
@@ -258,21 +262,22 @@ def paged_reference(method, rows, blocks, ids, sel, layer_offset=0, head_offset=
     for b, i in enumerate(ids):
         if not 0 <= i < NB:
             continue
-        for l in sel:
+        for k, l in enumerate(sel):
             r = rows[l][i]  # [no, nt, nh, hd]
+            f = layer_offset + (k if pack_layers else l)  # the flat layer
             if method == "to_universal":
                 for j, h in enumerate(hs):
-                    blocks[b][head_offset + j, layer_offset + l].copy_(r[:, :, h])
+                    blocks[b][head_offset + j, f].copy_(r[:, :, h])
             elif method == "from_universal":
                 for j, h in enumerate(hs):
-                    r[:, :, h].copy_(blocks[b][head_offset + j, layer_offset + l])
+                    r[:, :, h].copy_(blocks[b][head_offset + j, f])
             elif method == "to_operational":
                 src = r if inner == "NHD" else r.permute(0, 2, 1, 3)  # [no, nt, nh, hd] / [no, nh, nt, hd]
-                blocks[b][l].copy_(src.reshape(no, nt * nh * hd))
+                blocks[b][f].copy_(src.reshape(no, nt * nh * hd))
             elif method == "from_operational":
                 if inner == "NHD":
-                    r.copy_(blocks[b][l].reshape(no, nt, nh, hd))
+                    r.copy_(blocks[b][f].reshape(no, nt, nh, hd))
                 else:
-                    r.copy_(blocks[b][l].reshape(no, nh, nt, hd).permute(0, 2, 1, 3))
+                    r.copy_(blocks[b][f].reshape(no, nh, nt, hd).permute(0, 2, 1, 3))
             else:
                 raise ValueError(method)
