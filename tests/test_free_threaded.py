@@ -503,6 +503,45 @@ def test_threads_through_every_entry_point():
         assert not result["gil_enabled"], "the GIL was on during the stress"
 
 
+def test_large_host_copies_release_the_gil():
+    """A CPU copy of 64 MiB lets another Python thread run while it copies (copies under
+    64 KiB keep the GIL: giving it up would cost more than they take)."""
+    import pytest
+
+    if FREE_THREADED:
+        pytest.skip("no GIL to release")
+    rng = np.random.default_rng(64)
+    nb, nh, nl, no, nt, hd = 32, 8, 16, 2, 16, 128  # 64 MiB of uint16
+    source = random_array(rng, (nb, nh, nl, no, nt, hd))
+    expected = np.ascontiguousarray(source.transpose(0, 2, 3, 4, 1, 5)).reshape(nb, nl, no, -1)
+    destination = np.empty_like(expected)
+    stamps, stop = [], threading.Event()
+
+    def tick():  # wakes every millisecond, and needs the GIL to note it
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    inside = 0
+    try:
+        for _ in range(5):
+            destination[...] = POISON
+            start = time.perf_counter()
+            kvbm_ext.universal_to_operational(source, destination, "NHD")
+            end = time.perf_counter()
+            quarter = (end - start) / 4
+            inside = max(inside, sum(start + quarter < t < end - quarter for t in stamps))
+            assert np.array_equal(destination, expected)
+            if inside >= 2:
+                break
+    finally:
+        stop.set()
+        ticker.join()
+    assert inside >= 2, "no other thread ran during the middle half of any of five 64 MiB copies"
+
+
 def test_import_leaves_the_gil_off():
     import pytest
 
