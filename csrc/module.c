@@ -397,8 +397,8 @@ static void module_free(void *module)
  * Arguments: sequences are read from a tuple snapshot (kv_as_sequence),
  * array-interface dicts from a copy, so no item is borrowed from a
  * container that another thread (or the item's own Python code) can change
- * while the call reads it.  The copies themselves run without the GIL and
- * touch only the call's arrays and tables.
+ * while the call reads it.  The copies themselves (without the GIL from
+ * 64 KiB up, gil.h) touch only the call's arrays and tables.
  *
  * Outside the module: the CUDA runtime is thread-safe, and a call restores
  * the calling thread's current device; KVBM_EXT_DEBUG is read with getenv
