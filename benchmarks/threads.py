@@ -12,8 +12,8 @@ free-threaded CPython they run in parallel.  --cache shared: one cache that ever
 moves blocks of (the serving worker's case); private: a cache per thread.  The moved bytes
 are checked against NumPy after the timing.
 
-Columns: calls per second (median, min and max over the rounds) and the median's ratio to
-the first thread count's; calls per CPU-second of the threads (the same for every count
+Columns: calls per second (median, min and max over the rounds) and the median over the
+rounds of its ratio to the first thread count's in the same round; calls per CPU-second of the threads (the same for every count
 when threads do not slow each other down); the CPUs the threads got (fewer than the count
 on a busy machine); and "bare loop": the same loop with len() in place of the two calls,
 timed in every round too, whose ratio is what the interpreter itself scales to on the
@@ -153,17 +153,24 @@ def main():
         for c in counts:
             runs[c].append(calls_per_second(pools[c], args.seconds))
             bare[c].append(calls_per_second(pools[c], args.seconds / 4, bare=True)[0])
-    base = statistics.median(rate for rate, _, _ in runs[counts[0]])
-    bare_base = statistics.median(bare[counts[0]])
-    print(f"{'threads':>7}  {'calls/s median':>14}  {'min':>9}  {'max':>9}  {'vs ' + str(counts[0]):>6}  "
-          f"{'calls/CPU-s':>11}  {'CPUs used':>9}  {'bare loop vs ' + str(counts[0]):>16}")
+    first = counts[0]
+    print(f"{'threads':>7}  {'calls/s median':>14}  {'min':>9}  {'max':>9}  {'vs ' + str(first):>6}  "
+          f"{'calls/CPU-s':>11}  {'CPUs used':>9}  {'bare loop vs ' + str(first):>16}")
     for c in counts:
         rates = [rate for rate, _, _ in runs[c]]
-        median = statistics.median(rates)
+        # Ratios within each round, whose counts ran seconds apart: a slow spell of the
+        # machine falls on both sides of a ratio.
+        ratios = [rate / runs[first][r][0] for r, rate in enumerate(rates)]
+        bare_ratios = [b / bare[first][r] for r, b in enumerate(bare[c])]
         per_cpu = statistics.median(p for _, p, _ in runs[c])
         cpus = statistics.median(u for _, _, u in runs[c])
-        print(f"{c:>7}  {median:>14,.0f}  {min(rates):>9,.0f}  {max(rates):>9,.0f}  {median / base:>5.2f}x  "
-              f"{per_cpu:>11,.0f}  {cpus:>9.2f}  {statistics.median(bare[c]) / bare_base:>15.2f}x")
+        print(f"{c:>7}  {statistics.median(rates):>14,.0f}  {min(rates):>9,.0f}  {max(rates):>9,.0f}  "
+              f"{statistics.median(ratios):>5.2f}x  {per_cpu:>11,.0f}  {cpus:>9.2f}  "
+              f"{statistics.median(bare_ratios):>15.2f}x")
+        if c != first:
+            rounds = ", ".join(f"{k:.2f}/{b:.2f}" for k, b in zip(ratios, bare_ratios))
+            print(f"         each round, calls / bare loop vs {first}: {rounds}")
+
 
 if __name__ == "__main__":
     main()
