@@ -13,11 +13,11 @@ moves blocks of (the serving worker's case); private: a cache per thread.  The m
 are checked against NumPy after the timing.
 
 Columns: calls per second (median, min and max over the rounds) and the median over the
-rounds of its ratio to the first thread count's in the same round; calls per CPU-second of the threads (the same for every count
-when threads do not slow each other down); the CPUs the threads got (fewer than the count
-on a busy machine); and "bare loop": the same loop with len() in place of the two calls,
-timed in every round too, whose ratio is what the interpreter itself scales to on the
-machine at the time.  NumPy only (no torch): it runs on free-threaded interpreters, whose
+rounds of its ratio to the first thread count's in the same round; calls per CPU-second of
+the threads (the same for every count when threads do not slow each other down); the CPUs
+the threads got (fewer than the count on a busy machine); and "bare loop": the same loop
+with len() in place of the two calls, timed in every round too, whose ratio is what the
+interpreter itself scales to on the machine at the time.  NumPy only (no torch): it runs on free-threaded interpreters, whose
 torch wheels may be missing.  The log goes to stdout; benchmarks/results/ keeps runs
 (threads-<cpu>-<date>.log).
 """
