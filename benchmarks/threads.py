@@ -10,9 +10,16 @@ blocks are small (a few KiB), so a call's time is its host work (reading and che
 arguments) more than its copy: with a GIL, threads take turns for nearly all of it; on
 free-threaded CPython they run in parallel.  --cache shared: one cache that every thread
 moves blocks of (the serving worker's case); private: a cache per thread.  The moved bytes
-are checked against NumPy after the timing.  NumPy only (no torch): it runs on
-free-threaded interpreters, whose torch wheels may be missing.  The log goes to stdout;
-benchmarks/results/ keeps runs (threads-<cpu>-<date>.log).
+are checked against NumPy after the timing.
+
+Columns: calls per second (median, min and max over the rounds) and the median over the
+rounds of its ratio to the first thread count's in the same round; calls per CPU-second of
+the threads (the same for every count when threads do not slow each other down); the CPUs
+the threads got (fewer than the count on a busy machine); and "bare loop": the same loop
+with len() in place of the two calls, timed in every round too, whose ratio is what the
+interpreter itself scales to on the machine at the time.  NumPy only (no torch): it runs on free-threaded interpreters, whose
+torch wheels may be missing.  The log goes to stdout; benchmarks/results/ keeps runs
+(threads-<cpu>-<date>.log).
 """
 
 import argparse
@@ -25,7 +32,10 @@ import sysconfig
 import threading
 import time
 
-import numpy as np
+# NumPy's BLAS threads have nothing to do here: keep them off the CPUs the timed threads need.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -71,14 +81,18 @@ class Worker:
         self.universal = np.empty((1, NH, NL, NO, NT, HD), np.float16)     # nb = 1
         self.calls, self.cpu_s = 0, 0.0
 
-    def run(self, start, stop_at):
+    def run(self, start, stop_at, bare):
+        """Moves blocks until stop_at; `bare`: the same loop with len() for the two calls."""
         start.wait()
         calls, cache, universal = 0, self.cache, self.universal
         cpu_start = time.thread_time()
         while time.perf_counter() < stop_at:
             block = [self.ids[calls // 2 % BLOCKS_PER_THREAD]]
-            cache.to_universal(block, universal)
-            cache.from_universal(universal, block)
+            if bare:
+                len(block), len(universal)
+            else:
+                cache.to_universal(block, universal)
+                cache.from_universal(universal, block)
             calls += 2
         self.calls, self.cpu_s = calls, time.thread_time() - cpu_start
 
@@ -98,12 +112,12 @@ def workers_for(count, shared, rng):
     return [Worker(*make_cache(BLOCKS_PER_THREAD, rng), 0, rng) for _ in range(count)]
 
 
-def calls_per_second(workers, seconds):
+def calls_per_second(workers, seconds, bare=False):
     """Calls per second of all threads together, calls per CPU-second of the threads, and
     the CPUs they got (their CPU seconds per second)."""
     start = threading.Barrier(len(workers) + 1)
     stop_at = time.perf_counter() + seconds + 0.05
-    threads = [threading.Thread(target=w.run, args=(start, stop_at)) for w in workers]
+    threads = [threading.Thread(target=w.run, args=(start, stop_at, bare)) for w in workers]
     for t in threads:
         t.start()
     start.wait()
@@ -112,7 +126,8 @@ def calls_per_second(workers, seconds):
         t.join()
     elapsed = time.perf_counter() - began
     for w in workers:
-        w.check()
+        if not bare:
+            w.check()
     calls, cpu_s = sum(w.calls for w in workers), sum(w.cpu_s for w in workers)
     return calls / elapsed, calls / cpu_s, cpu_s / elapsed
 
@@ -133,20 +148,29 @@ def main():
           f"kvbm_ext {kvbm_ext.__version__} ({'CPU-only build' if kvbm_ext.is_using_stubs() else 'CUDA build'})")
     print(f"# PagedKVCache to_universal + from_universal, nb = 1, {NL * NO * NT * NH * HD * 2} bytes a block, "
           f"{args.cache} cache, {args.seconds:g} s x {args.rounds} rounds")
-    runs = {c: [] for c in counts}
+    runs, bare = {c: [] for c in counts}, {c: [] for c in counts}
     for _ in range(args.rounds):
         for c in counts:
             runs[c].append(calls_per_second(pools[c], args.seconds))
-    base = statistics.median(rate for rate, _, _ in runs[counts[0]])
-    print(f"{'threads':>7}  {'calls/s median':>14}  {'min':>9}  {'max':>9}  {'vs ' + str(counts[0]):>6}  "
-          f"{'calls/CPU-s':>11}  {'CPUs used':>9}")
+            bare[c].append(calls_per_second(pools[c], args.seconds / 4, bare=True)[0])
+    first = counts[0]
+    print(f"{'threads':>7}  {'calls/s median':>14}  {'min':>9}  {'max':>9}  {'vs ' + str(first):>6}  "
+          f"{'calls/CPU-s':>11}  {'CPUs used':>9}  {'bare loop vs ' + str(first):>16}")
     for c in counts:
         rates = [rate for rate, _, _ in runs[c]]
-        median = statistics.median(rates)
+        # Ratios within each round, whose counts ran seconds apart: a slow spell of the
+        # machine falls on both sides of a ratio.
+        ratios = [rate / runs[first][r][0] for r, rate in enumerate(rates)]
+        bare_ratios = [b / bare[first][r] for r, b in enumerate(bare[c])]
         per_cpu = statistics.median(p for _, p, _ in runs[c])
         cpus = statistics.median(u for _, _, u in runs[c])
-        print(f"{c:>7}  {median:>14,.0f}  {min(rates):>9,.0f}  {max(rates):>9,.0f}  {median / base:>5.2f}x  "
-              f"{per_cpu:>11,.0f}  {cpus:>9.2f}")
+        print(f"{c:>7}  {statistics.median(rates):>14,.0f}  {min(rates):>9,.0f}  {max(rates):>9,.0f}  "
+              f"{statistics.median(ratios):>5.2f}x  {per_cpu:>11,.0f}  {cpus:>9.2f}  "
+              f"{statistics.median(bare_ratios):>15.2f}x")
+        if c != first:
+            rounds = ", ".join(f"{k:.2f}/{b:.2f}" for k, b in zip(ratios, bare_ratios))
+            print(f"         each round, calls / bare loop vs {first}: {rounds}")
+
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,13 @@ int kv_is_array(PyObject *obj)
 {
     if (PyList_Check(obj) || PyTuple_Check(obj))
         return 0;
-    return PyObject_HasAttrString(obj, "__dlpack__")
+    /* The buffer protocol first: asking for an attribute by a C string misses
+     * the interpreter's type cache, and on free-threaded CPython takes its
+     * type lock, which threads calling at once then contend for. */
+    return PyObject_CheckBuffer(obj)
+        || PyObject_HasAttrString(obj, "__dlpack__")
         || PyObject_HasAttrString(obj, "__cuda_array_interface__")
-        || PyObject_HasAttrString(obj, "__array_interface__")
-        || PyObject_CheckBuffer(obj);
+        || PyObject_HasAttrString(obj, "__array_interface__");
 }
 
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size)

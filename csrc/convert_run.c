@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cpu_copy.h"
+#include "gil.h"
 #include "overlap.h"
 #include "route.h"
 
@@ -99,9 +100,9 @@ static int run_block_operational(kv_gpu *gpu, const kv_call *call, const kv_targ
         rc = kv_route_chunks(gpu, target, &pairs, &call->options, call->function);
     }
     else {
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *released = kv_release_gil_for(count * chunk_bytes);
         kv_cpu_copy_pairs(&pairs);
-        Py_END_ALLOW_THREADS
+        kv_retake_gil(released);
     }
     PyMem_Free(pairs.src);
     PyMem_Free(pairs.dst);
@@ -221,9 +222,9 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_target *targ
         rc = run_universal_on_gpu(gpu, call, target, &dims, table);
     else {
         const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *released = kv_release_gil_for(dims.nb * dims.nchunks * dims.nh * dims.nt * dims.row_bytes);
         kv_cpu_block_universal(&dims, table, direction);
-        Py_END_ALLOW_THREADS
+        kv_retake_gil(released);
     }
     PyMem_Free(table);
     return rc;

@@ -44,12 +44,13 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "destinations that require grad; a torch destination's version counter is\n"                                     \
     "bumped, as an in-place operation would.\n\n"                                                                     \
     "Memory, the same for every array argument: if every array is in host memory\n"                                   \
-    "(pageable or pinned), the CPU implementation runs, without the GIL and without\n"                                \
-    "a GPU; backend, num_ctas and stream, which only a GPU move takes, must then\n"                                    \
-    "keep their defaults (ValueError naming the one that does not).  Otherwise\n"                                      \
-    "every array is in device memory of one CUDA device or in\n"                                                       \
-    "pinned (page-locked) host memory (see backend); pageable host memory is then\n"                                  \
-    "rejected, and so are devices other than CUDA (e.g. torch's meta).\n\n"                                          \
+    "(pageable or pinned), the CPU implementation runs, without a GPU, releasing\n"                                    \
+    "the GIL while it copies 64 KiB or more; backend, num_ctas and stream, which\n"                                    \
+    "only a GPU move takes, must then keep their defaults (ValueError naming the\n"                                    \
+    "one that does not).  Otherwise every array is in device memory of one CUDA\n"                                     \
+    "device or in pinned (page-locked) host memory (see backend); pageable host\n"                                     \
+    "memory is then rejected, and so are devices other than CUDA (e.g. torch's\n"                                      \
+    "meta).\n\n"                                                                                                       \
     "Streams: the work is enqueued on `stream`, on the arrays' device, and the call\n"                                 \
     "returns without waiting for it.  Producers' pending work is ordered first:\n"                                     \
     "DLPack producers receive the stream in __dlpack__(stream=...), and a CAI v3\n"                                    \
@@ -396,8 +397,8 @@ static void module_free(void *module)
  * Arguments: sequences are read from a tuple snapshot (kv_as_sequence),
  * array-interface dicts from a copy, so no item is borrowed from a
  * container that another thread (or the item's own Python code) can change
- * while the call reads it.  The copies themselves run without the GIL and
- * touch only the call's arrays and tables.
+ * while the call reads it.  The copies themselves (without the GIL from
+ * 64 KiB up, gil.h) touch only the call's arrays and tables.
  *
  * Outside the module: the CUDA runtime is thread-safe, and a call restores
  * the calling thread's current device; KVBM_EXT_DEBUG is read with getenv

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cpu_copy.h"
+#include "gil.h"
 #include "route.h"
 #include "state.h"
 
@@ -163,9 +164,9 @@ int kv_paged_run(kv_paged_call *call)
     if (cache->device >= 0)
         rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kvbm_vector_bytes(alignment));
     else {
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *released = kv_release_gil_for(kv_cpu_paged_bytes(&p));
         kv_cpu_paged(&p, &addresses, table);
-        Py_END_ALLOW_THREADS
+        kv_retake_gil(released);
     }
     PyMem_Free(table);
     return rc;

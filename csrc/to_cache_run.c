@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cpu_copy.h"
+#include "gil.h"
 #include "gpu_to_cache.h"
 #include "route.h"
 #include "state.h"
@@ -248,9 +249,9 @@ int kv_to_cache_run(kv_to_cache_call *call)
     if (call->device >= 0)
         rc = run_on_gpu(call, &m, &ids, table, kvbm_vector_bytes(alignment_of(&m, table)));
     else {
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *released = kv_release_gil_for(kv_cpu_paged_bytes(&m.p));
         kv_cpu_to_cache(&m, table);
-        Py_END_ALLOW_THREADS
+        kv_retake_gil(released);
     }
     PyMem_Free(table);
     return rc;

@@ -503,6 +503,70 @@ def test_threads_through_every_entry_point():
         assert not result["gil_enabled"], "the GIL was on during the stress"
 
 
+def host_copies(rng, nb, nh, nl, no, nt, hd):
+    """Each CPU copy path as (name, call, the arrays it writes, what they must then hold):
+    the list and universal conversions, a PagedKVCache move and to_cache between host caches."""
+    source = random_array(rng, (nb, nh, nl, no, nt, hd))
+    operational = np.ascontiguousarray(source.transpose(0, 2, 3, 4, 1, 5)).reshape(nb, nl, no, -1)
+    chunks = [[np.ascontiguousarray(b.transpose(1, 2, 3, 0, 4)[l, o]) for l in range(nl) for o in range(no)]
+              for b in source]
+    layers = [np.ascontiguousarray(source[:, :, l].transpose(2, 0, 3, 1, 4)) for l in range(nl)]  # "kbthd"
+    cache = kvbm_ext.PagedKVCache(layers, "kbthd")
+    copied = [np.empty_like(layer) for layer in layers]
+    other = kvbm_ext.PagedKVCache(copied, "kbthd")
+    ids = rng.permutation(nb)
+    operationals, universal = [np.empty_like(operational) for _ in range(2)], np.empty_like(source)
+    return [
+        ("universal_to_operational", lambda: kvbm_ext.universal_to_operational(source, operationals[0], "NHD"),
+         operationals[:1], [operational]),
+        ("block_to_operational", lambda: kvbm_ext.block_to_operational(chunks, operationals[1]),
+         operationals[1:], [operational]),
+        ("PagedKVCache.to_universal", lambda: cache.to_universal(ids, universal), [universal], [source[ids]]),
+        ("PagedKVCache.to_cache", lambda: cache.to_cache(other, ids, np.arange(nb)),
+         copied, [layer[:, ids] for layer in layers]),
+    ]
+
+
+def test_large_host_copies_release_the_gil():
+    """Every CPU copy path lets another Python thread run while it copies 64 MiB (copies
+    under 64 KiB keep the GIL: giving it up would cost more than they take)."""
+    import pytest
+
+    if FREE_THREADED:
+        pytest.skip("no GIL to release")
+    rng = np.random.default_rng(64)
+    copies = host_copies(rng, 32, 8, 16, 2, 16, 128)  # 64 MiB of uint16 a copy
+    stamps, stop = [], threading.Event()
+
+    def tick():  # wakes every millisecond, and needs the GIL to note it
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    missed = []
+    try:
+        for name, call, written, expected in copies:
+            inside = 0  # the GIL held through the copy, the ticker could not note a time in its middle
+            for _ in range(10):
+                poison(written)
+                start = time.perf_counter()
+                call()
+                end = time.perf_counter()
+                quarter = (end - start) / 4
+                inside = max(inside, sum(start + quarter < t < end - quarter for t in stamps))
+                assert all(np.array_equal(got, want) for got, want in zip(written, expected)), name
+                if inside:
+                    break
+            if not inside:
+                missed.append(name)
+    finally:
+        stop.set()
+        ticker.join()
+    assert not missed, f"no other thread ran during the middle half of any of ten 64 MiB copies: {missed}"
+
+
 def test_import_leaves_the_gil_off():
     import pytest
 
