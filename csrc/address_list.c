@@ -78,8 +78,8 @@ static int element_type_ok(kv_dtype dtype, kv_list_kind kind)
     return (dtype.code == kDLInt || dtype.code == kDLUInt) && dtype.bits == 64;
 }
 
-static int from_array(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind,
-                      int allow_device, kv_address_list *out)
+static int from_array(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
+                      kv_address_list *out)
 {
     const kv_path path = {name, {0, 0}, 0};
     kv_array *a = &out->array;
@@ -145,8 +145,8 @@ static int from_array(const kv_reader *reader, PyObject *obj, const char *name, 
     return 0;
 }
 
-int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind,
-                         int allow_device, kv_address_list *out)
+int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
+                         kv_address_list *out)
 {
     memset(out, 0, sizeof *out);
     out->device_id = -1;

@@ -21,17 +21,17 @@ typedef struct {
     int one_value;    /* KV_LIST_SIZES given one size: `value`, for any count (values is NULL) */
     uint64_t value;
     int on_device;
-    int int32;        /* the device array holds int32 block ids */
-    int device_id;    /* of a device array */
-    kv_array array;   /* the borrowed device array */
+    int int32;      /* the device array holds int32 block ids */
+    int device_id;  /* of a device array */
+    kv_array array; /* the borrowed device array */
 } kv_address_list;
 
 /* Reads `obj` into *out; `name` is the argument's name for errors.  Host
  * values are copied and checked as `kind` says; a device array is borrowed
  * (refused with ValueError unless `allow_device`), its values unread.
  * Returns 0, or -1 with TypeError/ValueError and nothing to release. */
-int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind,
-                         int allow_device, kv_address_list *out);
+int kv_address_list_read(const kv_reader *reader, PyObject *obj, const char *name, kv_list_kind kind, int allow_device,
+                         kv_address_list *out);
 
 void kv_address_list_release(kv_address_list *list);
 

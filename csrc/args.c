@@ -91,8 +91,7 @@ PyObject *kv_index(PyObject *obj, const kv_path *path, const char *expected)
     return value;
 }
 
-int kv_int64(PyObject *obj, const kv_path *path, const char *expected, int64_t minimum, int64_t maximum,
-             int64_t *out)
+int kv_int64(PyObject *obj, const kv_path *path, const char *expected, int64_t minimum, int64_t maximum, int64_t *out)
 {
     PyObject *value = kv_index(obj, path, expected);
     if (value == NULL)
@@ -172,8 +171,10 @@ int kv_parse_arguments(const kv_signature *signature, PyObject *const *args, Py_
         if (i < 0) {
             for (int p = 0; p < signature->positional_only; p++)
                 if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, signature->names[p]) == 0) {
-                    PyErr_Format(PyExc_TypeError, "%s() got some positional-only arguments passed as keyword "
-                                 "arguments: '%s'", signature->function, signature->names[p]);
+                    PyErr_Format(PyExc_TypeError,
+                                 "%s() got some positional-only arguments passed as keyword "
+                                 "arguments: '%s'",
+                                 signature->function, signature->names[p]);
                     return -1;
                 }
             PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", signature->function, name);

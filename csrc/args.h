@@ -18,8 +18,7 @@ PyObject *kv_index(PyObject *obj, const kv_path *path, const char *expected);
 
 /* kv_index, then a range check: ValueError "expected an int from minimum to
  * maximum" naming `path`. */
-int kv_int64(PyObject *obj, const kv_path *path, const char *expected, int64_t minimum, int64_t maximum,
-             int64_t *out);
+int kv_int64(PyObject *obj, const kv_path *path, const char *expected, int64_t minimum, int64_t maximum, int64_t *out);
 
 /* The same from 0 to 2**64 - 1 (addresses and sizes). */
 int kv_uint64(PyObject *obj, const kv_path *path, uint64_t *out);

@@ -14,10 +14,9 @@ int kv_is_array(PyObject *obj)
     /* The buffer protocol first: asking for an attribute by a C string misses
      * the interpreter's type cache, and on free-threaded CPython takes its
      * type lock, which threads calling at once then contend for. */
-    return PyObject_CheckBuffer(obj)
-        || PyObject_HasAttrString(obj, "__dlpack__")
-        || PyObject_HasAttrString(obj, "__cuda_array_interface__")
-        || PyObject_HasAttrString(obj, "__array_interface__");
+    return PyObject_CheckBuffer(obj) || PyObject_HasAttrString(obj, "__dlpack__")
+           || PyObject_HasAttrString(obj, "__cuda_array_interface__")
+           || PyObject_HasAttrString(obj, "__array_interface__");
 }
 
 const char *kv_dtype_name(kv_dtype dtype, char *buf, size_t size)
@@ -82,8 +81,8 @@ void kv_set_compact_strides(kv_array *a)
 int kv_check_ndim(const kv_path *path, Py_ssize_t ndim)
 {
     if (ndim < 0 || ndim > KV_MAX_NDIM)
-        return kv_path_error(PyExc_ValueError, path, "arrays of %zd dimensions are not supported (at most %d)",
-                             ndim, KV_MAX_NDIM);
+        return kv_path_error(PyExc_ValueError, path, "arrays of %zd dimensions are not supported (at most %d)", ndim,
+                             KV_MAX_NDIM);
     return 0;
 }
 

@@ -39,8 +39,8 @@ typedef struct {
     kv_place place;
     int device_id;
     int readonly;
-    int has_stream;   /* the producer named its stream (CAI v3, the C exchange API) */
-    intptr_t stream;  /* that stream */
+    int has_stream;  /* the producer named its stream (CAI v3, the C exchange API) */
+    intptr_t stream; /* that stream */
     /* The producer's current_work_stream(device_type, device_id, &stream)
      * where it was read through the C exchange API, else NULL. */
     int (*current_work_stream)(int32_t, int32_t, void **);
@@ -48,8 +48,8 @@ typedef struct {
      * bumps its version counter.  Not `owner`, which is a capsule when the
      * tensor was read through __dlpack__. */
     PyObject *written_tensor;
-    PyObject *owner;  /* strong reference that keeps the borrow valid (NULL for a kv_array_block view) */
-    Py_buffer view;   /* buffer-protocol borrows only */
+    PyObject *owner; /* strong reference that keeps the borrow valid (NULL for a kv_array_block view) */
+    Py_buffer view;  /* buffer-protocol borrows only */
     int has_view;
 } kv_array;
 

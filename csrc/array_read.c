@@ -25,8 +25,10 @@ static int read_protocol(const kv_reader *reader, PyObject *obj, const kv_type_f
         return kv_from_interface(p, obj, path, KV_NAME_ARRAY_INTERFACE, out);
     if (PyObject_CheckBuffer(obj))
         return kv_from_buffer(obj, path, out);
-    return kv_path_error(PyExc_TypeError, path, "expected an array (DLPack, __cuda_array_interface__, "
-                         "__array_interface__ or a buffer), got %s", Py_TYPE(obj)->tp_name);
+    return kv_path_error(PyExc_TypeError, path,
+                         "expected an array (DLPack, __cuda_array_interface__, "
+                         "__array_interface__ or a buffer), got %s",
+                         Py_TYPE(obj)->tp_name);
 }
 
 /* What every later check and copy relies on: no negative extent, an
@@ -50,8 +52,8 @@ static int check_extents(const kv_array *a, const kv_path *path)
         return kv_path_error(PyExc_ValueError, path, "has a NULL data pointer but %lld elements", (long long)elements);
     for (int i = 0; i < a->ndim; i++) {
         int64_t reach;
-        if (a->strides[i] == INT64_MIN || __builtin_mul_overflow(a->strides[i] < 0 ? -a->strides[i] : a->strides[i],
-                                                                 a->shape[i] - 1, &reach))
+        if (a->strides[i] == INT64_MIN
+            || __builtin_mul_overflow(a->strides[i] < 0 ? -a->strides[i] : a->strides[i], a->shape[i] - 1, &reach))
             return kv_path_error(PyExc_ValueError, path, "stride %lld of dimension %d reaches past 2**63 - 1 bytes",
                                  (long long)a->strides[i], i);
     }

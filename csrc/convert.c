@@ -121,8 +121,10 @@ static int read_first_chunk(kv_call *call, PyObject *chunk)
     char got[96];
     kv_format_shape(a->shape, a->ndim, got, sizeof got);
     if (a->ndim != 3 || a->shape[0] * a->shape[1] * a->shape[2] != inner)
-        return kv_path_error(PyExc_ValueError, &path, "expected a 3-D chunk of %lld elements (the last dimension of "
-                             "operationals[0], nt*nh*hd), got shape %s", (long long)inner, got);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "expected a 3-D chunk of %lld elements (the last dimension of "
+                             "operationals[0], nt*nh*hd), got shape %s",
+                             (long long)inner, got);
     memcpy(call->other_shape, a->shape, sizeof call->other_shape);
     return check_array(call, i);
 }
@@ -173,9 +175,10 @@ static int read_dimensions(kv_call *call)
 
     const int64_t chunk_bytes = chunk_elements * f->itemsize;
     if (!kvbm_fits_one_launch(call->nb, call->nchunks, chunk_bytes))
-        return kv_path_error(PyExc_ValueError, &path, "too much data for one call (%zd blocks of %lld chunks of %lld "
-                             "bytes); split it into several calls", call->nb, (long long)call->nchunks,
-                             (long long)chunk_bytes);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "too much data for one call (%zd blocks of %lld chunks of %lld "
+                             "bytes); split it into several calls",
+                             call->nb, (long long)call->nchunks, (long long)chunk_bytes);
     return check_array(call, 0);
 }
 
@@ -193,8 +196,8 @@ static int walk_arguments(kv_call *call)
     }
     for (Py_ssize_t b = 0; b < call->nb; b++) {
         const kv_path path = {call->other.name, {b, 0}, 1};
-        PyObject *chunks = kv_as_sequence(PyTuple_GET_ITEM(call->other.items, b), &path,
-                                          "a sequence of nl*no chunk arrays");
+        PyObject *chunks =
+            kv_as_sequence(PyTuple_GET_ITEM(call->other.items, b), &path, "a sequence of nl*no chunk arrays");
         if (chunks == NULL)
             return -1;
         int rc = 0;
@@ -242,21 +245,27 @@ static int read_side(kv_call *call, kv_side *side, PyObject *obj, int block_ndim
     char got[96];
     kv_format_shape(a->shape, a->ndim, got, sizeof got);
     if (a->ndim != block_ndim + 1)
-        return kv_path_error(PyExc_ValueError, &path, "expected a %d-D [%s array (one block) or a %d-D [nb, %s array, "
-                             "got shape %s", block_ndim, block, block_ndim + 1, block, got);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "expected a %d-D [%s array (one block) or a %d-D [nb, %s array, "
+                             "got shape %s",
+                             block_ndim, block, block_ndim + 1, block, got);
     side->stacked = 1;
     side->nb = (Py_ssize_t)a->shape[0];
     if (!kv_array_is_contiguous_from(a, 1))
-        return kv_path_error(PyExc_ValueError, &path, "every block (all dimensions after the first) must be "
-                             "C-contiguous, got shape %s", got);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "every block (all dimensions after the first) must be "
+                             "C-contiguous, got shape %s",
+                             got);
     if (write && side->nb > 1 && kv_array_elements(a) > 0) {
         /* Blocks that overlap would be written twice, in an order that
          * decides the result. */
         const int64_t block_bytes = kv_array_elements(a) / a->shape[0] * a->itemsize;
         if (a->strides[0] < block_bytes)
-            return kv_path_error(PyExc_ValueError, &path, "the blocks %s (leading stride %lld bytes, %lld bytes per "
-                                 "block); a destination's blocks may not overlap", a->strides[0] < 0 ? "run backwards"
-                                 : "overlap", (long long)a->strides[0], (long long)block_bytes);
+            return kv_path_error(PyExc_ValueError, &path,
+                                 "the blocks %s (leading stride %lld bytes, %lld bytes per "
+                                 "block); a destination's blocks may not overlap",
+                                 a->strides[0] < 0 ? "run backwards" : "overlap", (long long)a->strides[0],
+                                 (long long)block_bytes);
     }
     return 0;
 }
@@ -265,12 +274,9 @@ static int read_side(kv_call *call, kv_side *side, PyObject *obj, int block_ndim
 static const char *function_name(kv_conversion conversion, int to_flat)
 {
     switch (conversion) {
-    case KV_BLOCK_UNIVERSAL:
-        return to_flat ? "block_to_universal" : "universal_to_block";
-    case KV_UNIVERSAL_OPERATIONAL:
-        return to_flat ? "operational_to_universal" : "universal_to_operational";
-    default:
-        return to_flat ? "block_to_operational" : "operational_to_block";
+    case KV_BLOCK_UNIVERSAL: return to_flat ? "block_to_universal" : "universal_to_block";
+    case KV_UNIVERSAL_OPERATIONAL: return to_flat ? "operational_to_universal" : "universal_to_operational";
+    default: return to_flat ? "block_to_operational" : "operational_to_block";
     }
 }
 

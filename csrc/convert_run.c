@@ -160,11 +160,10 @@ static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims
     return NULL;
 }
 
-
 /* The layout kernel on the GPU, alone or staged through device memory when
  * pinned host memory takes part. */
-static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_target *target,
-                                const kvbm_block_dims *dims, void **table)
+static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_target *target, const kvbm_block_dims *dims,
+                                void **table)
 {
     const Py_ssize_t count = kv_call_count(call);
     /* The staged path alone needs the arrays' addresses as integers. */

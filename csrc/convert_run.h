@@ -19,10 +19,10 @@ typedef enum {
  * PagedKVCache takes them. */
 typedef struct {
     const char *name;
-    PyObject *items;  /* the argument, snapshotted as a tuple (kv_array_items) */
-    kv_array whole;   /* the one array, borrowed (has_whole) */
+    PyObject *items; /* the argument, snapshotted as a tuple (kv_array_items) */
+    kv_array whole;  /* the one array, borrowed (has_whole) */
     int has_whole;
-    int stacked;      /* whole has a leading block dimension */
+    int stacked; /* whole has a leading block dimension */
     Py_ssize_t nb;
 } kv_side;
 
@@ -43,7 +43,7 @@ typedef struct {
     kv_reader reader;
     kv_side flat, other;
     int other_is_blocks;
-    int empty;       /* flat[0] has no element: the call moves nothing */
+    int empty; /* flat[0] has no element: the call moves nothing */
     Py_ssize_t nb;
     int64_t nchunks;
     int64_t flat_shape[5];
@@ -59,10 +59,7 @@ static inline Py_ssize_t kv_call_count(const kv_call *call)
 }
 
 /* Whether arrays[i] is written by the call. */
-static inline int kv_call_writes(const kv_call *call, Py_ssize_t i)
-{
-    return (i < call->nb) == call->to_flat;
-}
+static inline int kv_call_writes(const kv_call *call, Py_ssize_t i) { return (i < call->nb) == call->to_flat; }
 
 /* The side arrays[i] belongs to, or NULL for a chunk of `blocks`. */
 static inline const kv_side *kv_call_side(const kv_call *call, Py_ssize_t i)

@@ -9,7 +9,11 @@
 #include "route.h"
 
 static const char *const MODE_NAMES[3] = {"batched_with_fallback", "fallback_only", "batch_without_fallback"};
-enum { MODE_BATCHED_WITH_FALLBACK, MODE_FALLBACK_ONLY, MODE_BATCH_WITHOUT_FALLBACK };
+enum {
+    MODE_BATCHED_WITH_FALLBACK,
+    MODE_FALLBACK_ONLY,
+    MODE_BATCH_WITHOUT_FALLBACK
+};
 
 static const char *const LIST_NAMES[2] = {"src_ptrs", "dst_ptrs"};
 
@@ -30,8 +34,8 @@ static void release_call(kv_copy_call *call)
 }
 
 /* Reads the stream and the three lists and checks that their lengths agree. */
-static int read_call(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream,
-                     int allow_device, kv_copy_call *call)
+static int read_call(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *stream, int allow_device,
+                     kv_copy_call *call)
 {
     memset(call, 0, sizeof *call);
     if (kv_stream_from_object(stream, &call->stream) < 0)
@@ -132,9 +136,10 @@ static int check_pair_aliasing(const kv_pairs *pairs)
     const int rc = kv_find_overlap(spans, 2 * count, &first, &second);
     PyMem_Free(spans);
     if (rc > 0)
-        PyErr_Format(PyExc_ValueError, "%s[%zd]: the destination range shares memory with %s[%zd]; a destination may "
-                     "not overlap a source or another destination", LIST_NAMES[1], first - count,
-                     LIST_NAMES[second >= count], second % count);
+        PyErr_Format(PyExc_ValueError,
+                     "%s[%zd]: the destination range shares memory with %s[%zd]; a destination may "
+                     "not overlap a source or another destination",
+                     LIST_NAMES[1], first - count, LIST_NAMES[second >= count], second % count);
     return rc > 0 ? -1 : rc;
 }
 
@@ -157,8 +162,10 @@ static int copy_pairs(kv_state *state, PyObject *src, PyObject *dst, PyObject *s
         goto done;
     }
     if (kernel && pairs.count > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "src_ptrs: %lld copies in one call, more than the copy kernel's 2**31 - 1; "
-                     "split them into several calls", (long long)pairs.count);
+        PyErr_Format(PyExc_ValueError,
+                     "src_ptrs: %lld copies in one call, more than the copy kernel's 2**31 - 1; "
+                     "split them into several calls",
+                     (long long)pairs.count);
         goto done;
     }
     if (check_pair_aliasing(&pairs) < 0 || kv_require_device(function, "it copies with CUDA, host memory included") < 0)

@@ -58,8 +58,8 @@ static int undescribed_device(const kv_protocols *p, PyObject *obj, const kv_pat
     PyErr_Clear();
     PyErr_Restore(type, value, traceback);
     if (name == NULL)
-        return kv_path_error_from(PyExc_ValueError, path, "on a device its __dlpack_device__() cannot describe, "
-                                  READABLE);
+        return kv_path_error_from(PyExc_ValueError, path,
+                                  "on a device its __dlpack_device__() cannot describe, " READABLE);
     kv_path_error_from(PyExc_ValueError, path, "on device %U, " READABLE, name);
     Py_DECREF(name);
     return -1;
@@ -217,7 +217,8 @@ int kv_array_current_stream(const kv_array *a, int32_t device_type, int32_t devi
     if (rc == 0 && !PyErr_Occurred())
         return 0;
     if (!PyErr_Occurred())
-        PyErr_Format(PyExc_RuntimeError, "the arrays' producer failed to tell its current stream on device %d (the "
+        PyErr_Format(PyExc_RuntimeError,
+                     "the arrays' producer failed to tell its current stream on device %d (the "
                      "current_work_stream of its DLPack C exchange API returned %d without an exception)",
                      (int)device_id, rc);
     return -1;

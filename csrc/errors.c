@@ -59,9 +59,9 @@ int kv_path_error_from(PyObject *type, const kv_path *path, const char *format, 
     va_start(args, format);
     PyObject *message = path_message(path, format, args);
     va_end(args);
-    PyObject *full = message == NULL ? NULL
-                                     : PyUnicode_FromFormat("%U (%s: %S)", message, ((PyTypeObject *)cause_type)->tp_name,
-                                                            cause);
+    PyObject *full = message == NULL
+                         ? NULL
+                         : PyUnicode_FromFormat("%U (%s: %S)", message, ((PyTypeObject *)cause_type)->tp_name, cause);
     Py_XDECREF(message);
     if (full != NULL) {
         PyErr_SetObject(type, full);

@@ -56,12 +56,12 @@ typedef struct {
     int64_t nb, mid, inner, unit_bytes;
     const uint64_t *block_address; /* unit (b, m, i) at block_address[b] + m*mid_stride + i*inner_stride, */
     int64_t mid_stride, inner_stride;
-    const uint64_t *unit_address;  /* or at unit_address[b*inner + i] when not NULL (then mid == 1), each
+    const uint64_t *unit_address; /* or at unit_address[b*inner + i] when not NULL (then mid == 1), each
                                       unit its own allocation */
-    int one_allocation;            /* the blocks lie in one allocation (one array), not one each */
-    int to_host;                   /* the bytes move into pinned memory */
-    int flat_side;                 /* the pinned side is the call's flat side (universals; a paged call's blocks) */
-    int64_t max_blocks;            /* whole blocks a piece may hold (the kernel's by-value table) */
+    int one_allocation;           /* the blocks lie in one allocation (one array), not one each */
+    int to_host;                  /* the bytes move into pinned memory */
+    int flat_side;                /* the pinned side is the call's flat side (universals; a paged call's blocks) */
+    int64_t max_blocks;           /* whole blocks a piece may hold (the kernel's by-value table) */
 } kv_staged;
 
 /* How a staged move is cut into pieces (pieces.h).  The first piece holds
@@ -106,7 +106,7 @@ typedef struct {
     };
     const void *table; /* host memory: void * entries (block) or uint64_t (paged, to_cache), `entries` of them */
     int64_t entries;
-    int vector_bytes;  /* the loads' and stores' width, which every address allows */
+    int vector_bytes; /* the loads' and stores' width, which every address allows */
 } kv_move;
 
 /* How a layout move runs, as the route decided it (route.c). */
@@ -120,10 +120,10 @@ typedef struct {
 
 /* What a GPU move ran, for the KVBM_EXT_DEBUG line. */
 typedef struct {
-    int staged;            /* the staged path ran; else the kernel alone */
+    int staged; /* the staged path ran; else the kernel alone */
     int64_t pieces, piece_bytes;
-    int lane;              /* the staging lane, -1 for the capture lane */
-    char fallback[128];    /* why a staged move ran the kernel alone, or "" */
+    int lane;           /* the staging lane, -1 for the capture lane */
+    char fallback[128]; /* why a staged move ran the kernel alone, or "" */
 } kv_gpu_report;
 
 /* Runs `move` on the target as `plan` says.  A staged move that cannot be
@@ -148,7 +148,7 @@ PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device);
 typedef struct {
     int64_t count;
     uint64_t *src, *dst;
-    uint64_t *sizes;       /* NULL: every pair moves uniform_size bytes */
+    uint64_t *sizes; /* NULL: every pair moves uniform_size bytes */
     uint64_t uniform_size;
     int src_on_device, dst_on_device, sizes_on_device;
     uint32_t num_ctas; /* the kernel's CTA bound (0: none) */
@@ -165,8 +165,8 @@ typedef enum {
  * KV_ENGINE_ASYNC when the batch API is missing or fails and `fallback` is
  * set; *ran receives the engine that ran and `why` (may be NULL) the reason
  * for a fallback.  Host lists only, except for the kernel. */
-int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
-                      int fallback, kv_engine *ran, char *why, size_t why_size);
+int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine, int fallback,
+                      kv_engine *ran, char *why, size_t why_size);
 
 /* True when both this build and the driver have cudaMemcpyBatchAsync. */
 int kv_gpu_batch_available(void);

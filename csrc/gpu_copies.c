@@ -72,8 +72,9 @@ static int enqueue_async_loop(cudaStream_t stream, const kv_pairs *pairs, kv_fai
     for (int64_t i = 0; i < pairs->count; i++) {
         const size_t size = (size_t)(pairs->sizes ? pairs->sizes[i] : pairs->uniform_size);
         if (size > 0)
-            CUDA_STEP(f, cudaMemcpyAsync((void *)(uintptr_t)pairs->dst[i], (const void *)(uintptr_t)pairs->src[i],
-                                         size, cudaMemcpyDefault, stream),
+            CUDA_STEP(f,
+                      cudaMemcpyAsync((void *)(uintptr_t)pairs->dst[i], (const void *)(uintptr_t)pairs->src[i], size,
+                                      cudaMemcpyDefault, stream),
                       "cudaMemcpyAsync");
     }
     return 0;
@@ -145,10 +146,8 @@ static int enqueue_copies(kv_device *d, const kv_pairs *pairs, kv_engine engine,
 {
     kv_failure *f = &d->failure;
     switch (engine) {
-    case KV_ENGINE_KERNEL:
-        return enqueue_copy_kernel(d->ring, d->stream, pairs, f);
-    case KV_ENGINE_ASYNC:
-        return enqueue_async_loop(d->stream, pairs, f);
+    case KV_ENGINE_KERNEL: return enqueue_copy_kernel(d->ring, d->stream, pairs, f);
+    case KV_ENGINE_ASYNC: return enqueue_async_loop(d->stream, pairs, f);
     case KV_ENGINE_BATCH:
         *batch_error = enqueue_batch(d->ring, d->stream, pairs, f);
         if (f->error != cudaSuccess)
@@ -166,8 +165,8 @@ static int enqueue_copies(kv_device *d, const kv_pairs *pairs, kv_engine engine,
     return 0;
 }
 
-int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
-                      int fallback, kv_engine *ran, char *why, size_t why_size)
+int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine, int fallback,
+                      kv_engine *ran, char *why, size_t why_size)
 {
     *ran = engine;
     if (pairs->count == 0)
@@ -181,8 +180,10 @@ int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *
     if (why != NULL && why_size > 0) {
         why[0] = '\0';
         if (batch_error == cudaErrorNotSupported && !kv_gpu_batch_available())
-            snprintf(why, why_size, "cudaMemcpyBatchAsync not available (build CUDA %d, needs 12080 in build and "
-                     "driver)", CUDART_VERSION);
+            snprintf(why, why_size,
+                     "cudaMemcpyBatchAsync not available (build CUDA %d, needs 12080 in build and "
+                     "driver)",
+                     CUDART_VERSION);
         else if (batch_error != cudaSuccess)
             snprintf(why, why_size, "cudaMemcpyBatchAsync failed: %s", cudaGetErrorName(batch_error));
     }

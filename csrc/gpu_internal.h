@@ -61,14 +61,14 @@ typedef struct {
     const char *what;
 } kv_failure;
 
-#define CUDA_STEP(failure, call, description)                                                      \
-    do {                                                                                           \
-        cudaError_t step_error_ = (call);                                                          \
-        if (step_error_ != cudaSuccess) {                                                          \
-            (failure)->error = step_error_;                                                        \
-            (failure)->what = (description);                                                       \
-            return -1;                                                                             \
-        }                                                                                          \
+#define CUDA_STEP(failure, call, description)                                                                          \
+    do {                                                                                                               \
+        cudaError_t step_error_ = (call);                                                                              \
+        if (step_error_ != cudaSuccess) {                                                                              \
+            (failure)->error = step_error_;                                                                            \
+            (failure)->what = (description);                                                                           \
+            return -1;                                                                                                 \
+        }                                                                                                              \
     } while (0)
 
 /* Whether `stream` is a default stream (the legacy one, 0 or 1, or the
@@ -112,10 +112,10 @@ int kv_ring_commit(kv_ring *ring, size_t offset, size_t bytes, cudaStream_t stre
  * producers' streams ordered before `stream`. */
 typedef struct {
     kv_gpu *gpu;
-    kv_ring *ring;        /* the device's, once entered */
-    cudaStream_t stream;  /* the target's */
-    kv_failure failure;   /* the step that failed, for kv_device_leave */
-    int previous;         /* the device to make current again, or -1 */
+    kv_ring *ring;       /* the device's, once entered */
+    cudaStream_t stream; /* the target's */
+    kv_failure failure;  /* the step that failed, for kv_device_leave */
+    int previous;        /* the device to make current again, or -1 */
     PyThreadState *thread;
 } kv_device;
 

@@ -4,8 +4,8 @@
 
 void kv_raise_failure(const kv_failure *f)
 {
-    PyErr_Format(PyExc_RuntimeError, "CUDA error %s (%d) in %s: %s", cudaGetErrorName(f->error), (int)f->error,
-                 f->what, cudaGetErrorString(f->error));
+    PyErr_Format(PyExc_RuntimeError, "CUDA error %s (%d) in %s: %s", cudaGetErrorName(f->error), (int)f->error, f->what,
+                 cudaGetErrorString(f->error));
 }
 
 static int same_stream(intptr_t a, intptr_t b)

@@ -26,7 +26,8 @@ int kv_gpu_locate(kv_array *a, const kv_path *path)
         return 0;
     default:
         if (a->place == KV_DEVICE)
-            return kv_path_error(PyExc_ValueError, path, "__cuda_array_interface__ points at memory that is neither "
+            return kv_path_error(PyExc_ValueError, path,
+                                 "__cuda_array_interface__ points at memory that is neither "
                                  "device nor pinned host memory");
         return 0; /* pageable host memory */
     }

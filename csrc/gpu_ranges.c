@@ -29,8 +29,8 @@ static kv_pointer_attributes_fn pointer_attributes_fn(void)
     void *found = NULL;
     enum cudaDriverEntryPointQueryResult status;
 #if CUDART_VERSION >= 12050
-    cudaError_t error = cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &found, 7000, cudaEnableDefault,
-                                                         &status);
+    cudaError_t error =
+        cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &found, 7000, cudaEnableDefault, &status);
 #else
     cudaError_t error = cudaGetDriverEntryPoint("cuPointerGetAttributes", &found, cudaEnableDefault, &status);
 #endif
@@ -105,8 +105,8 @@ static int find_range(kv_range_set *set, uint64_t address, kv_range *out, const 
     void *device_pointer = NULL;
     uint64_t start = 0;
     size_t size = 0;
-    CUpointer_attribute keys[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                  CU_POINTER_ATTRIBUTE_IS_MANAGED, CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+    CUpointer_attribute keys[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                  CU_POINTER_ATTRIBUTE_IS_MANAGED,       CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
                                   CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
     void *values[] = {&type, &ordinal, &managed, &device_pointer, &start, &size};
     CUresult result = fn(6, keys, values, (CUdeviceptr)address);
@@ -178,22 +178,27 @@ int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pa
                 goto done;
             if (r.device < 0 && !r.pinned) {
                 if (allow_pageable && (size > UINT64_MAX - address || !pageable_mapped(address, size))) {
-                    PyErr_Format(PyExc_ValueError, "%s[%zd]: %llu bytes from 0x%llx are not all mapped in this "
-                                 "process (neither device memory nor host memory)", names[side], i,
-                                 (unsigned long long)size, (unsigned long long)address);
+                    PyErr_Format(PyExc_ValueError,
+                                 "%s[%zd]: %llu bytes from 0x%llx are not all mapped in this "
+                                 "process (neither device memory nor host memory)",
+                                 names[side], i, (unsigned long long)size, (unsigned long long)address);
                     goto done;
                 }
                 if (allow_pageable)
                     continue;
-                PyErr_Format(PyExc_ValueError, "%s[%zd]: address 0x%llx is in pageable host memory, which the copy "
+                PyErr_Format(PyExc_ValueError,
+                             "%s[%zd]: address 0x%llx is in pageable host memory, which the copy "
                              "kernel cannot reach: use pinned (page-locked) host memory or device memory, or "
-                             "memcpy_batch", names[side], i, (unsigned long long)address);
+                             "memcpy_batch",
+                             names[side], i, (unsigned long long)address);
                 goto done;
             }
             if (size > r.end - address) {
-                PyErr_Format(PyExc_ValueError, "%s[%zd]: %llu bytes from 0x%llx run past the end of its allocation "
-                             "(%llu bytes left)", names[side], i, (unsigned long long)size,
-                             (unsigned long long)address, (unsigned long long)(r.end - address));
+                PyErr_Format(PyExc_ValueError,
+                             "%s[%zd]: %llu bytes from 0x%llx run past the end of its allocation "
+                             "(%llu bytes left)",
+                             names[side], i, (unsigned long long)size, (unsigned long long)address,
+                             (unsigned long long)(r.end - address));
                 goto done;
             }
             if (r.device >= 0) {
@@ -203,8 +208,10 @@ int kv_gpu_check_pairs(kv_pairs *pairs, const char *const names[2], int allow_pa
                     device_index = i;
                 }
                 else if (r.device != *device) {
-                    PyErr_Format(PyExc_ValueError, "%s[%zd]: on device cuda:%d, but %s[%zd] is on cuda:%d; one call "
-                                 "copies on one device", names[side], i, r.device, device_name, device_index, *device);
+                    PyErr_Format(PyExc_ValueError,
+                                 "%s[%zd]: on device cuda:%d, but %s[%zd] is on cuda:%d; one call "
+                                 "copies on one device",
+                                 names[side], i, r.device, device_name, device_index, *device);
                     goto done;
                 }
             }

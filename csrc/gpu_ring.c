@@ -206,8 +206,9 @@ int kv_stage_table(kv_ring *ring, cudaStream_t stream, const void *const *parts,
         memcpy(ring->host + at, parts[i], part_bytes[i]);
         at += part_bytes[i];
     }
-    CUDA_STEP(f, cudaMemcpyAsync(ring->device + *offset, ring->host + *offset, *bytes, cudaMemcpyHostToDevice,
-                                 ring->copy_stream),
+    CUDA_STEP(f,
+              cudaMemcpyAsync(ring->device + *offset, ring->host + *offset, *bytes, cudaMemcpyHostToDevice,
+                              ring->copy_stream),
               "copying the pointer table");
     CUDA_STEP(f, cudaEventRecord(ring->table_ready, ring->copy_stream), "recording the table upload");
     CUDA_STEP(f, cudaStreamWaitEvent(stream, ring->table_ready, 0), "ordering the table upload first");

@@ -84,8 +84,8 @@ PyObject *kv_gpu_staging_info(kv_gpu *gpu, int device)
     return NULL;
 }
 
-int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine,
-                      int fallback, kv_engine *ran, char *why, size_t why_size)
+int kv_gpu_copy_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine, int fallback,
+                      kv_engine *ran, char *why, size_t why_size)
 {
     (void)gpu, (void)target, (void)pairs, (void)engine, (void)fallback, (void)ran, (void)why, (void)why_size;
     return no_cuda();

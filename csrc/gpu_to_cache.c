@@ -31,14 +31,27 @@ static kv_device_side device_side(const kv_move *move)
     const kvbm_paged *p = &m->p;
     kv_device_side s;
     if (move->to_cache.packing->pinned_is_dst) {
-        const kv_device_side src = {p->cache_block, p->cache_head, p->cache_token, p->cache_shift, p->num_blocks,
-                                    table, table + kvbm_to_cache_src_ids_at(m), ids->src_ids, ids->src_int32};
+        const kv_device_side src = {p->cache_block,
+                                    p->cache_head,
+                                    p->cache_token,
+                                    p->cache_shift,
+                                    p->num_blocks,
+                                    table,
+                                    table + kvbm_to_cache_src_ids_at(m),
+                                    ids->src_ids,
+                                    ids->src_int32};
         s = src;
     }
     else {
-        const kv_device_side dst = {m->dst_block, p->flat_head, p->flat_token, p->flat_shift, m->dst_num_blocks,
-                                    table + kvbm_to_cache_bases(m), table + kvbm_to_cache_dst_ids_at(m, ids),
-                                    ids->dst_ids, ids->dst_int32};
+        const kv_device_side dst = {m->dst_block,
+                                    p->flat_head,
+                                    p->flat_token,
+                                    p->flat_shift,
+                                    m->dst_num_blocks,
+                                    table + kvbm_to_cache_bases(m),
+                                    table + kvbm_to_cache_dst_ids_at(m, ids),
+                                    ids->dst_ids,
+                                    ids->dst_int32};
         s = dst;
     }
     if (s.device_ids != NULL)
@@ -58,8 +71,8 @@ cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *stage
     const kv_device_side dev = device_side(move);
     const int64_t unit = staged->unit_bytes;
     /* Fused, the (layer, outer) pairs are the layers of the piece. */
-    int64_t count[KV_MOVED_DIMS] = {k->fused_outer ? whole->nl * whole->no : whole->nl,
-                                    k->fused_outer ? 1 : whole->no, whole->nh, whole->nt};
+    int64_t count[KV_MOVED_DIMS] = {k->fused_outer ? whole->nl * whole->no : whole->nl, k->fused_outer ? 1 : whole->no,
+                                    whole->nh, whole->nt};
     int64_t start[KV_MOVED_DIMS] = {0, 0, 0, 0}, slot_stride[KV_MOVED_DIMS];
     const int64_t outers = count[KV_MOVED_OUTER];
     for (int d = 0; d < KV_MOVED_DIMS; d++) {

@@ -10,7 +10,13 @@
 #include "kvbm_to_cache.h"
 
 /* The dimensions a move runs over, in kvbm_to_cache's order. */
-enum { KV_MOVED_LAYER, KV_MOVED_OUTER, KV_MOVED_HEAD, KV_MOVED_TOKEN, KV_MOVED_DIMS };
+enum {
+    KV_MOVED_LAYER,
+    KV_MOVED_OUTER,
+    KV_MOVED_HEAD,
+    KV_MOVED_TOKEN,
+    KV_MOVED_DIMS
+};
 
 /* Where a dimension sits in the staged units of the pinned cache. */
 typedef enum {

@@ -42,9 +42,9 @@ static int read_shape(PyObject *shape, kv_pool_request *r)
     if (items == NULL)
         return -1;
     const Py_ssize_t ndim = PyTuple_GET_SIZE(items);
-    int rc = ndim > KV_MAX_NDIM ? kv_path_error(PyExc_ValueError, &whole, "%zd dimensions; at most %d", ndim,
-                                                KV_MAX_NDIM)
-                                : 0;
+    int rc = ndim > KV_MAX_NDIM
+                 ? kv_path_error(PyExc_ValueError, &whole, "%zd dimensions; at most %d", ndim, KV_MAX_NDIM)
+                 : 0;
     for (Py_ssize_t i = 0; rc == 0 && i < ndim; i++) {
         const kv_path path = {"shape", {i}, 1};
         rc = kv_int64(PyTuple_GET_ITEM(items, i), &path, "an int", 0, INT64_MAX, &r->shape[i]);
@@ -106,9 +106,11 @@ static const kv_host_dtype *read_dtype(PyObject *dtype)
     PyObject *shown = PyUnicode_Substring(text, 0, PyUnicode_GET_LENGTH(text));
     Py_DECREF(text);
     if (shown != NULL) {
-        PyErr_Format(PyExc_ValueError, "dtype: %R is not an element type pinned_empty makes; it makes bool, "
+        PyErr_Format(PyExc_ValueError,
+                     "dtype: %R is not an element type pinned_empty makes; it makes bool, "
                      "(u)int8/16/32/64, float16/32/64, bfloat16 and float8_e4m3fn, float8_e4m3fnuz, float8_e5m2, "
-                     "float8_e5m2fnuz, float8_e8m0fnu", shown);
+                     "float8_e5m2fnuz, float8_e8m0fnu",
+                     shown);
         Py_DECREF(shown);
     }
     return NULL;
@@ -144,8 +146,10 @@ static int read_device(PyObject *device, int *out)
     Py_XDECREF(text);
     if (s == NULL) {
         PyErr_Clear();
-        return kv_path_error(PyExc_ValueError, &path, "expected None, an int, 'cuda' or 'cuda:N' (a str or a "
-                             "torch.device), got %s", Py_TYPE(device)->tp_name);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "expected None, an int, 'cuda' or 'cuda:N' (a str or a "
+                             "torch.device), got %s",
+                             Py_TYPE(device)->tp_name);
     }
     *out = (int)index;
     return 0;

@@ -21,8 +21,8 @@ static PyObject *registration_tuple(const kv_host_pool *pool)
     const kv_host_registration *r = &pool->registration;
     PyObject *pieces = PyTuple_New(r->count);
     for (int i = 0; pieces != NULL && i < r->count; i++) {
-        PyObject *piece = Py_BuildValue("(nn)", (Py_ssize_t)(r->pieces[i].start - pool->base),
-                                        (Py_ssize_t)r->pieces[i].bytes);
+        PyObject *piece =
+            Py_BuildValue("(nn)", (Py_ssize_t)(r->pieces[i].start - pool->base), (Py_ssize_t)r->pieces[i].bytes);
         if (piece == NULL)
             Py_CLEAR(pieces);
         else
@@ -56,10 +56,8 @@ static int let_go(kv_host_buffer *self, char *why, size_t why_size)
         return 0;
     self->pool = NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = kv_host_pool_release(pool, why, why_size);
-    Py_END_ALLOW_THREADS
-    return rc;
+    Py_BEGIN_ALLOW_THREADS rc = kv_host_pool_release(pool, why, why_size);
+    Py_END_ALLOW_THREADS return rc;
 }
 
 /* For the paths that cannot raise (dealloc, a released view): the failure
@@ -86,18 +84,17 @@ static void host_dealloc(kv_host_buffer *self)
 
 /* ------------------------------------------------------------ methods */
 
-PyDoc_STRVAR(close_doc,
-             "close($self, /)\n--\n\n"
-             "Release the memory now rather than when the last reference goes: unregister it\n"
-             "from the driver, then unmap it.  Idempotent.  Afterwards every export (DLPack,\n"
-             "the buffer protocol, __array_interface__) raises BufferError; the attributes\n"
-             "still read.  Exports made before stay valid: the memory goes when the last of\n"
-             "them is released (a DLPack consumer's tensor, a memoryview or NumPy array), and,\n"
-             "where __array_interface__ was read (a bare address, whose holder keeps only this\n"
-             "object alive), when this object goes.  Work queued on a GPU that reads or writes\n"
-             "the memory must be finished first (synchronize its streams): freeing it does not\n"
-             "wait for that work.  RuntimeError, after the memory is unmapped, when\n"
-             "unregistering failed.");
+PyDoc_STRVAR(close_doc, "close($self, /)\n--\n\n"
+                        "Release the memory now rather than when the last reference goes: unregister it\n"
+                        "from the driver, then unmap it.  Idempotent.  Afterwards every export (DLPack,\n"
+                        "the buffer protocol, __array_interface__) raises BufferError; the attributes\n"
+                        "still read.  Exports made before stay valid: the memory goes when the last of\n"
+                        "them is released (a DLPack consumer's tensor, a memoryview or NumPy array), and,\n"
+                        "where __array_interface__ was read (a bare address, whose holder keeps only this\n"
+                        "object alive), when this object goes.  Work queued on a GPU that reads or writes\n"
+                        "the memory must be finished first (synchronize its streams): freeing it does not\n"
+                        "wait for that work.  RuntimeError, after the memory is unmapped, when\n"
+                        "unregistering failed.");
 
 static PyObject *host_close(kv_host_buffer *self, PyObject *unused)
 {
@@ -107,8 +104,9 @@ static PyObject *host_close(kv_host_buffer *self, PyObject *unused)
     self->closed = 1;
     if (self->buffer_exports > 0 || self->address_given) {
         kv_debug("HostBuffer.close(): %lld bytes kept until %s", (long long)self->nbytes,
-                 self->buffer_exports > 0 ? "its buffer views are released" : "the object goes (__array_interface__ "
-                                                                              "was read)");
+                 self->buffer_exports > 0 ? "its buffer views are released"
+                                          : "the object goes (__array_interface__ "
+                                            "was read)");
         Py_RETURN_NONE;
     }
     const int exported = self->pool != NULL && atomic_load(&self->pool->owners) > 1;
@@ -136,10 +134,9 @@ static PyObject *host_exit(kv_host_buffer *self, PyObject *const *args, Py_ssize
     return result == NULL ? NULL : Py_NewRef(Py_False);
 }
 
-PyDoc_STRVAR(pointer_kind_doc,
-             "_pointer_kind(address, /)\n--\n\n"
-             "What the CUDA driver says the address is: \"device\", \"managed\", \"pinned\" or\n"
-             "\"pageable\" (cudaPointerGetAttributes).  RuntimeError in a build without CUDA.");
+PyDoc_STRVAR(pointer_kind_doc, "_pointer_kind(address, /)\n--\n\n"
+                               "What the CUDA driver says the address is: \"device\", \"managed\", \"pinned\" or\n"
+                               "\"pageable\" (cudaPointerGetAttributes).  RuntimeError in a build without CUDA.");
 
 static PyObject *host_pointer_kind(PyObject *unused, PyObject *address)
 {
@@ -243,9 +240,9 @@ static PyObject *get_array_interface(kv_host_buffer *self, void *unused)
         return NULL;
     }
     const char *typestr = self->dtype->typestr;
-    PyObject *interface = Py_BuildValue("{s:N,s:s,s:[(s,s)],s:(N,O),s:O,s:i}", "shape", shape, "typestr", typestr,
-                                        "descr", "", typestr, "data", address, Py_False, "strides", Py_None,
-                                        "version", 3);
+    PyObject *interface =
+        Py_BuildValue("{s:N,s:s,s:[(s,s)],s:(N,O),s:O,s:i}", "shape", shape, "typestr", typestr, "descr", "", typestr,
+                      "data", address, Py_False, "strides", Py_None, "version", 3);
     if (interface != NULL)
         self->address_given = 1;
     return interface;
@@ -261,7 +258,8 @@ static PyGetSetDef host_getset[] = {
     {"registrations", (getter)get_registrations, NULL,
      "the pieces registered with the driver, ((offset, nbytes), ...) from the start, tiling the\n"
      "mapping; one unless the driver refused the whole or KVBM_EXT_HOST_REGISTER_PIECE asked;\n"
-     "() when not pinned.  Each shape[0] slice lies inside one piece.", NULL},
+     "() when not pinned.  Each shape[0] slice lies inside one piece.",
+     NULL},
     {"numa_node", (getter)get_numa_node, NULL, "the NUMA node the pages were placed on, or None", NULL},
     {"huge_pages", (getter)get_huge_pages, NULL, "what was taken: 'transparent', 'explicit' or 'none'", NULL},
     {"threads", (getter)get_int, NULL, "the threads that touched the pages first", MEMBER(threads)},
@@ -311,28 +309,29 @@ static PyObject *host_repr(kv_host_buffer *self)
 {
     PyObject *shape = shape_tuple(self);
     PyObject *node = shape == NULL ? NULL : get_numa_node(self, NULL);
-    PyObject *repr = node == NULL ? NULL
-        : PyUnicode_FromFormat("HostBuffer(shape=%R, dtype='%s', nbytes=%lld, pinned=%s, numa_node=%R, "
-                               "huge_pages='%s'%s)", shape, self->dtype->name, (long long)self->nbytes,
-                               self->pinned ? "True" : "False", node, KV_HUGE_NAMES[self->huge_pages],
-                               self->closed ? ", closed" : "");
+    PyObject *repr =
+        node == NULL
+            ? NULL
+            : PyUnicode_FromFormat("HostBuffer(shape=%R, dtype='%s', nbytes=%lld, pinned=%s, numa_node=%R, "
+                                   "huge_pages='%s'%s)",
+                                   shape, self->dtype->name, (long long)self->nbytes, self->pinned ? "True" : "False",
+                                   node, KV_HUGE_NAMES[self->huge_pages], self->closed ? ", closed" : "");
     Py_XDECREF(node);
     Py_XDECREF(shape);
     return repr;
 }
 
-PyDoc_STRVAR(host_doc,
-             "An array in host memory from kvbm_ext.pinned_empty: page-locked (pinned) where a\n"
-             "GPU can be reached, in any case mapped for it alone, aligned to 2 MiB, C-contiguous.\n\n"
-             "Every kvbm_ext function takes it as an array, and so do torch, NumPy, CuPy and\n"
-             "JAX, without a copy: DLPack (torch.from_dlpack(buf); is_pinned() is True when\n"
-             "pinned), the buffer protocol (np.asarray(buf), memoryview(buf)) and\n"
-             "__array_interface__.  NumPy has no bfloat16 or float8: through the buffer\n"
-             "protocol and the interface their bits read as uint16 and uint8.\n\n"
-             "The memory is released (unregistered, then unmapped) when the last reference to\n"
-             "it goes: this object's, and each export's (see close()).  Releasing does not wait\n"
-             "for GPU work queued on the memory: finish it first.  A with-block closes the\n"
-             "buffer at its end.");
+PyDoc_STRVAR(host_doc, "An array in host memory from kvbm_ext.pinned_empty: page-locked (pinned) where a\n"
+                       "GPU can be reached, in any case mapped for it alone, aligned to 2 MiB, C-contiguous.\n\n"
+                       "Every kvbm_ext function takes it as an array, and so do torch, NumPy, CuPy and\n"
+                       "JAX, without a copy: DLPack (torch.from_dlpack(buf); is_pinned() is True when\n"
+                       "pinned), the buffer protocol (np.asarray(buf), memoryview(buf)) and\n"
+                       "__array_interface__.  NumPy has no bfloat16 or float8: through the buffer\n"
+                       "protocol and the interface their bits read as uint16 and uint8.\n\n"
+                       "The memory is released (unregistered, then unmapped) when the last reference to\n"
+                       "it goes: this object's, and each export's (see close()).  Releasing does not wait\n"
+                       "for GPU work queued on the memory: finish it first.  A with-block closes the\n"
+                       "buffer at its end.");
 
 static PyType_Slot host_slots[] = {
     {Py_tp_doc, (void *)host_doc},

@@ -19,8 +19,7 @@ typedef struct {
 } kv_host_dtype;
 
 typedef struct {
-    PyObject_HEAD
-    kv_host_pool *pool; /* NULL once this object's hold is given up */
+    PyObject_HEAD kv_host_pool *pool; /* NULL once this object's hold is given up */
     char *data;
     int ndim;
     Py_ssize_t shape[KV_MAX_NDIM], strides[KV_MAX_NDIM]; /* strides in bytes, compact */
@@ -28,7 +27,7 @@ typedef struct {
     const kv_host_dtype *dtype;
     int pinned;
     PyObject *registrations; /* ((offset, nbytes), ...) of the pieces registered; () when not pinned */
-    int numa_node; /* -1: not placed */
+    int numa_node;           /* -1: not placed */
     kv_huge_pages huge_pages;
     int threads;
     double seconds;

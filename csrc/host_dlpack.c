@@ -146,8 +146,10 @@ static int read_dl_device(const kv_host_buffer *self, PyObject *dl_device, int32
     int64_t type, id;
     const kv_path type_path = {"dl_device", {0}, 1}, id_path = {"dl_device", {1}, 1};
     if (!PyTuple_Check(dl_device) || PyTuple_GET_SIZE(dl_device) != 2) {
-        PyErr_Format(PyExc_TypeError, "__dlpack__: dl_device: expected None or a (device_type, device_id) tuple, "
-                     "got %s", Py_TYPE(dl_device)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "__dlpack__: dl_device: expected None or a (device_type, device_id) tuple, "
+                     "got %s",
+                     Py_TYPE(dl_device)->tp_name);
         return -1;
     }
     if (kv_int64(PyTuple_GET_ITEM(dl_device, 0), &type_path, "an int", 0, INT32_MAX, &type) < 0
@@ -157,10 +159,11 @@ static int read_dl_device(const kv_host_buffer *self, PyObject *dl_device, int32
         *device_type = (int32_t)type;
         return 0;
     }
-    PyErr_Format(PyExc_BufferError, "__dlpack__: dl_device (%lld, %lld): this buffer is %s host memory (DLPack device "
-                 "type %d%s); it is exported where it is, never copied", (long long)type, (long long)id,
-                 self->pinned ? "pinned" : "pageable", self->pinned ? kDLCUDAHost : kDLCPU,
-                 self->pinned ? " or 1" : "");
+    PyErr_Format(PyExc_BufferError,
+                 "__dlpack__: dl_device (%lld, %lld): this buffer is %s host memory (DLPack device "
+                 "type %d%s); it is exported where it is, never copied",
+                 (long long)type, (long long)id, self->pinned ? "pinned" : "pageable",
+                 self->pinned ? kDLCUDAHost : kDLCPU, self->pinned ? " or 1" : "");
     return -1;
 }
 

@@ -80,9 +80,10 @@ static int check_room(const kv_pool_request *r)
         return 0;
     char shape[160];
     kv_format_shape(r->shape, r->ndim, shape, sizeof shape);
-    PyErr_Format(PyExc_MemoryError, "shape: %s of %s is %lld bytes, more than the %lld bytes of memory available "
-                 "(MemAvailable in /proc/meminfo, within the memory cgroup's limit); nothing was mapped", shape,
-                 r->dtype->name, (long long)r->nbytes, available);
+    PyErr_Format(PyExc_MemoryError,
+                 "shape: %s of %s is %lld bytes, more than the %lld bytes of memory available "
+                 "(MemAvailable in /proc/meminfo, within the memory cgroup's limit); nothing was mapped",
+                 shape, r->dtype->name, (long long)r->nbytes, available);
     return -1;
 }
 
@@ -129,7 +130,12 @@ static int choose_node(const kv_pool_request *r, int device, kv_placement *p)
 
 /* ------------------------------------------------------------ allocation */
 
-typedef enum { KV_ALLOCATED, KV_FAILED_MAP, KV_FAILED_BIND, KV_FAILED_REGISTER } kv_outcome;
+typedef enum {
+    KV_ALLOCATED,
+    KV_FAILED_MAP,
+    KV_FAILED_BIND,
+    KV_FAILED_REGISTER
+} kv_outcome;
 
 /* One allocation, run without the GIL: what it was asked, what it did. */
 typedef struct {
@@ -201,11 +207,13 @@ static PyObject *raise_failure(const kv_pool_request *r, const kv_allocation *a)
     kv_format_shape(r->shape, r->ndim, shape, sizeof shape);
     switch (a->outcome) {
     case KV_FAILED_BIND:
-        return PyErr_Format(PyExc_OSError, "numa_node: cannot place the pages on node %d (mbind): %s",
-                            a->place->node, strerror(a->bind_error));
+        return PyErr_Format(PyExc_OSError, "numa_node: cannot place the pages on node %d (mbind): %s", a->place->node,
+                            strerror(a->bind_error));
     case KV_FAILED_REGISTER:
-        return PyErr_Format(PyExc_RuntimeError, "pinned_empty: %s of %s for cuda:%d: %s; nothing is left mapped or "
-                            "registered", shape, r->dtype->name, a->device, a->why);
+        return PyErr_Format(PyExc_RuntimeError,
+                            "pinned_empty: %s of %s for cuda:%d: %s; nothing is left mapped or "
+                            "registered",
+                            shape, r->dtype->name, a->device, a->why);
     default:
         if (r->huge == KV_HUGE_EXPLICIT)
             return PyErr_Format(PyExc_MemoryError, "huge_pages='explicit': %s; nothing was mapped", a->why);
@@ -297,8 +305,7 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     kv_placement place;
     kv_allocation a;
     memset(&a, 0, sizeof a);
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
-        || kv_read_pool_request(v, &r) < 0
+    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0 || kv_read_pool_request(v, &r) < 0
         || resolve_device(r.device, &a.device) < 0 || choose_node(&r, a.device, &place) < 0
         || register_piece_limit(&a.piece_limit) < 0 || check_room(&r) < 0)
         return NULL;
@@ -307,11 +314,8 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     a.huge = (kv_huge_pages)r.huge;
     a.place = &place;
     a.threads = (int)r.threads;
-    Py_BEGIN_ALLOW_THREADS
-    allocate(&a);
-    Py_END_ALLOW_THREADS
-    if (a.outcome != KV_ALLOCATED)
-        return raise_failure(&r, &a);
+    Py_BEGIN_ALLOW_THREADS allocate(&a);
+    Py_END_ALLOW_THREADS if (a.outcome != KV_ALLOCATED) return raise_failure(&r, &a);
     const kv_state *state = PyModule_GetState(module);
     kv_host_buffer *self = kv_host_buffer_new((PyTypeObject *)state->host_buffer_type, a.pool);
     if (self == NULL) {
@@ -323,4 +327,3 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     log_allocation(&r, &a, self);
     return (PyObject *)self;
 }
-

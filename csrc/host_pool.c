@@ -79,7 +79,7 @@ static int transparent_huge_pages_on(void)
 {
     char text[128];
     return read_text("/sys/kernel/mm/transparent_hugepage/enabled", text, sizeof text) == 0
-        && strstr(text, "[never]") == NULL;
+           && strstr(text, "[never]") == NULL;
 }
 
 static int map_explicit(size_t bytes, char **base, size_t *map_bytes, size_t *unit, char *why, size_t why_size)
@@ -90,9 +90,10 @@ static int map_explicit(size_t bytes, char **base, size_t *map_bytes, size_t *un
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (p == MAP_FAILED) {
         const int error = errno;
-        snprintf(why, why_size, "cannot map %zu bytes of %lld kB huge pages (MAP_HUGETLB; HugePages_Free %lld of "
-                 "HugePages_Total %lld): %s", size, page / 1024, meminfo_bytes("HugePages_Free"),
-                 meminfo_bytes("HugePages_Total"), strerror(error));
+        snprintf(why, why_size,
+                 "cannot map %zu bytes of %lld kB huge pages (MAP_HUGETLB; HugePages_Free %lld of "
+                 "HugePages_Total %lld): %s",
+                 size, page / 1024, meminfo_bytes("HugePages_Free"), meminfo_bytes("HugePages_Total"), strerror(error));
         return error;
     }
     *base = p;

@@ -113,13 +113,16 @@ static int parse_data(const kv_protocols *p, PyObject *dict, const kv_path *path
     PyObject *data = entry(p, dict, KV_NAME_DATA);
     if (data == NULL || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2)
         return PyErr_Occurred() ? -1
-                                : kv_path_error(PyExc_TypeError, path, "array interface data must be a (pointer, "
+                                : kv_path_error(PyExc_TypeError, path,
+                                                "array interface data must be a (pointer, "
                                                 "readonly) tuple");
     PyObject *pointer = PyTuple_GET_ITEM(data, 0);
     uint64_t address;
     if (read_address(pointer, &address) < 0)
-        return kv_path_error(PyExc_ValueError, path, "array interface data pointer %R is not an int from 0 to "
-                             "2**64 - 1", pointer);
+        return kv_path_error(PyExc_ValueError, path,
+                             "array interface data pointer %R is not an int from 0 to "
+                             "2**64 - 1",
+                             pointer);
     out->data = (void *)(uintptr_t)address;
     out->readonly = PyObject_IsTrue(PyTuple_GET_ITEM(data, 1));
     if (out->readonly < 0)
@@ -165,8 +168,10 @@ int kv_from_interface(const kv_protocols *p, PyObject *obj, const kv_path *path,
          * ours.  0 is forbidden by the protocol (ambiguous). */
         uint64_t handle = 0;
         if (read_address(stream, &handle) < 0 || handle == 0) {
-            kv_path_error(PyExc_ValueError, path, "__cuda_array_interface__ stream %R is not allowed (a nonzero "
-                          "cudaStream_t int, or None)", stream);
+            kv_path_error(PyExc_ValueError, path,
+                          "__cuda_array_interface__ stream %R is not allowed (a nonzero "
+                          "cudaStream_t int, or None)",
+                          stream);
             goto done;
         }
         out->stream = (intptr_t)handle;
@@ -189,9 +194,22 @@ static int format_dtype(const Py_buffer *view, kv_dtype *dtype)
     if (f[0] == 0 || f[1] != 0)
         return -1;
     switch (*f) {
-    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': dtype->code = kDLInt; break;
-    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': case 'c': dtype->code = kDLUInt; break;
-    case 'e': case 'f': case 'd': dtype->code = kDLFloat; break;
+    case 'b':
+    case 'h':
+    case 'i':
+    case 'l':
+    case 'q':
+    case 'n': dtype->code = kDLInt; break;
+    case 'B':
+    case 'H':
+    case 'I':
+    case 'L':
+    case 'Q':
+    case 'N':
+    case 'c': dtype->code = kDLUInt; break;
+    case 'e':
+    case 'f':
+    case 'd': dtype->code = kDLFloat; break;
     case '?': dtype->code = kDLBool; break;
     default: return -1;
     }

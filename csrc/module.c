@@ -32,18 +32,18 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "    layout \"NHD\" (vLLM) or [nh, nt, hd] for \"HND\".\n"                                                         \
     "layout: \"NHD\" or \"HND\", any case.\n"                                                                          \
     "stream: None, an int cudaStream_t handle, or an object with __cuda_stream__() or\n"                               \
-    "    .cuda_stream (torch.cuda.Stream, CuPy).  None runs where an operation of the\n"                                 \
-    "    arrays' framework would: torch's current stream (so inside\n"                                                  \
-    "    `with torch.cuda.stream(s)`, on s), a CAI v3 producer's stream, else the\n"                                    \
-    "    legacy default stream.\n\n"                                                                                    \
+    "    .cuda_stream (torch.cuda.Stream, CuPy).  None runs where an operation of the\n"                               \
+    "    arrays' framework would: torch's current stream (so inside\n"                                                 \
+    "    `with torch.cuda.stream(s)`, on s), a CAI v3 producer's stream, else the\n"                                   \
+    "    legacy default stream.\n\n"                                                                                   \
     "Arrays: anything exposing DLPack, __cuda_array_interface__ (v2, v3),\n"                                           \
     "__array_interface__ or the buffer protocol: torch, CuPy, JAX, NumPy.  All\n"                                      \
-    "have one element type (any 1-, 2-, 4- or 8-byte type; bytes are copied\n"                                        \
-    "exactly).  torch tensors with the conjugate or negative bit set are refused\n"                                   \
+    "have one element type (any 1-, 2-, 4- or 8-byte type; bytes are copied\n"                                         \
+    "exactly).  torch tensors with the conjugate or negative bit set are refused\n"                                    \
     "(their bytes are not their values: resolve_conj(), resolve_neg()), and so are\n"                                  \
-    "destinations that require grad; a torch destination's version counter is\n"                                     \
-    "bumped, as an in-place operation would.\n\n"                                                                     \
-    "Memory, the same for every array argument: if every array is in host memory\n"                                   \
+    "destinations that require grad; a torch destination's version counter is\n"                                       \
+    "bumped, as an in-place operation would.\n\n"                                                                      \
+    "Memory, the same for every array argument: if every array is in host memory\n"                                    \
     "(pageable or pinned), the CPU implementation runs, without a GPU, releasing\n"                                    \
     "the GIL while it copies 64 KiB or more; backend, num_ctas and stream, which\n"                                    \
     "only a GPU move takes, must then keep their defaults (ValueError naming the\n"                                    \
@@ -57,7 +57,7 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "array's `stream` is made to precede it with an event.\n\n"                                                        \
     "Every argument is checked before anything is written: ValueError for counts,\n"                                   \
     "shapes, layout, contiguity, placement and read-only destinations, TypeError\n"                                    \
-    "for element types and non-arrays; the message names the argument, e.g.\n"                                        \
+    "for element types and non-arrays; the message names the argument, e.g.\n"                                         \
     "blocks[3][17].  nb = 0 does nothing.\n"
 
 #define OPERATIONAL_DOC                                                                                                \
@@ -71,13 +71,13 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "    (default): the copy engines whenever pinned host memory takes part, the SM\n"                                 \
     "    kernel device to device.  \"copy_engines\": the copy engines carry every byte\n"                              \
     "    that crosses PCIe; where bytes are rearranged a kernel on a few CTAs permutes\n"                              \
-    "    them into (or out of) device staging memory, pipelined with the copies\n"                                   \
-    "    (set_staging()), so the SMs stay with the model running beside the transfer.\n"                              \
-    "    \"batch\" and \"async\" are copy engines too, driven by cudaMemcpyBatchAsync or\n"                          \
-    "    by one cudaMemcpyAsync per contiguous run.  \"kernel\": SM kernels move every\n"                             \
+    "    them into (or out of) device staging memory, pipelined with the copies\n"                                     \
+    "    (set_staging()), so the SMs stay with the model running beside the transfer.\n"                               \
+    "    \"batch\" and \"async\" are copy engines too, driven by cudaMemcpyBatchAsync or\n"                            \
+    "    by one cudaMemcpyAsync per contiguous run.  \"kernel\": SM kernels move every\n"                              \
     "    byte, reading and writing pinned host memory directly.\n"                                                     \
     "num_ctas: None or the most CUDA blocks the kernel (or the staged permute) may\n"                                  \
-    "    use.  None: no bound device to device; 8 when pinned host memory takes\n"                                   \
+    "    use.  None: no bound device to device; 8 when pinned host memory takes\n"                                     \
     "    part.  The bytes moved are the same.\n"                                                                       \
     "KVBM_EXT_DEBUG=1 logs the path that ran (staged, copy_engines, kernel) and why.\n"
 
@@ -87,7 +87,7 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
 typedef struct {
     kv_signature signature;
     kv_conversion conversion;
-    int to_flat;        /* the destination is the flat side (see convert.h) */
+    int to_flat; /* the destination is the flat side (see convert.h) */
 } kv_conversion_form;
 
 static PyObject *convert(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
@@ -102,18 +102,19 @@ static PyObject *convert(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *flat = form->to_flat ? values[1] : values[0];
     PyObject *other = form->to_flat ? values[0] : values[1];
     if (kv_convert(state_of(module), form->conversion, form->to_flat, flat, other, layout, options[0], options[1],
-                   options[2] != NULL ? options[2] : Py_None) < 0)
+                   options[2] != NULL ? options[2] : Py_None)
+        < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 /* A conversion function `name` from `source` to `destination`, with a
  * layout parameter or not. */
-#define DEFINE_CONVERSION(name, source, destination, conversion, to_flat, has_layout)                                \
+#define DEFINE_CONVERSION(name, source, destination, conversion, to_flat, has_layout)                                  \
     static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)                \
     {                                                                                                                  \
-        static const char *const with_layout[] = {source, destination, "layout", "backend", "num_ctas", "stream",     \
-                                                  NULL};                                                               \
+        static const char *const with_layout[] = {                                                                     \
+            source, destination, "layout", "backend", "num_ctas", "stream", NULL};                                     \
         static const char *const without_layout[] = {source, destination, "backend", "num_ctas", "stream", NULL};      \
         static const kv_conversion_form form = {                                                                       \
             {#name, has_layout ? with_layout : without_layout, 2, 2, has_layout ? 3 : 2}, conversion, to_flat};        \
@@ -144,11 +145,12 @@ PyDoc_STRVAR(block_to_operational_doc,
              "\n" SHAPES_DOC);
 DEFINE_CONVERSION(block_to_operational, "blocks", "operationals", KV_BLOCK_OPERATIONAL, 1, 0)
 
-PyDoc_STRVAR(operational_to_block_doc,
-             "operational_to_block(operationals, blocks, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
-             "Copy nb operational blocks into block-stack chunks, the inverse of\n"
-             "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC
-             BACKEND_DOC "\n" SHAPES_DOC);
+PyDoc_STRVAR(
+    operational_to_block_doc,
+    "operational_to_block(operationals, blocks, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+    "Copy nb operational blocks into block-stack chunks, the inverse of\n"
+    "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC BACKEND_DOC
+    "\n" SHAPES_DOC);
 DEFINE_CONVERSION(operational_to_block, "operationals", "blocks", KV_BLOCK_OPERATIONAL, 0, 0)
 
 PyDoc_STRVAR(universal_to_operational_doc,
@@ -170,29 +172,28 @@ DEFINE_CONVERSION(operational_to_universal, "operationals", "universals", KV_UNI
 
 #define PAIRS_DOC                                                                                                      \
     "src_ptrs, dst_ptrs: a sequence of int addresses, or a 1-D int64/uint64 array.\n"                                  \
-    "sizes: one int (bytes, every pair; a NumPy integer scalar too) or one per\n"                                     \
-    "    pair, in the same forms.  An int is an int or any object with __index__\n"                                  \
-    "    (np.int64 and np.uint64 items of list(array) too), never a bool.\n"                                          \
-    "stream: None (the legacy default stream), an int cudaStream_t handle, or an\n"                                   \
-    "    object with __cuda_stream__() or .cuda_stream; the work is enqueued and not\n"                               \
-    "    waited for.  The lists are read before the call returns.  Zero-size pairs\n"                                 \
-    "    are skipped, and a call without pairs does nothing.\n"                                                       \
-    "Raw copies run on a CUDA device, even between host buffers: without one (no\n"                                   \
+    "sizes: one int (bytes, every pair; a NumPy integer scalar too) or one per\n"                                      \
+    "    pair, in the same forms.  An int is an int or any object with __index__\n"                                    \
+    "    (np.int64 and np.uint64 items of list(array) too), never a bool.\n"                                           \
+    "stream: None (the legacy default stream), an int cudaStream_t handle, or an\n"                                    \
+    "    object with __cuda_stream__() or .cuda_stream; the work is enqueued and not\n"                                \
+    "    waited for.  The lists are read before the call returns.  Zero-size pairs\n"                                  \
+    "    are skipped, and a call without pairs does nothing.\n"                                                        \
+    "Raw copies run on a CUDA device, even between host buffers: without one (no\n"                                    \
     "GPU, no driver, or a build without CUDA) a call with pairs raises RuntimeError.\n"
 
-PyDoc_STRVAR(vectorized_copy_doc,
-             "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None)\n--\n\n"
-             "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
-             "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
-             "two addresses and its size allow.\n\n"
-             "Memory: the addresses point into device memory of one CUDA device or into pinned\n"
-             "(page-locked) host memory, which the kernel reaches over PCIe; not into pageable\n"
-             "host memory (use memcpy_batch).  The lists themselves are in host memory, or are\n"
-             "CUDA arrays on that device, which the kernel reads itself (their addresses are\n"
-             "then not checked).\n\n" PAIRS_DOC
-             "Host lists are checked before anything is copied: no null address, no pageable\n"
-             "host memory, every range inside one allocation, device memory on one device, no\n"
-             "destination range overlapping another range (ValueError naming the entry).");
+PyDoc_STRVAR(vectorized_copy_doc, "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None)\n--\n\n"
+                                  "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
+                                  "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
+                                  "two addresses and its size allow.\n\n"
+                                  "Memory: the addresses point into device memory of one CUDA device or into pinned\n"
+                                  "(page-locked) host memory, which the kernel reaches over PCIe; not into pageable\n"
+                                  "host memory (use memcpy_batch).  The lists themselves are in host memory, or are\n"
+                                  "CUDA arrays on that device, which the kernel reads itself (their addresses are\n"
+                                  "then not checked).\n\n" PAIRS_DOC
+                                  "Host lists are checked before anything is copied: no null address, no pageable\n"
+                                  "host memory, every range inside one allocation, device memory on one device, no\n"
+                                  "destination range overlapping another range (ValueError naming the entry).");
 
 static PyObject *vectorized_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -245,10 +246,9 @@ static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
 
 /* ------------------------------------------------------------ build facts */
 
-PyDoc_STRVAR(is_using_stubs_doc,
-             "is_using_stubs($module, /)\n--\n\n"
-             "True when the package was built without nvcc: host arrays still work, and\n"
-             "every call with a device array raises RuntimeError.");
+PyDoc_STRVAR(is_using_stubs_doc, "is_using_stubs($module, /)\n--\n\n"
+                                 "True when the package was built without nvcc: host arrays still work, and\n"
+                                 "every call with a device array raises RuntimeError.");
 
 static PyObject *is_using_stubs(PyObject *module, PyObject *unused)
 {
@@ -256,11 +256,10 @@ static PyObject *is_using_stubs(PyObject *module, PyObject *unused)
     return PyBool_FromLong(!kv_gpu_compiled());
 }
 
-PyDoc_STRVAR(build_info_doc,
-             "build_info($module, /)\n--\n\n"
-             "How this extension was built: 'version', 'cuda_version' (the toolkit's, or\n"
-             "None), 'cuda_archs' (the GPU code embedded: sm_XX machine code, compute_XX\n"
-             "PTX) and 'with_cuda'.");
+PyDoc_STRVAR(build_info_doc, "build_info($module, /)\n--\n\n"
+                             "How this extension was built: 'version', 'cuda_version' (the toolkit's, or\n"
+                             "None), 'cuda_archs' (the GPU code embedded: sm_XX machine code, compute_XX\n"
+                             "PTX) and 'with_cuda'.");
 
 static PyObject *build_info(PyObject *module, PyObject *unused)
 {
@@ -282,11 +281,10 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
 #endif
 }
 
-PyDoc_STRVAR(cuda_devices_doc,
-             "cuda_devices($module, /)\n--\n\n"
-             "The visible CUDA devices: 'index', 'name', 'capability' (major, minor),\n"
-             "'total_memory' (bytes) and 'multiprocessors'.  Empty when there is no GPU,\n"
-             "no driver, or no CUDA in this build.");
+PyDoc_STRVAR(cuda_devices_doc, "cuda_devices($module, /)\n--\n\n"
+                               "The visible CUDA devices: 'index', 'name', 'capability' (major, minor),\n"
+                               "'total_memory' (bytes) and 'multiprocessors'.  Empty when there is no GPU,\n"
+                               "no driver, or no CUDA in this build.");
 
 static PyObject *cuda_devices(PyObject *module, PyObject *unused)
 {
@@ -305,10 +303,10 @@ static PyMethodDef module_methods[] = {
      block_to_operational_doc},
     {"operational_to_block", (PyCFunction)(void (*)(void))operational_to_block, METH_FASTCALL | METH_KEYWORDS,
      operational_to_block_doc},
-    {"universal_to_operational", (PyCFunction)(void (*)(void))universal_to_operational,
-     METH_FASTCALL | METH_KEYWORDS, universal_to_operational_doc},
-    {"operational_to_universal", (PyCFunction)(void (*)(void))operational_to_universal,
-     METH_FASTCALL | METH_KEYWORDS, operational_to_universal_doc},
+    {"universal_to_operational", (PyCFunction)(void (*)(void))universal_to_operational, METH_FASTCALL | METH_KEYWORDS,
+     universal_to_operational_doc},
+    {"operational_to_universal", (PyCFunction)(void (*)(void))operational_to_universal, METH_FASTCALL | METH_KEYWORDS,
+     operational_to_universal_doc},
     {"vectorized_copy", (PyCFunction)(void (*)(void))vectorized_copy, METH_FASTCALL | METH_KEYWORDS,
      vectorized_copy_doc},
     {"memcpy_batch", (PyCFunction)(void (*)(void))memcpy_batch, METH_FASTCALL | METH_KEYWORDS, memcpy_batch_doc},
@@ -316,13 +314,11 @@ static PyMethodDef module_methods[] = {
     {"set_staging", (PyCFunction)(void (*)(void))kv_set_staging, METH_FASTCALL | METH_KEYWORDS, kv_set_staging_doc},
     {"reserve_staging", (PyCFunction)(void (*)(void))kv_reserve_staging, METH_FASTCALL | METH_KEYWORDS,
      kv_reserve_staging_doc},
-    {"staging_info", (PyCFunction)(void (*)(void))kv_staging_info, METH_FASTCALL | METH_KEYWORDS,
-     kv_staging_info_doc},
+    {"staging_info", (PyCFunction)(void (*)(void))kv_staging_info, METH_FASTCALL | METH_KEYWORDS, kv_staging_info_doc},
     {"is_using_stubs", is_using_stubs, METH_NOARGS, is_using_stubs_doc},
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},
-    {"pinned_empty", (PyCFunction)(void (*)(void))kv_pinned_empty, METH_FASTCALL | METH_KEYWORDS,
-     kv_pinned_empty_doc},
+    {"pinned_empty", (PyCFunction)(void (*)(void))kv_pinned_empty, METH_FASTCALL | METH_KEYWORDS, kv_pinned_empty_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -422,15 +418,9 @@ static PyModuleDef_Slot module_slots[] = {
 PyDoc_STRVAR(module_doc, "kvbm_ext._C: KV-cache block layout conversions on CUDA GPUs and the CPU.");
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvbm_ext._C",
-    .m_doc = module_doc,
-    .m_size = sizeof(kv_state),
-    .m_methods = module_methods,
-    .m_slots = module_slots,
-    .m_traverse = module_traverse,
-    .m_clear = module_clear,
-    .m_free = module_free,
+    PyModuleDef_HEAD_INIT,         .m_name = "kvbm_ext._C",     .m_doc = module_doc,
+    .m_size = sizeof(kv_state),    .m_methods = module_methods, .m_slots = module_slots,
+    .m_traverse = module_traverse, .m_clear = module_clear,     .m_free = module_free,
 };
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

@@ -91,8 +91,8 @@ static cudaError_t launch_block_universal_piece(const kv_move *m, const kv_stage
             universals[k] = slot + k * box->mn * box->in * unit;
             for (int64_t c = 0; c < chunk_slots; c++)
                 chunks[k * chunk_slots + c] = d->chunk_stride
-                    ? (char *)table[d->nb + b] + box->i0 * d->chunk_stride + head_shift
-                    : (char *)table[d->nb + b * d->nchunks + box->i0 + c] + head_shift;
+                                                  ? (char *)table[d->nb + b] + box->i0 * d->chunk_stride + head_shift
+                                                  : (char *)table[d->nb + b * d->nchunks + box->i0 + c] + head_shift;
         }
     }
     else {
@@ -147,16 +147,13 @@ static cudaError_t launch_paged_piece(const kv_move *m, const kv_staged *s, cons
     return kvbm_launch_paged(&p, &addresses, piece_table, NULL, m->vector_bytes, num_ctas, stream);
 }
 
-cudaError_t kv_move_launch_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot,
-                                 uint32_t num_ctas, cudaStream_t stream)
+cudaError_t kv_move_launch_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot, uint32_t num_ctas,
+                                 cudaStream_t stream)
 {
     switch (m->kind) {
-    case KV_MOVE_BLOCK_UNIVERSAL:
-        return launch_block_universal_piece(m, s, box, slot, num_ctas, stream);
-    case KV_MOVE_PAGED:
-        return launch_paged_piece(m, s, box, slot, num_ctas, stream);
-    case KV_MOVE_TO_CACHE:
-        return kv_to_cache_launch_piece(m, s, box, slot, num_ctas, stream);
+    case KV_MOVE_BLOCK_UNIVERSAL: return launch_block_universal_piece(m, s, box, slot, num_ctas, stream);
+    case KV_MOVE_PAGED: return launch_paged_piece(m, s, box, slot, num_ctas, stream);
+    case KV_MOVE_TO_CACHE: return kv_to_cache_launch_piece(m, s, box, slot, num_ctas, stream);
     }
     return cudaErrorInvalidValue;
 }

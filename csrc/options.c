@@ -24,14 +24,20 @@ int kv_move_options_check_host(const kv_move_options *o)
 {
     static const char ON_THE_CPU[] = "no array of the call is on a CUDA device, so it runs on the CPU";
     if (o->backend != KV_BACKEND_AUTO)
-        return kv_error(PyExc_ValueError, "backend: \"%s\" picks how a GPU moves the bytes, but %s: pass "
-                        "backend=\"auto\" (the default)", KV_BACKEND_NAMES[o->backend], ON_THE_CPU);
+        return kv_error(PyExc_ValueError,
+                        "backend: \"%s\" picks how a GPU moves the bytes, but %s: pass "
+                        "backend=\"auto\" (the default)",
+                        KV_BACKEND_NAMES[o->backend], ON_THE_CPU);
     if (o->num_ctas != 0)
-        return kv_error(PyExc_ValueError, "num_ctas: %u bounds the CUDA blocks of a GPU move, but %s: pass "
-                        "num_ctas=None (the default)", o->num_ctas, ON_THE_CPU);
+        return kv_error(PyExc_ValueError,
+                        "num_ctas: %u bounds the CUDA blocks of a GPU move, but %s: pass "
+                        "num_ctas=None (the default)",
+                        o->num_ctas, ON_THE_CPU);
     if (o->stream != KV_STREAM_CURRENT)
-        return kv_error(PyExc_ValueError, "stream: orders a GPU move, but %s, synchronously: pass stream=None (the "
-                        "default)", ON_THE_CPU);
+        return kv_error(PyExc_ValueError,
+                        "stream: orders a GPU move, but %s, synchronously: pass stream=None (the "
+                        "default)",
+                        ON_THE_CPU);
     return 0;
 }
 

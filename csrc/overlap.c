@@ -29,7 +29,11 @@ kv_span kv_span_of(const kv_array *a, Py_ssize_t index, int destination)
  * comparison sort's milliseconds. */
 static int sort_by_start(kv_span *spans, Py_ssize_t count)
 {
-    enum { BITS = 11, BUCKETS = 1 << BITS, FEW = 256 };
+    enum {
+        BITS = 11,
+        BUCKETS = 1 << BITS,
+        FEW = 256
+    };
     if (count <= FEW) {
         for (Py_ssize_t i = 1; i < count; i++) {
             const kv_span s = spans[i];
@@ -181,8 +185,8 @@ static int meets_from(const kv_lattice *g, const __int128 *reach, int k, __int12
     if (s == 0)
         return meets_from(g, reach, k + 1, delta, budget);
     __int128 lo = delta - r, hi = delta + r;
-    lo = lo >= 0 ? (lo + s - 1) / s : -((-lo) / s);  /* ceil(lo / s) */
-    hi = hi >= 0 ? hi / s : -((-hi + s - 1) / s);     /* floor(hi / s) */
+    lo = lo >= 0 ? (lo + s - 1) / s : -((-lo) / s); /* ceil(lo / s) */
+    hi = hi >= 0 ? hi / s : -((-hi + s - 1) / s);   /* floor(hi / s) */
     const __int128 most = g->extent[k] - 1;
     for (__int128 m = lo < -most ? -most : lo; m <= (hi > most ? most : hi); m++)
         if (meets_from(g, reach, k + 1, delta - m * s, budget))
@@ -223,6 +227,8 @@ int kv_overlap_error(const kv_path *destination, const kv_path *other)
 {
     char where[96];
     kv_path_format(other, where, sizeof where);
-    return kv_path_error(PyExc_ValueError, destination, "destination shares memory with %s; a destination may not "
-                         "overlap a source or another destination", where);
+    return kv_path_error(PyExc_ValueError, destination,
+                         "destination shares memory with %s; a destination may not "
+                         "overlap a source or another destination",
+                         where);
 }

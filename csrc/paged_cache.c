@@ -58,14 +58,17 @@ static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, const kv_layout
         if (a->shape[d] == 1 || a->strides[d] == first->strides[d])
             continue;
         kv_layout_dim_text(layout, d, want, sizeof want);
-        return kv_path_error(PyExc_ValueError, &path, "dimension '%s' has stride %lld bytes, but layers[0]'s has "
-                             "%lld; the layers must share one memory layout", want, (long long)a->strides[d],
-                             (long long)first->strides[d]);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "dimension '%s' has stride %lld bytes, but layers[0]'s has "
+                             "%lld; the layers must share one memory layout",
+                             want, (long long)a->strides[d], (long long)first->strides[d]);
     }
     if ((a->place == KV_DEVICE) != (first->place == KV_DEVICE) || a->device_id != first->device_id) {
         const int on_device = a->place == KV_DEVICE;
-        return kv_path_error(PyExc_ValueError, &path, "%s %s, but layers[0] is %s %s; a cache lives on one device or "
-                             "in host memory", on_device ? "on" : "in", on_device ? "a CUDA device" : "host memory",
+        return kv_path_error(PyExc_ValueError, &path,
+                             "%s %s, but layers[0] is %s %s; a cache lives on one device or "
+                             "in host memory",
+                             on_device ? "on" : "in", on_device ? "a CUDA device" : "host memory",
                              first->place == KV_DEVICE ? "on" : "in",
                              first->place == KV_DEVICE ? "a CUDA device" : "host memory");
     }
@@ -94,13 +97,16 @@ static int read_geometry(kv_paged_cache *self, const kv_layout *layout, int64_t 
             return kv_path_error(PyExc_ValueError, &path, "dimension '%c' (%s) has a negative stride (%lld bytes)",
                                  KV_LAYOUT_LETTERS[letter], KV_LAYOUT_NAMES[letter], (long long)self->stride[letter]);
         if (self->stride[letter] == 0 && size[letter] > 1)
-            return kv_path_error(PyExc_ValueError, &path, "dimension '%c' (%s) has stride 0 and size %lld: its "
-                                 "entries would share memory", KV_LAYOUT_LETTERS[letter], KV_LAYOUT_NAMES[letter],
-                                 (long long)size[letter]);
+            return kv_path_error(PyExc_ValueError, &path,
+                                 "dimension '%c' (%s) has stride 0 and size %lld: its "
+                                 "entries would share memory",
+                                 KV_LAYOUT_LETTERS[letter], KV_LAYOUT_NAMES[letter], (long long)size[letter]);
     }
     if (size[DIM_D] > 1 && self->stride[DIM_D] != a->itemsize)
-        return kv_path_error(PyExc_ValueError, &path, "dimension 'd' (head dim) must have stride 1 element, got %lld "
-                             "bytes for %lld-byte elements", (long long)self->stride[DIM_D], (long long)a->itemsize);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "dimension 'd' (head dim) must have stride 1 element, got %lld "
+                             "bytes for %lld-byte elements",
+                             (long long)self->stride[DIM_D], (long long)a->itemsize);
     self->nl = layout->dim[DIM_L] >= 0 ? size[DIM_L] : self->kv_pairs ? self->narrays / 2 : self->narrays;
     self->no = self->kv_pairs ? 2 : size[DIM_K];
     self->num_blocks = size[DIM_B];
@@ -110,8 +116,10 @@ static int read_geometry(kv_paged_cache *self, const kv_layout *layout, int64_t 
     self->itemsize = a->itemsize;
     self->dtype = a->dtype;
     if (self->nh * self->nt * self->hd * self->itemsize > (int64_t)UINT32_MAX)
-        return kv_path_error(PyExc_ValueError, &path, "a chunk of %lld heads x %lld tokens x %lld elements exceeds "
-                             "4 GiB", (long long)self->nh, (long long)self->nt, (long long)self->hd);
+        return kv_path_error(PyExc_ValueError, &path,
+                             "a chunk of %lld heads x %lld tokens x %lld elements exceeds "
+                             "4 GiB",
+                             (long long)self->nh, (long long)self->nt, (long long)self->hd);
     return 0;
 }
 
@@ -154,14 +162,20 @@ static int build_tables(kv_paged_cache *self)
 static int check_layer_letter(PyObject *dims, int single, int pairs, const kv_layout *layout)
 {
     if (single && layout->dim[DIM_L] < 0)
-        return kv_error(PyExc_ValueError, "layout: %R has no 'l' (layer), but layers is one array; name its layer "
-                        "dimension, or pass a sequence of per-layer arrays", dims);
+        return kv_error(PyExc_ValueError,
+                        "layout: %R has no 'l' (layer), but layers is one array; name its layer "
+                        "dimension, or pass a sequence of per-layer arrays",
+                        dims);
     if (!single && layout->dim[DIM_L] >= 0)
-        return kv_error(PyExc_ValueError, "layout: %R has an 'l' (layer), which is only for one array holding every "
-                        "layer; layers is a sequence of per-layer %s", dims, pairs ? "(K, V) pairs" : "arrays");
+        return kv_error(PyExc_ValueError,
+                        "layout: %R has an 'l' (layer), which is only for one array holding every "
+                        "layer; layers is a sequence of per-layer %s",
+                        dims, pairs ? "(K, V) pairs" : "arrays");
     if (pairs && layout->dim[DIM_K] >= 0)
-        return kv_error(PyExc_ValueError, "layout: %R has a 'k' (K/V), but layers are (K, V) pairs: the layout "
-                        "describes each of the two arrays", dims);
+        return kv_error(PyExc_ValueError,
+                        "layout: %R has a 'k' (K/V), but layers are (K, V) pairs: the layout "
+                        "describes each of the two arrays",
+                        dims);
     return 0;
 }
 
@@ -270,8 +284,10 @@ static PyObject *layer_arrays(kv_paged_cache *self, const kv_layout *layout)
 {
     const kv_path whole = {"layers", {0, 0}, 0};
     int single;
-    PyObject *seq = kv_array_items(self->layers, &whole, "a sequence of per-layer arrays or (K, V) pairs, or one "
-                                   "array", &single);
+    PyObject *seq = kv_array_items(self->layers, &whole,
+                                   "a sequence of per-layer arrays or (K, V) pairs, or one "
+                                   "array",
+                                   &single);
     if (seq == NULL)
         return NULL;
     PyObject *first = PyTuple_GET_SIZE(seq) > 0 ? PyTuple_GET_ITEM(seq, 0) : NULL;
@@ -309,8 +325,8 @@ static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
     self->device = first->place == KV_DEVICE ? first->device_id : -1;
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
-    if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0 ||
-        build_tables(self) < 0)
+    if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0
+        || build_tables(self) < 0)
         return -1;
     return kv_paged_guard_layers(self, &state->protocols);
 }

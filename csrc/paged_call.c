@@ -19,8 +19,7 @@ static int read_layout(const char *function, PyObject *layout, PyObject *inner, 
     if (layout != NULL)
         return kv_error(PyExc_TypeError, "%s() got both layout and inner, its deprecated spelling: pass layout only",
                         function);
-    if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead", function)
-        < 0)
+    if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead", function) < 0)
         return -1;
     return kv_layout_read(inner, "inner", out);
 }
@@ -29,20 +28,23 @@ static int read_layout(const char *function, PyObject *layout, PyObject *inner, 
 static int check_layer_offset(const kv_paged_options *o)
 {
     if (o->pack_layers && o->layer_offset < 0)
-        return kv_error(PyExc_ValueError, "layer_offset: %lld is negative, but with pack_layers=True the j-th layer "
-                        "moved lands on layer layer_offset + j; it must be at least 0", (long long)o->layer_offset);
+        return kv_error(PyExc_ValueError,
+                        "layer_offset: %lld is negative, but with pack_layers=True the j-th layer "
+                        "moved lands on layer layer_offset + j; it must be at least 0",
+                        (long long)o->layer_offset);
     const int64_t bottom = kv_selection_bottom(&o->layers);
     if (!o->pack_layers && o->layer_offset < -bottom)
-        return kv_error(PyExc_ValueError, "layer_offset: %lld would put cache layer %lld at universal layer %lld; it "
-                        "must be at least %lld (minus the lowest layer moved)", (long long)o->layer_offset,
-                        (long long)bottom, (long long)(bottom + o->layer_offset), (long long)-bottom);
+        return kv_error(PyExc_ValueError,
+                        "layer_offset: %lld would put cache layer %lld at universal layer %lld; it "
+                        "must be at least %lld (minus the lowest layer moved)",
+                        (long long)o->layer_offset, (long long)bottom, (long long)(bottom + o->layer_offset),
+                        (long long)-bottom);
     return 0;
 }
 
-int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
-                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *pack_layers,
-                          PyObject *backend, PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream,
-                          kv_paged_options *o)
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers, PyObject *layer_offset,
+                          PyObject *heads, PyObject *head_offset, PyObject *pack_layers, PyObject *backend,
+                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
 {
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (kv_read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
@@ -155,8 +157,10 @@ int kv_paged_check_ids(const int64_t *ids, Py_ssize_t n, int64_t num_blocks, int
     if (repeat < 0)
         return -1;
     if (repeat < bad)
-        return kv_error(PyExc_ValueError, "%s[%zd]: block id %lld repeats %s[%zd]; a block can be written once per "
-                        "call", name, repeat, (long long)ids[repeat], name, earlier);
+        return kv_error(PyExc_ValueError,
+                        "%s[%zd]: block id %lld repeats %s[%zd]; a block can be written once per "
+                        "call",
+                        name, repeat, (long long)ids[repeat], name, earlier);
     if (bad < n)
         return kv_error(PyExc_ValueError, "%s[%zd]: block id %lld is out of range [0, %lld)", name, bad,
                         (long long)ids[bad], (long long)num_blocks);
@@ -206,10 +210,12 @@ static void expected_flat(const kv_paged_call *call, char *buf, size_t size)
     else
         snprintf(layers, sizeof layers, "layers up to %lld", (long long)kv_selection_top(&o->layers));
     if (call->form->universal)
-        snprintf(buf, size, "[NH >= %lld, NL >= %lld, %lld, %lld, %lld] ([heads, layers, no, nt, hd], head_offset %lld "
-                 "+ %lld heads moved, layer_offset %lld + %s)", (long long)(o->head_offset + o->heads.count),
-                 (long long)flat_layers(call), (long long)c->no, (long long)c->nt, (long long)c->hd,
-                 (long long)o->head_offset, (long long)o->heads.count, (long long)o->layer_offset, layers);
+        snprintf(buf, size,
+                 "[NH >= %lld, NL >= %lld, %lld, %lld, %lld] ([heads, layers, no, nt, hd], head_offset %lld "
+                 "+ %lld heads moved, layer_offset %lld + %s)",
+                 (long long)(o->head_offset + o->heads.count), (long long)flat_layers(call), (long long)c->no,
+                 (long long)c->nt, (long long)c->hd, (long long)o->head_offset, (long long)o->heads.count,
+                 (long long)o->layer_offset, layers);
     else
         snprintf(buf, size, "[%lld, %lld, %lld] (%s, no, nt*nh*hd])", (long long)flat_layers(call), (long long)c->no,
                  (long long)(c->nt * c->nh * c->hd), o->pack_layers ? "[len(layers)" : "[nl");
@@ -223,7 +229,7 @@ static int flat_shape_fits(const kv_paged_call *call, const int64_t *shape)
     if (!call->form->universal)
         return shape[0] == flat_layers(call) && shape[1] == c->no && shape[2] == c->nt * c->nh * c->hd;
     return shape[0] >= o->head_offset + o->heads.count && shape[1] >= flat_layers(call) && shape[2] == c->no
-        && shape[3] == c->nt && shape[4] == c->hd;
+           && shape[3] == c->nt && shape[4] == c->hd;
 }
 
 /* A flat block's shape does not fit: the expected one, or that of the first
@@ -238,8 +244,8 @@ static int flat_shape_error(const kv_paged_call *call, const kv_path *path, cons
     }
     expected_flat(call, want, sizeof want);
     return kv_path_error(PyExc_ValueError, path, "expected %s%d-D array %s%s, got shape %s",
-                         call->single ? "one " : "a ", call->flat_ndim + call->single,
-                         call->single ? "[nb] + " : "", want, got);
+                         call->single ? "one " : "a ", call->flat_ndim + call->single, call->single ? "[nb] + " : "",
+                         want, got);
 }
 
 /* Checks flats[i]: shape, element type, contiguity, place (kv_array_read
@@ -272,9 +278,11 @@ static int check_flat(kv_paged_call *call, Py_ssize_t i, Py_ssize_t nb)
         for (int d = 1; d < ndim; d++)
             block_bytes *= a->shape[d];
         if (a->strides[0] < 0 || (call->form->to_flat && a->strides[0] < block_bytes))
-            return kv_path_error(PyExc_ValueError, &path, "the blocks %s (leading stride %lld bytes, %lld bytes per "
-                                 "block)", a->strides[0] < 0 ? "run backwards" : "overlap",
-                                 (long long)a->strides[0], (long long)block_bytes);
+            return kv_path_error(PyExc_ValueError, &path,
+                                 "the blocks %s (leading stride %lld bytes, %lld bytes per "
+                                 "block)",
+                                 a->strides[0] < 0 ? "run backwards" : "overlap", (long long)a->strides[0],
+                                 (long long)block_bytes);
     }
     if (cache->device >= 0)
         return kv_target_add(&call->target, a, &path);
@@ -365,8 +373,9 @@ int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *p, const kv
         return -1;
     int rc = 0;
     for (Py_ssize_t k = 0; rc == 0 && k < count; k++) {
-        const Py_ssize_t i = cache->narrays == 1 ? 0
-            : kv_paged_array_of(cache, layers->first + k / per_layer * layers->step, k % per_layer);
+        const Py_ssize_t i =
+            cache->narrays == 1 ? 0
+                                : kv_paged_array_of(cache, layers->first + k / per_layer * layers->step, k % per_layer);
         PyObject *owner = PyTuple_GET_ITEM(cache->counters, i);
         if (owner == Py_None)
             continue;
@@ -409,7 +418,8 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     PyObject *flats = form->to_flat ? second : first;
     int rc = -1;
     if (kv_paged_read_options(self, form->signature.function, layers, layer_offset, heads, head_offset, pack_layers,
-                              backend, num_ctas, layout, inner, stream, &call.options) < 0)
+                              backend, num_ctas, layout, inner, stream, &call.options)
+        < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
@@ -425,9 +435,10 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;
     const int64_t layers_moved = call.options.layers.count;
     if (!kvbm_fits_one_launch(call.ids.count, layers_moved * self->no, chunk_bytes)) {
-        PyErr_Format(PyExc_ValueError, "block_ids: too much data for one call (%zd blocks of %lld layers of %lld "
-                     "bytes); split it into several calls", call.ids.count, (long long)layers_moved,
-                     (long long)(self->no * chunk_bytes));
+        PyErr_Format(PyExc_ValueError,
+                     "block_ids: too much data for one call (%zd blocks of %lld layers of %lld "
+                     "bytes); split it into several calls",
+                     call.ids.count, (long long)layers_moved, (long long)(self->no * chunk_bytes));
         goto done;
     }
     rc = 0;

@@ -16,26 +16,25 @@
 #include "target.h"
 
 typedef struct {
-    PyObject_HEAD
-    PyObject *layers;  /* the arrays as given (a tuple of (K, V) tuples for kv_pairs) */
-    PyObject *dims;    /* the layout string, normalized */
-    kv_array *arrays;  /* borrowed for the cache's life */
+    PyObject_HEAD PyObject *layers; /* the arrays as given (a tuple of (K, V) tuples for kv_pairs) */
+    PyObject *dims;                 /* the layout string, normalized */
+    kv_array *arrays;               /* borrowed for the cache's life */
     Py_ssize_t narrays;
-    int kv_pairs;      /* K and V are separate arrays: array 2l is layer l's K, 2l + 1 its V */
+    int kv_pairs; /* K and V are separate arrays: array 2l is layer l's K, 2l + 1 its V */
     /* Whose version counters from_* bumps (kv_torch_counter_owner): per
      * array (None for none), and the distinct ones (NULL when none). */
     PyObject *counters, *distinct_counters;
     int64_t nl, no, nh, nt, hd, num_blocks, itemsize;
     kv_dtype dtype;
-    int device;        /* the CUDA device, or -1 for host memory */
+    int device; /* the CUDA device, or -1 for host memory */
     int readonly;
-    int64_t stride[DIM_COUNT];  /* bytes; 0 for a letter dims lacks */
-    uint64_t *layer_addresses;  /* base address of every layer, or of every array for kv_pairs (each
+    int64_t stride[DIM_COUNT]; /* bytes; 0 for a letter dims lacks */
+    uint64_t *layer_addresses; /* base address of every layer, or of every array for kv_pairs (each
                                    call's table takes those it moves) */
-    kv_span *spans;             /* the bytes of every array, sorted, for the aliasing check */
+    kv_span *spans;            /* the bytes of every array, sorted, for the aliasing check */
     uint64_t *reach;
-    uint64_t alignment;         /* OR of the layer addresses and strides */
-    int aliased;                /* two layers share memory: a call writing the cache checks the layers it selects */
+    uint64_t alignment; /* OR of the layer addresses and strides */
+    int aliased;        /* two layers share memory: a call writing the cache checks the layers it selects */
     /* Per array, the C exchange API it was read through (asked again at
      * each call, to catch memory that moved), or NULL. */
     const struct DLPackExchangeAPI **exchange;
@@ -81,9 +80,9 @@ void kv_paged_dealloc(kv_paged_cache *self);
 /* What distinguishes the four methods. */
 typedef struct {
     kv_signature signature; /* its parameters (kv_parse_arguments) */
-    const char *name;   /* for the debug log */
-    int to_flat;        /* the cache is read and the flat blocks written */
-    int universal;      /* universal blocks; else operational */
+    const char *name;       /* for the debug log */
+    int to_flat;            /* the cache is read and the flat blocks written */
+    int universal;          /* universal blocks; else operational */
 } kv_paged_form;
 
 /* paged_call.c: one call of a method (`form`). */
@@ -118,12 +117,12 @@ int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *laye
 
 /* A call's keyword options, checked. */
 typedef struct {
-    kv_selection layers;        /* the cache layers moved */
-    kv_selection heads;         /* the cache heads moved */
+    kv_selection layers; /* the cache layers moved */
+    kv_selection heads;  /* the cache heads moved */
     int64_t layer_offset, head_offset;
-    int pack_layers;            /* moved layer k lands on layer_offset + k, not on its cache index + layer_offset */
-    kvbm_layout layout;         /* the operationals' chunk order */
-    kv_move_options move;       /* backend, num_ctas, stream */
+    int pack_layers;      /* moved layer k lands on layer_offset + k, not on its cache index + layer_offset */
+    kvbm_layout layout;   /* the operationals' chunk order */
+    kv_move_options move; /* backend, num_ctas, stream */
 } kv_paged_options;
 
 /* The layers of the universal or operational blocks (or of to_cache's dst)
@@ -142,13 +141,13 @@ typedef struct {
     kv_state *state;
     const kv_paged_form *form;
     kv_paged_options options;
-    kv_reader reader;   /* its dlpack_stream owned */
-    kv_target target;   /* a device cache's: its flat blocks and block ids placed */
+    kv_reader reader; /* its dlpack_stream owned */
+    kv_target target; /* a device cache's: its flat blocks and block ids placed */
     kv_address_list ids;
     int ids_read;
     const char *flat_name;
-    int single;         /* the flat side is one array with a leading nb dimension */
-    kv_array *flats;    /* one, or nb */
+    int single;      /* the flat side is one array with a leading nb dimension */
+    kv_array *flats; /* one, or nb */
     Py_ssize_t nflats, parsed;
     int64_t flat_shape[5]; /* of every flat block */
     int flat_ndim;
@@ -157,10 +156,9 @@ typedef struct {
 /* Reads and checks the options every call shares against `self` (the
  * cache whose layers and heads they select); absent ones are NULL.
  * `function` names the method in the layout/inner messages. */
-int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers,
-                          PyObject *layer_offset, PyObject *heads, PyObject *head_offset, PyObject *pack_layers,
-                          PyObject *backend, PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream,
-                          kv_paged_options *o);
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers, PyObject *layer_offset,
+                          PyObject *heads, PyObject *head_offset, PyObject *pack_layers, PyObject *backend,
+                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o);
 
 /* Host ids of a cache of num_blocks blocks must be in range and, when the
  * cache is `written`, each once: 0, or -1 with a ValueError naming the

@@ -14,16 +14,17 @@
  * translate of layer 0, whether the layers are arrays or one array's 'l'). */
 static kv_lattice layer_lattice(const kv_paged_cache *self)
 {
-    const kv_lattice g = {5, {self->no, self->num_blocks, self->nt, self->nh, self->hd},
-                          {self->stride[DIM_K], self->stride[DIM_B], self->stride[DIM_T], self->stride[DIM_H],
-                           self->stride[DIM_D]}, self->itemsize};
+    const kv_lattice g = {
+        5,
+        {self->no, self->num_blocks, self->nt, self->nh, self->hd},
+        {self->stride[DIM_K], self->stride[DIM_B], self->stride[DIM_T], self->stride[DIM_H], self->stride[DIM_D]},
+        self->itemsize};
     return g;
 }
 
 /* Two layers of `layers` that share a byte: 1 with them in *first <
  * *second, 0 when there are none, -1 with MemoryError. */
-static int find_aliased_layers(const kv_paged_cache *self, const kv_selection *layers, int64_t *first,
-                               int64_t *second)
+static int find_aliased_layers(const kv_paged_cache *self, const kv_selection *layers, int64_t *first, int64_t *second)
 {
     kv_placed *placed = PyMem_Malloc((size_t)(layers->count > 0 ? layers->count : 1) * sizeof *placed);
     if (placed == NULL) {
@@ -50,7 +51,8 @@ int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *laye
     const int found = self->aliased ? find_aliased_layers(self, layers, &first, &second) : 0;
     if (found <= 0)
         return found;
-    return kv_error(PyExc_ValueError, "layers: cache layers %lld and %lld share memory, so a call cannot write both "
+    return kv_error(PyExc_ValueError,
+                    "layers: cache layers %lld and %lld share memory, so a call cannot write both "
                     "(give each layer memory of its own, or select at most one of them with layers=)",
                     (long long)first, (long long)second);
 }
@@ -63,9 +65,11 @@ static int check_unmoved(const kv_paged_cache *self, Py_ssize_t i, const char *n
     char was[24], is[24];
     snprintf(was, sizeof was, "%#llx", (unsigned long long)(uintptr_t)self->arrays[i].data);
     snprintf(is, sizeof is, "%#llx", (unsigned long long)(uintptr_t)now);
-    return kv_path_error(PyExc_ValueError, &path, "its memory moved from %s to %s since the cache was built (torch's "
+    return kv_path_error(PyExc_ValueError, &path,
+                         "its memory moved from %s to %s since the cache was built (torch's "
                          "resize_ reallocates a storage it grows), so the cache would move freed memory; build a new "
-                         "cache over the layers as they are now", was, is);
+                         "cache over the layers as they are now",
+                         was, is);
 }
 
 /* Where array i is now, as its C exchange API describes the object read

@@ -19,8 +19,10 @@ static int unknown_character(PyObject *text, Py_ssize_t i, Py_UCS4 read)
 {
     PyObject *character = PyUnicode_FromOrdinal((int)read);
     if (character != NULL)
-        kv_error(PyExc_ValueError, "layout: %R at position %zd of %R is not one of l (layer), k (K/V), b (block), "
-                 "t (token), h (head), d (head dim), or a parenthesis grouping letters", character, i, text);
+        kv_error(PyExc_ValueError,
+                 "layout: %R at position %zd of %R is not one of l (layer), k (K/V), b (block), "
+                 "t (token), h (head), d (head dim), or a parenthesis grouping letters",
+                 character, i, text);
     Py_XDECREF(character);
     return -1;
 }
@@ -31,8 +33,10 @@ static int parenthesis(PyObject *text, Py_ssize_t i, Py_UCS4 c, Py_ssize_t *open
 {
     if (c == '(') {
         if (*open >= 0)
-            return kv_error(PyExc_ValueError, "layout: '(' at position %zd of %R opens a group inside the group "
-                            "opened at position %zd; groups do not nest", i, text, *open);
+            return kv_error(PyExc_ValueError,
+                            "layout: '(' at position %zd of %R opens a group inside the group "
+                            "opened at position %zd; groups do not nest",
+                            i, text, *open);
         *open = i;
         out->ndim++;
         return 0;
@@ -126,11 +130,14 @@ static int group_sizes(const kv_layout *layout, int d, int64_t extent, int64_t b
     for (int j = 0; j < layout->letters[d]; j++) {
         const int letter = layout->group[d][j];
         if (letter == DIM_T && block_size == 0)
-            return kv_error(PyExc_ValueError, "block_size: the layout groups 't' in dimension %d ('%s'), so "
-                            "block_size= must say how many tokens a block holds", d, text);
+            return kv_error(PyExc_ValueError,
+                            "block_size: the layout groups 't' in dimension %d ('%s'), so "
+                            "block_size= must say how many tokens a block holds",
+                            d, text);
         size[letter] = known_size(letter, block_size);
         if (size[letter] == 0 && rest >= 0)
-            return kv_error(PyExc_ValueError, "layout: '%s' groups '%c' and '%c', whose sizes are not known; one "
+            return kv_error(PyExc_ValueError,
+                            "layout: '%s' groups '%c' and '%c', whose sizes are not known; one "
                             "letter of a group at most takes the rest of the dimension (t is block_size, k is 2)",
                             text, KV_LAYOUT_LETTERS[rest], KV_LAYOUT_LETTERS[letter]);
         if (size[letter] == 0)
@@ -146,8 +153,10 @@ static int group_sizes(const kv_layout *layout, int d, int64_t extent, int64_t b
     if (layout->dim[DIM_T] == d) {
         char where[96];
         kv_path_format(path, where, sizeof where);
-        return kv_error(PyExc_ValueError, "block_size: %lld does not fit dimension %d ('%s') of %s, which has %lld "
-                        "entries", (long long)block_size, d, text, where, (long long)extent);
+        return kv_error(PyExc_ValueError,
+                        "block_size: %lld does not fit dimension %d ('%s') of %s, which has %lld "
+                        "entries",
+                        (long long)block_size, d, text, where, (long long)extent);
     }
     return kv_path_error(PyExc_ValueError, path, "dimension %d ('%s') has %lld entries, %s %lld", d, text,
                          (long long)extent, rest >= 0 ? "not a multiple of" : "but its letters make", (long long)known);

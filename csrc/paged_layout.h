@@ -11,7 +11,15 @@
 #include "array.h"
 
 /* The dimension letters. */
-enum { DIM_L, DIM_K, DIM_B, DIM_T, DIM_H, DIM_D, DIM_COUNT };
+enum {
+    DIM_L,
+    DIM_K,
+    DIM_B,
+    DIM_T,
+    DIM_H,
+    DIM_D,
+    DIM_COUNT
+};
 
 /* "lkbthd", and each letter's name ("layer", ...), for errors. */
 extern const char KV_LAYOUT_LETTERS[DIM_COUNT + 1];

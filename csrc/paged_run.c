@@ -83,8 +83,9 @@ static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, 
         staged->unit_bytes = p->no * p->nt * p->nh * p->row_bytes;
     }
     for (int64_t b = 0; b < p->nb; b++)
-        addresses[b] = (a->flat_base ? a->flat_base + (uint64_t)(b * a->flat_block)
-                                     : (uint64_t)(uintptr_t)call->flats[b].data) + (uint64_t)p->flat_shift;
+        addresses[b] =
+            (a->flat_base ? a->flat_base + (uint64_t)(b * a->flat_block) : (uint64_t)(uintptr_t)call->flats[b].data)
+            + (uint64_t)p->flat_shift;
     return NULL;
 }
 

@@ -38,8 +38,10 @@ static int read_slice(PyObject *obj, int64_t n, const char *name, const char *wh
     for (int i = 0; i < 2; i++) {
         const int64_t at = bound[i] < 0 ? (int64_t)bound[i] + n : (int64_t)bound[i];
         if (given[i] && (at < 0 || at > highest))
-            return kv_error(PyExc_ValueError, "%s: %R reaches outside the cache's %lld %ss: its %s must be from %lld to "
-                            "%lld", name, obj, (long long)n, what, i == 0 ? "start" : "stop", (long long)-n,
+            return kv_error(PyExc_ValueError,
+                            "%s: %R reaches outside the cache's %lld %ss: its %s must be from %lld to "
+                            "%lld",
+                            name, obj, (long long)n, what, i == 0 ? "start" : "stop", (long long)-n,
                             (long long)highest);
     }
     Py_ssize_t start = given[0] ? bound[0] : step > 0 ? 0 : PY_SSIZE_T_MAX;
@@ -60,16 +62,17 @@ static int read_range(PyObject *obj, int64_t n, const char *name, const char *wh
     Py_XDECREF(step);
     int64_t last = 0;
     if (!PyErr_Occurred() && sel->count > 0
-        && (__builtin_mul_overflow(sel->count - 1, sel->step, &last) || __builtin_add_overflow(last, sel->first, &last)))
+        && (__builtin_mul_overflow(sel->count - 1, sel->step, &last)
+            || __builtin_add_overflow(last, sel->first, &last)))
         PyErr_SetString(PyExc_OverflowError, "");
     if (PyErr_Occurred()) {
         PyErr_Clear();
         return kv_error(PyExc_ValueError, "%s: %R selects %ss outside the cache's 0 to %lld", name, obj, what,
-                    (long long)n - 1);
+                        (long long)n - 1);
     }
     if (sel->count > 0 && (sel->first < 0 || sel->first >= n || last < 0 || last >= n))
         return kv_error(PyExc_ValueError, "%s: %R selects %s %lld, but the cache has %ss 0 to %lld", name, obj, what,
-                    (long long)(sel->first < 0 || sel->first >= n ? sel->first : last), what, (long long)n - 1);
+                        (long long)(sel->first < 0 || sel->first >= n ? sel->first : last), what, (long long)n - 1);
     return 0;
 }
 

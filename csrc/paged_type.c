@@ -8,19 +8,21 @@
 
 /* The parameters of the four methods: two positional-only, the options
  * keyword-only. */
-static const char *const TO_UNIVERSAL[] = {"block_ids", "universals", "layers", "layer_offset", "heads",
-                                           "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
-static const char *const FROM_UNIVERSAL[] = {"universals", "block_ids", "layers", "layer_offset", "heads",
-                                             "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
+static const char *const TO_UNIVERSAL[] = {"block_ids", "universals",  "layers",      "layer_offset",
+                                           "heads",     "head_offset", "pack_layers", "backend",
+                                           "num_ctas",  "stream",      NULL};
+static const char *const FROM_UNIVERSAL[] = {"universals", "block_ids",   "layers",      "layer_offset",
+                                             "heads",      "head_offset", "pack_layers", "backend",
+                                             "num_ctas",   "stream",      NULL};
 static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "layout", "layers", "pack_layers",
-                                             "backend", "num_ctas", "stream", "inner", NULL};
+                                             "backend",   "num_ctas",     "stream", "inner",  NULL};
 static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "layout", "layers", "pack_layers",
-                                               "backend", "num_ctas", "stream", "inner", NULL};
+                                               "backend",      "num_ctas",  "stream", "inner",  NULL};
 
 #define DEFINE_TRANSFER(name, names, to_flat, universal)                                                               \
-    static PyObject *name(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)           \
+    static PyObject *name(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)            \
     {                                                                                                                  \
-        static const kv_paged_form form = {{#name, names, 2, 2, 2}, "PagedKVCache." #name, to_flat, universal};      \
+        static const kv_paged_form form = {{#name, names, 2, 2, 2}, "PagedKVCache." #name, to_flat, universal};        \
         return kv_paged_transfer(self, args, nargs, kwnames, &form);                                                   \
     }
 
@@ -39,21 +41,21 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
     "    share memory (ValueError naming both).\n"                                                                     \
     "backend: \"auto\" (default): with universal or operational blocks in pinned host\n"                               \
     "    memory, the copy engines carry the bytes over PCIe and a kernel on a few CTAs\n"                              \
-    "    rearranges them through device staging memory (set_staging(),\n"                                             \
+    "    rearranges them through device staging memory (set_staging(),\n"                                              \
     "    reserve_staging()), leaving the SMs to the model; device to device, the\n"                                    \
-    "    kernel.  \"copy_engines\" (or \"batch\", or \"async\": one cudaMemcpyAsync per\n"                              \
-    "    run) asks for the copy engines, \"kernel\" for SM kernels reading and writing\n"                               \
+    "    kernel.  \"copy_engines\" (or \"batch\", or \"async\": one cudaMemcpyAsync per\n"                             \
+    "    run) asks for the copy engines, \"kernel\" for SM kernels reading and writing\n"                              \
     "    pinned memory directly.  KVBM_EXT_DEBUG=1 logs the path taken and why.\n"                                     \
     "num_ctas: None or the most CUDA blocks the kernel (or the staged permute) may\n"                                  \
     "    use, to bound the SMs a transfer takes beside the model; None: no bound\n"                                    \
     "    device to device, 8 with pinned memory.  The bytes moved are the same.\n"                                     \
-    "stream: None, an int cudaStream_t, or an object with __cuda_stream__() or\n"                                    \
-    "    .cuda_stream.  None runs where an operation of the arrays' framework would:\n"                                  \
-    "    torch's current stream (inside `with torch.cuda.stream(s)`, on s), else the\n"                                 \
-    "    legacy default stream.  The work is enqueued and not waited for;\n"                                            \
+    "stream: None, an int cudaStream_t, or an object with __cuda_stream__() or\n"                                      \
+    "    .cuda_stream.  None runs where an operation of the arrays' framework would:\n"                                \
+    "    torch's current stream (inside `with torch.cuda.stream(s)`, on s), else the\n"                                \
+    "    legacy default stream.  The work is enqueued and not waited for;\n"                                           \
     "    the call's arrays' producers are ordered before it (DLPack, CAI v3).  The\n"                                  \
     "    cache itself is read at construction: order its writers yourself.\n"                                          \
-    "Universal or operational blocks live on the cache's device or in pinned host\n"                               \
+    "Universal or operational blocks live on the cache's device or in pinned host\n"                                   \
     "memory (host memory for a host cache).  Everything is checked before anything\n"                                  \
     "is written.  With device-resident block_ids and one flat array, a call stages\n"                                  \
     "nothing and synchronizes nothing, so it can be captured in a CUDA graph\n"                                        \
@@ -77,8 +79,8 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
     "heads: None (every head), an int, a slice or a range of the cache's heads (the\n"                                 \
     "    rule of layers=): the heads moved, in that order, renumbered from head_offset\n"                              \
     "    (a receiver's share when resharding).\n"                                                                      \
-    "head_offset: the heads moved are universal heads [head_offset, head_offset +\n"                                  \
-    "    len(heads)) (a tensor-parallel rank's slice).  Other heads and layers are not\n"                             \
+    "head_offset: the heads moved are universal heads [head_offset, head_offset +\n"                                   \
+    "    len(heads)) (a tensor-parallel rank's slice).  Other heads and layers are not\n"                              \
     "    touched.\n"
 
 #define OPERATIONAL_BLOCKS_DOC                                                                                         \
@@ -108,21 +110,21 @@ PyDoc_STRVAR(from_universal_doc,
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
 DEFINE_TRANSFER(from_universal, FROM_UNIVERSAL, 0, 1)
 
-PyDoc_STRVAR(to_operational_doc,
-             "to_operational($self, block_ids, operationals, /, *, layout='NHD', layers=None, pack_layers=False, "
-             "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
-             "Copy cache blocks into operational blocks:\n"
-             "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
-             "for layout \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\"), for every layer l in\n"
-             "`layers` (with pack_layers=True, operationals[b][i] for the i-th layer l).\n\n"
-             OPERATIONAL_BLOCKS_DOC COMMON_DOC);
+PyDoc_STRVAR(
+    to_operational_doc,
+    "to_operational($self, block_ids, operationals, /, *, layout='NHD', layers=None, pack_layers=False, "
+    "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
+    "Copy cache blocks into operational blocks:\n"
+    "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
+    "for layout \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\"), for every layer l in\n"
+    "`layers` (with pack_layers=True, operationals[b][i] for the i-th layer l).\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
 DEFINE_TRANSFER(to_operational, TO_OPERATIONAL, 1, 0)
 
-PyDoc_STRVAR(from_operational_doc,
-             "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, pack_layers=False, "
-             "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
-             "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC
-             COMMON_DOC);
+PyDoc_STRVAR(
+    from_operational_doc,
+    "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, pack_layers=False, "
+    "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
+    "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
 DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)
 
 PyDoc_STRVAR(to_cache_doc,
@@ -158,10 +160,8 @@ static PyObject *to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_
 
 static PyMethodDef paged_methods[] = {
     {"to_universal", (PyCFunction)(void (*)(void))to_universal, METH_FASTCALL | METH_KEYWORDS, to_universal_doc},
-    {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_FASTCALL | METH_KEYWORDS,
-     from_universal_doc},
-    {"to_operational", (PyCFunction)(void (*)(void))to_operational, METH_FASTCALL | METH_KEYWORDS,
-     to_operational_doc},
+    {"from_universal", (PyCFunction)(void (*)(void))from_universal, METH_FASTCALL | METH_KEYWORDS, from_universal_doc},
+    {"to_operational", (PyCFunction)(void (*)(void))to_operational, METH_FASTCALL | METH_KEYWORDS, to_operational_doc},
     {"from_operational", (PyCFunction)(void (*)(void))from_operational, METH_FASTCALL | METH_KEYWORDS,
      from_operational_doc},
     {"to_cache", (PyCFunction)(void (*)(void))to_cache, METH_FASTCALL | METH_KEYWORDS, to_cache_doc},
@@ -223,73 +223,67 @@ static PyObject *paged_repr(kv_paged_cache *self)
 {
     char dtype[48];
     PyObject *device = get_device(self, NULL);
-    PyObject *repr = device == NULL ? NULL
-        : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, "
-                               "num_heads=%lld, tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')",
-                               self->dims,
-                               (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
-                               (long long)self->nh, (long long)self->nt, (long long)self->hd,
-                               kv_dtype_name(self->dtype, dtype, sizeof dtype), device);
+    PyObject *repr =
+        device == NULL
+            ? NULL
+            : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, "
+                                   "num_heads=%lld, tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')",
+                                   self->dims, (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
+                                   (long long)self->nh, (long long)self->nt, (long long)self->hd,
+                                   kv_dtype_name(self->dtype, dtype, sizeof dtype), device);
     Py_XDECREF(device);
     return repr;
 }
 
-PyDoc_STRVAR(paged_doc,
-             "PagedKVCache(layers, layout, *, block_size=None)\n--\n\n"
-             "A serving worker's KV cache, described once: the blocks of every layer are\n"
-             "addressed by block id, and each call moves nb blocks to or from universal or\n"
-             "operational blocks in one kernel launch, with a host cost that does not grow\n"
-             "with the number of layers or chunks.\n\n"
-             "layers: a sequence of nl per-layer arrays, a sequence of nl (K, V) pairs of\n"
-             "    arrays (K and V in separate arrays: no = 2), or one array holding every\n"
-             "    layer.\n"
-             "layout: one letter per dimension of each array, in its logical order: l layer\n"
-             "    (only for one all-layer array), k K/V (absent: no = 1, or 2 for pairs), b\n"
-             "    block, t token, h head (absent: nh = 1), d head dim.  Letters in\n"
-             "    parentheses share one dimension, their row-major product: t's size is\n"
-             "    block_size, k's 2, and one other letter takes the rest.  E.g. \"kbthd\"\n"
-             "    (vLLM FlashAttention before K|V packing, [2, num_blocks, nt, nh, hd]),\n"
-             "    \"bth(kd)\" (vLLM's packed K|V in memory order), \"bkthd\" (FlashInfer),\n"
-             "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
-             "    transformers, K and V pairs, with block_size=).\n"
-             "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
-             "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
-             "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
-             "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
-             "and all are on one CUDA device, or all in host memory (then calls run on the\n"
-             "CPU, releasing the GIL while they copy 64 KiB or more).  The cache keeps the\n"
-             "memory of its arrays alive (for DLPack producers, through the capsules' managed\n"
-             "tensors) and always moves that memory: re-pointing a layer tensor afterwards\n"
-             "with torch's set_ does not change what the cache reads or writes.  A resize that\n"
-             "reallocates a layer's memory would free it under the cache, so: NumPy refuses\n"
-             "to resize a layer (or the array owning its memory) while the cache lives, even\n"
-             "with refcheck=False (the cache holds weak references to them); a cache of one\n"
-             "array read through DLPack's C exchange API (torch 2.11+) asks the array at\n"
-             "every call where its memory is and raises ValueError naming it if it moved\n"
-             "(torch's resize_ growing it, untyped_storage().resize_()); per-layer arrays get\n"
-             "that check, one C call per layer moved, under KVBM_EXT_DEBUG=1 (other producers\n"
-             "are read again through their protocol then).  Without it, do not resize a\n"
-             "per-layer torch tensor the cache holds.  Layers may share memory (one tensor\n"
-             "given twice): reading them is fine, a call writing two of them is refused.  The\n"
-             "cache holds no device memory of its own: constructing or collecting it never\n"
-             "allocates, frees or synchronizes on a device.\n\n"
-             "torch tensors are written as a torch in-place operation would write them:\n"
-             "from_universal and from_operational refuse a layer tensor that requires grad\n"
-             "(asked at each call: autograd could not see the write; construct the cache\n"
-             "from x.detach(), same memory, to write it anyway), and bump the version\n"
-             "counter of every layer tensor they write; to_universal and to_operational do\n"
-             "the same for their universals or operationals.");
+PyDoc_STRVAR(paged_doc, "PagedKVCache(layers, layout, *, block_size=None)\n--\n\n"
+                        "A serving worker's KV cache, described once: the blocks of every layer are\n"
+                        "addressed by block id, and each call moves nb blocks to or from universal or\n"
+                        "operational blocks in one kernel launch, with a host cost that does not grow\n"
+                        "with the number of layers or chunks.\n\n"
+                        "layers: a sequence of nl per-layer arrays, a sequence of nl (K, V) pairs of\n"
+                        "    arrays (K and V in separate arrays: no = 2), or one array holding every\n"
+                        "    layer.\n"
+                        "layout: one letter per dimension of each array, in its logical order: l layer\n"
+                        "    (only for one all-layer array), k K/V (absent: no = 1, or 2 for pairs), b\n"
+                        "    block, t token, h head (absent: nh = 1), d head dim.  Letters in\n"
+                        "    parentheses share one dimension, their row-major product: t's size is\n"
+                        "    block_size, k's 2, and one other letter takes the rest.  E.g. \"kbthd\"\n"
+                        "    (vLLM FlashAttention before K|V packing, [2, num_blocks, nt, nh, hd]),\n"
+                        "    \"bth(kd)\" (vLLM's packed K|V in memory order), \"bkthd\" (FlashInfer),\n"
+                        "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
+                        "    transformers, K and V pairs, with block_size=).\n"
+                        "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
+                        "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
+                        "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
+                        "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
+                        "and all are on one CUDA device, or all in host memory (then calls run on the\n"
+                        "CPU, releasing the GIL while they copy 64 KiB or more).  The cache keeps the\n"
+                        "memory of its arrays alive (for DLPack producers, through the capsules' managed\n"
+                        "tensors) and always moves that memory: re-pointing a layer tensor afterwards\n"
+                        "with torch's set_ does not change what the cache reads or writes.  A resize that\n"
+                        "reallocates a layer's memory would free it under the cache, so: NumPy refuses\n"
+                        "to resize a layer (or the array owning its memory) while the cache lives, even\n"
+                        "with refcheck=False (the cache holds weak references to them); a cache of one\n"
+                        "array read through DLPack's C exchange API (torch 2.11+) asks the array at\n"
+                        "every call where its memory is and raises ValueError naming it if it moved\n"
+                        "(torch's resize_ growing it, untyped_storage().resize_()); per-layer arrays get\n"
+                        "that check, one C call per layer moved, under KVBM_EXT_DEBUG=1 (other producers\n"
+                        "are read again through their protocol then).  Without it, do not resize a\n"
+                        "per-layer torch tensor the cache holds.  Layers may share memory (one tensor\n"
+                        "given twice): reading them is fine, a call writing two of them is refused.  The\n"
+                        "cache holds no device memory of its own: constructing or collecting it never\n"
+                        "allocates, frees or synchronizes on a device.\n\n"
+                        "torch tensors are written as a torch in-place operation would write them:\n"
+                        "from_universal and from_operational refuse a layer tensor that requires grad\n"
+                        "(asked at each call: autograd could not see the write; construct the cache\n"
+                        "from x.detach(), same memory, to write it anyway), and bump the version\n"
+                        "counter of every layer tensor they write; to_universal and to_operational do\n"
+                        "the same for their universals or operationals.");
 
 static PyType_Slot paged_slots[] = {
-    {Py_tp_doc, (void *)paged_doc},
-    {Py_tp_new, kv_paged_new},
-    {Py_tp_dealloc, kv_paged_dealloc},
-    {Py_tp_traverse, kv_paged_traverse},
-    {Py_tp_clear, kv_paged_clear},
-    {Py_tp_methods, paged_methods},
-    {Py_tp_getset, paged_getset},
-    {Py_tp_repr, paged_repr},
-    {0, NULL},
+    {Py_tp_doc, (void *)paged_doc},      {Py_tp_new, kv_paged_new},     {Py_tp_dealloc, kv_paged_dealloc},
+    {Py_tp_traverse, kv_paged_traverse}, {Py_tp_clear, kv_paged_clear}, {Py_tp_methods, paged_methods},
+    {Py_tp_getset, paged_getset},        {Py_tp_repr, paged_repr},      {0, NULL},
 };
 
 /* Not subclassable: methods find the module state through their own type. */

@@ -60,8 +60,8 @@ int64_t kv_pieces_cut(const kv_staged *s, const kv_cut *cut, kv_box *boxes, int6
          * too large to hide behind its copy. */
         const int64_t bytes = units * s->unit_bytes;
         edge = edge && bytes < smaller(cut->ramp_bytes, cut->piece_bytes);
-        budget = smaller(edge ? smaller(bytes * cut->ramp_growth, cut->ramp_bytes) : bytes * cut->growth,
-                         cut->piece_bytes);
+        budget =
+            smaller(edge ? smaller(bytes * cut->ramp_growth, cut->ramp_bytes) : bytes * cut->growth, cut->piece_bytes);
     }
     return count;
 }

@@ -86,9 +86,8 @@ static void find_exchange_api(const kv_protocols *p, PyTypeObject *type, kv_type
         PyErr_Clear();
         return;
     }
-    const DLPackExchangeAPI *api = PyCapsule_IsValid(capsule, "dlpack_exchange_api")
-                                       ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
-                                       : NULL;
+    const DLPackExchangeAPI *api =
+        PyCapsule_IsValid(capsule, "dlpack_exchange_api") ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api") : NULL;
     /* A major version other than 1 may have another layout. */
     if (api == NULL || api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL
         || api->current_work_stream == NULL) {

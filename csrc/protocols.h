@@ -37,7 +37,7 @@ enum {
 typedef struct {
     PyTypeObject *type; /* strong reference, so that its address is not reused while cached; NULL: free */
     const struct DLPackExchangeAPI *exchange; /* its DLPack C exchange API, or NULL */
-    PyObject *exchange_capsule; /* the capsule holding it (strong reference: the type may drop its own) */
+    PyObject *exchange_capsule;               /* the capsule holding it (strong reference: the type may drop its own) */
     /* For torch.Tensor and its subclasses, what the type has as is_neg and
      * is_conj (strong references, called with the tensor), else NULL. */
     PyObject *is_neg, *is_conj;
@@ -51,12 +51,12 @@ typedef struct {
     PyObject *stream_keyword;       /* ("stream",) */
     PyObject *max_version;          /* (1, 3) */
     PyObject *increment_version;    /* torch.autograd.graph.increment_version, found on first need (None: absent) */
-    kv_lock types_lock;                   /* guards types and next_type */
+    kv_lock types_lock;             /* guards types and next_type */
     kv_type_facts types[KV_TYPES_CACHED]; /* recently seen types, recycled in turn */
     int next_type;
 } kv_protocols;
 
-int kv_protocols_init(kv_protocols *p);   /* 0, or -1 with an exception */
+int kv_protocols_init(kv_protocols *p); /* 0, or -1 with an exception */
 int kv_protocols_traverse(kv_protocols *p, visitproc visit, void *arg);
 void kv_protocols_clear(kv_protocols *p);
 

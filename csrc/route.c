@@ -121,15 +121,12 @@ int kv_route_chunks(kv_gpu *gpu, const kv_target *target, kv_pairs *pairs, const
     const int over_pcie = target->pinned;
     pairs->num_ctas = options->num_ctas != 0 ? options->num_ctas : over_pcie ? KV_PINNED_NUM_CTAS : 0;
     switch (options->backend) {
-    case KV_BACKEND_KERNEL:
-        return kv_route_pairs(gpu, &target->gpu, pairs, KV_ENGINE_KERNEL, 1, function, "requested");
-    case KV_BACKEND_ASYNC:
-        return kv_route_pairs(gpu, &target->gpu, pairs, KV_ENGINE_ASYNC, 1, function, "requested");
+    case KV_BACKEND_KERNEL: return kv_route_pairs(gpu, &target->gpu, pairs, KV_ENGINE_KERNEL, 1, function, "requested");
+    case KV_BACKEND_ASYNC: return kv_route_pairs(gpu, &target->gpu, pairs, KV_ENGINE_ASYNC, 1, function, "requested");
     case KV_BACKEND_BATCH:
     case KV_BACKEND_COPY_ENGINES:
         return kv_route_pairs(gpu, &target->gpu, pairs, KV_ENGINE_BATCH, 1, function, "requested");
-    default:
-        break;
+    default: break;
     }
     if (!over_pcie)
         return kv_route_pairs(gpu, &target->gpu, pairs, KV_ENGINE_KERNEL, 1, function, "auto: device to device");

@@ -47,13 +47,13 @@ typedef struct {
     char *base;
     size_t bytes;
     cudaStream_t permute;
-    cudaStream_t copy;      /* the copies of a call on a default stream */
-    cudaEvent_t handoff;    /* the caller's stream at the start, an onload's last permute */
-    cudaEvent_t done;       /* the end of the lane's last call */
+    cudaStream_t copy;                /* the copies of a call on a default stream */
+    cudaEvent_t handoff;              /* the caller's stream at the start, an onload's last permute */
+    cudaEvent_t done;                 /* the end of the lane's last call */
     cudaEvent_t ready[KV_LANE_SLOTS]; /* a slot's first stage done */
     cudaEvent_t freed[KV_LANE_SLOTS]; /* a slot's second stage done: it may be written again */
-    intptr_t owner;         /* the caller's stream of its last call */
-    uint64_t last_use;      /* 0: never used */
+    intptr_t owner;                   /* the caller's stream of its last call */
+    uint64_t last_use;                /* 0: never used */
 } kv_lane;
 
 struct kv_staging {
@@ -365,11 +365,13 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_mov
     cut.piece_bytes = piece_bytes_for(lane->bytes);
     int64_t max_units;
     const int64_t count = kv_pieces_cut(s, &cut, NULL, &max_units);
-    const size_t slot_bytes = ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN
-                              * KV_STAGING_ALIGN;
+    const size_t slot_bytes =
+        ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
     if (2 * slot_bytes > lane->bytes) {
-        snprintf(report->fallback, sizeof report->fallback, "a piece of %lld bytes needs two slots, more than a "
-                 "staging lane's %zu bytes", (long long)(max_units * s->unit_bytes), lane->bytes);
+        snprintf(report->fallback, sizeof report->fallback,
+                 "a piece of %lld bytes needs two slots, more than a "
+                 "staging lane's %zu bytes",
+                 (long long)(max_units * s->unit_bytes), lane->bytes);
         return 1;
     }
     const size_t fit = lane->bytes / slot_bytes;

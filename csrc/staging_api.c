@@ -30,15 +30,14 @@ static int staging_device(const char *function, PyObject *const *args, Py_ssize_
     return (int)index;
 }
 
-const char kv_set_staging_doc[] =
-    "set_staging(size_bytes=None, *, lanes=None)\n--\n\n"
-    "Size the device staging memory of the copy-engine path (backend \"auto\" or\n"
-    "\"copy_engines\" with pinned host memory): size_bytes per CUDA device (at least\n"
-    "1 MiB; default 96 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
-    "one stream at a time: calls on up to `lanes` streams at once never share staging,\n"
-    "more queue behind each other.  None keeps the current value.  Staging already\n"
-    "allocated is freed (after the work that uses it) and allocated anew, at the new\n"
-    "size, by the next call that needs it.";
+const char kv_set_staging_doc[] = "set_staging(size_bytes=None, *, lanes=None)\n--\n\n"
+                                  "Size the device staging memory of the copy-engine path (backend \"auto\" or\n"
+                                  "\"copy_engines\" with pinned host memory): size_bytes per CUDA device (at least\n"
+                                  "1 MiB; default 96 MiB), split into `lanes` (1 to 16; default 2).  A lane serves\n"
+                                  "one stream at a time: calls on up to `lanes` streams at once never share staging,\n"
+                                  "more queue behind each other.  None keeps the current value.  Staging already\n"
+                                  "allocated is freed (after the work that uses it) and allocated anew, at the new\n"
+                                  "size, by the next call that needs it.";
 
 PyObject *kv_set_staging(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -54,15 +53,14 @@ PyObject *kv_set_staging(PyObject *module, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-const char kv_reserve_staging_doc[] =
-    "reserve_staging(device=None)\n--\n\n"
-    "Allocate the staging memory of `device` (an index; None: the current device)\n"
-    "now rather than on first need, and the lane that staged calls use while their\n"
-    "stream is captured into a CUDA graph.  Call it before capturing such calls.\n"
-    "It also loads every kernel of the extension on the device: CUDA loads a kernel\n"
-    "at its first launch, and that launch waits until the device is idle.\n"
-    "Graphs holding staged calls share that lane: do not replay two of them at once\n"
-    "on different streams.  RuntimeError without a CUDA device.";
+const char kv_reserve_staging_doc[] = "reserve_staging(device=None)\n--\n\n"
+                                      "Allocate the staging memory of `device` (an index; None: the current device)\n"
+                                      "now rather than on first need, and the lane that staged calls use while their\n"
+                                      "stream is captured into a CUDA graph.  Call it before capturing such calls.\n"
+                                      "It also loads every kernel of the extension on the device: CUDA loads a kernel\n"
+                                      "at its first launch, and that launch waits until the device is idle.\n"
+                                      "Graphs holding staged calls share that lane: do not replay two of them at once\n"
+                                      "on different streams.  RuntimeError without a CUDA device.";
 
 PyObject *kv_reserve_staging(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -72,11 +70,10 @@ PyObject *kv_reserve_staging(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-const char kv_staging_info_doc[] =
-    "staging_info(device=None)\n--\n\n"
-    "The staging memory of `device` (None: the current device): {\"device\",\n"
-    "\"size_bytes\", \"lanes\", \"lane_bytes\", \"allocated\", \"capture_reserved\"}.\n"
-    "RuntimeError without a CUDA device.";
+const char kv_staging_info_doc[] = "staging_info(device=None)\n--\n\n"
+                                   "The staging memory of `device` (None: the current device): {\"device\",\n"
+                                   "\"size_bytes\", \"lanes\", \"lane_bytes\", \"allocated\", \"capture_reserved\"}.\n"
+                                   "RuntimeError without a CUDA device.";
 
 PyObject *kv_staging_info(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {

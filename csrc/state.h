@@ -7,7 +7,7 @@
 
 typedef struct {
     kv_gpu *gpu;
-    kv_protocols protocols; /* names and type facts for reading arrays (protocols.h) */
+    kv_protocols protocols;     /* names and type facts for reading arrays (protocols.h) */
     PyObject *host_buffer_type; /* kvbm_ext.HostBuffer, which pinned_empty makes */
 } kv_state;
 

@@ -47,8 +47,10 @@ int kv_stream_from_object(PyObject *obj, intptr_t *handle)
             return -1;
     }
     else {
-        PyErr_Format(PyExc_TypeError, "stream: expected None, an int handle, or an object with __cuda_stream__() or "
-                     ".cuda_stream, got %s", Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "stream: expected None, an int handle, or an object with __cuda_stream__() or "
+                     ".cuda_stream, got %s",
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
     rc = handle_from_int(value, handle);

@@ -69,9 +69,11 @@ int kv_target_add(kv_target *t, kv_array *a, const kv_path *path)
     }
     if (a->place == KV_HOST) {
         owner_phrase(t, owner, sizeof owner);
-        return kv_path_error(PyExc_ValueError, path, "in pageable host memory, but %s on cuda:%d, which needs pinned "
+        return kv_path_error(PyExc_ValueError, path,
+                             "in pageable host memory, but %s on cuda:%d, which needs pinned "
                              "(page-locked) host memory: pin it (e.g. torch's tensor.pin_memory()) or move it to the "
-                             "device", owner, t->gpu.device);
+                             "device",
+                             owner, t->gpu.device);
     }
     t->pinned |= a->place == KV_HOST_PINNED;
     return add_producer(t, a);
@@ -116,10 +118,14 @@ int kv_require_device(const char *function, const char *why)
     if (kv_gpu_device_count() > 0)
         return 0;
     if (kv_gpu_compiled())
-        return kv_error(PyExc_RuntimeError, "%s needs a CUDA device (%s), and none is visible: no GPU, or no usable "
-                        "driver", function, why);
-    return kv_error(PyExc_RuntimeError, "%s needs a CUDA device (%s), but kvbm_ext was built without CUDA (nvcc was "
-                    "not found at build time)", function, why);
+        return kv_error(PyExc_RuntimeError,
+                        "%s needs a CUDA device (%s), and none is visible: no GPU, or no usable "
+                        "driver",
+                        function, why);
+    return kv_error(PyExc_RuntimeError,
+                    "%s needs a CUDA device (%s), but kvbm_ext was built without CUDA (nvcc was "
+                    "not found at build time)",
+                    function, why);
 }
 
 void kv_target_release(kv_target *t)

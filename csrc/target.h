@@ -14,7 +14,7 @@ typedef struct {
     kv_gpu_target gpu;   /* what the GPU entry points take; producers point into `producers` */
     intptr_t *producers; /* owned */
     Py_ssize_t capacity;
-    int pinned;          /* pinned host memory takes part */
+    int pinned; /* pinned host memory takes part */
     /* What fixed the device, named in errors about other arrays: a phrase
      * ("the cache is", "the call runs"), or, when NULL, the array at
      * `first`. */

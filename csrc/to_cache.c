@@ -19,9 +19,10 @@ static int check_dst(const kv_to_cache_call *call, PyObject *dst)
     const int64_t ours[] = {src->no, src->nt, src->hd}, theirs[] = {d->no, d->nt, d->hd};
     for (int i = 0; i < 3; i++)
         if (ours[i] != theirs[i])
-            return kv_error(PyExc_ValueError, "dst: %s %lld differs from this cache's %lld; blocks move between "
-                            "caches of one num_outer, tokens_per_block, head_dim and dtype", names[i],
-                            (long long)theirs[i], (long long)ours[i]);
+            return kv_error(PyExc_ValueError,
+                            "dst: %s %lld differs from this cache's %lld; blocks move between "
+                            "caches of one num_outer, tokens_per_block, head_dim and dtype",
+                            names[i], (long long)theirs[i], (long long)ours[i]);
     if (d->dtype.code != src->dtype.code || d->dtype.bits != src->dtype.bits) {
         char got[48], want[48];
         return kv_error(PyExc_TypeError, "dst: element type %s differs from this cache's %s",
@@ -44,10 +45,11 @@ static int check_landing(const kv_to_cache_call *call)
     const kv_selection landing = kv_paged_landing(o);
     const int64_t low = kv_selection_bottom(&landing), high = kv_selection_top(&landing);
     if (low < 0 || high >= dst->nl)
-        return kv_error(PyExc_ValueError, "layer_offset: the layers moved, %lld to %lld, land on dst layers %lld to "
-                        "%lld%s, but dst has layers 0 to %lld", (long long)kv_selection_bottom(&o->layers),
-                        (long long)kv_selection_top(&o->layers), (long long)low, (long long)high,
-                        o->pack_layers ? " (packed)" : "", (long long)dst->nl - 1);
+        return kv_error(PyExc_ValueError,
+                        "layer_offset: the layers moved, %lld to %lld, land on dst layers %lld to "
+                        "%lld%s, but dst has layers 0 to %lld",
+                        (long long)kv_selection_bottom(&o->layers), (long long)kv_selection_top(&o->layers),
+                        (long long)low, (long long)high, o->pack_layers ? " (packed)" : "", (long long)dst->nl - 1);
     return 0;
 }
 
@@ -93,8 +95,7 @@ static int read_ids(kv_to_cache_call *call, PyObject *obj, const char *name, con
         const kv_path path = {name, {0, 0}, 0};
         return kv_target_add(&call->target, &list->array, &path);
     }
-    return kv_paged_check_ids((const int64_t *)list->values, list->count, cache->num_blocks, cache == call->dst,
-                              name);
+    return kv_paged_check_ids((const int64_t *)list->values, list->count, cache->num_blocks, cache == call->dst, name);
 }
 
 /* The caches share no byte: each array of dst against src's (sorted once,
@@ -122,9 +123,10 @@ static int check_size(const kv_to_cache_call *call)
     const kv_paged_cache *c = call->src;
     const int64_t chunk_bytes = call->options.heads.count * c->nt * c->hd * c->itemsize;
     if (!kvbm_fits_one_launch(call->src_ids.count, call->options.layers.count * c->no, chunk_bytes))
-        return kv_error(PyExc_ValueError, "src_ids: too much data for one call (%zd blocks of %lld layers of %lld "
-                        "bytes); split it into several calls", call->src_ids.count,
-                        (long long)call->options.layers.count, (long long)(c->no * chunk_bytes));
+        return kv_error(PyExc_ValueError,
+                        "src_ids: too much data for one call (%zd blocks of %lld layers of %lld "
+                        "bytes); split it into several calls",
+                        call->src_ids.count, (long long)call->options.layers.count, (long long)(c->no * chunk_bytes));
     return 0;
 }
 
@@ -135,7 +137,8 @@ static int read_call(kv_to_cache_call *call, PyObject *const *v)
         return -1;
     call->dst = (kv_paged_cache *)v[0];
     if (kv_paged_read_options(call->src, "to_cache", v[3], v[5], v[4], v[6], v[7], v[8], v[9], NULL, NULL, stream,
-                              &call->options) < 0
+                              &call->options)
+            < 0
         || check_landing(call) < 0 || place(call) < 0)
         return -1;
     call->reader.protocols = &call->state->protocols;
@@ -163,7 +166,7 @@ static void release_call(kv_to_cache_call *call)
 
 PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const NAMES[] = {"dst", "src_ids", "dst_ids", "layers", "heads", "layer_offset",
+    static const char *const NAMES[] = {"dst",         "src_ids",     "dst_ids", "layers",   "heads",  "layer_offset",
                                         "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
     static const kv_signature SIGNATURE = {"to_cache", NAMES, 0, 3, 3};
     PyObject *v[11];

@@ -45,8 +45,7 @@ static kvbm_to_cache plan(const kv_to_cache_call *call)
 /* The (layer, outer) bases of `cache` for `layers`, its layers moved:
  * where its arrays were located for the device (`located`, not NULL), each
  * base moves with its array. */
-static void fill_bases(const kv_paged_cache *cache, const kv_selection *layers, const kv_array *located,
-                       uint64_t *out)
+static void fill_bases(const kv_paged_cache *cache, const kv_selection *layers, const kv_array *located, uint64_t *out)
 {
     kv_paged_outer_bases(cache, layers->first, layers->step, layers->count, out);
     for (int64_t i = 0; located != NULL && i < layers->count; i++)

@@ -27,21 +27,24 @@ int kv_torch_check_destination(const kv_protocols *p, PyObject *obj, const kv_pa
     if (set == 0)
         return 0;
     return set < 0 ? -1
-                   : kv_path_error(PyExc_ValueError, path, "destination tensor requires grad, and autograd cannot see "
+                   : kv_path_error(PyExc_ValueError, path,
+                                   "destination tensor requires grad, and autograd cannot see "
                                    "this write; pass x.detach() (same memory) to write it anyway");
 }
 
-int kv_check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *facts, const kv_path *path,
-                   int write, kv_array *out)
+int kv_check_torch(const kv_protocols *p, PyObject *obj, const kv_type_facts *facts, const kv_path *path, int write,
+                   kv_array *out)
 {
     int set = out->dtype.code == kDLComplex ? torch_flag(p, obj, facts->is_conj) : 0; /* only complex can be */
     if (set != 0)
         return set < 0 ? -1
-                       : kv_path_error(PyExc_ValueError, path, "a conjugate view (its conjugate bit is set): its bytes "
+                       : kv_path_error(PyExc_ValueError, path,
+                                       "a conjugate view (its conjugate bit is set): its bytes "
                                        "are not its values; pass x.resolve_conj()");
     if ((set = torch_flag(p, obj, facts->is_neg)) != 0)
         return set < 0 ? -1
-                       : kv_path_error(PyExc_ValueError, path, "a negative view (its negative bit is set, e.g. "
+                       : kv_path_error(PyExc_ValueError, path,
+                                       "a negative view (its negative bit is set, e.g. "
                                        "x._neg_view() or the .imag of a conjugate view): its bytes are not its values; "
                                        "pass x.resolve_neg()");
     if (!write)

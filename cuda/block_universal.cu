@@ -26,8 +26,8 @@ struct Params {
 // Byte offsets, inside the chunk and inside the universal block, of vector j
 // of chunk c.
 template <int V>
-__device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint32_t j,
-                                               int64_t *chunk_off, int64_t *universal_off)
+__device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint32_t j, int64_t *chunk_off,
+                                               int64_t *universal_off)
 {
     uint32_t segment = kvbm_div(p.vectors_per_segment, j);
     int64_t within = (int64_t)(j - segment * p.vectors_per_segment.divisor) * V;
@@ -39,7 +39,7 @@ __device__ __forceinline__ void vector_offsets(const Params &p, uint32_t c, uint
 
 template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
-block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
+    block_universal_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
     for_each_tile(p.tiling, [&](uint32_t chunk_index, uint32_t first) {  // chunk_index = b * nchunks + c
         const uint32_t block = kvbm_div(p.chunks_per_block, chunk_index);
@@ -65,19 +65,14 @@ static_assert(sizeof(Params) + sizeof(TableByValue<void *, kSmallTable>) <= 4096
 
 }  // namespace
 
-extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
-                                                   void *const *host_table,
-                                                   void *const *device_table,
-                                                   kvbm_direction direction,
-                                                   int vector_bytes,
-                                                   uint32_t num_ctas,
-                                                   cudaStream_t stream)
+extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims, void *const *host_table,
+                                                   void *const *device_table, kvbm_direction direction,
+                                                   int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
 {
     // The call fits one launch (kvbm_fits_one_launch): a chunk's vectors
     // and segments in 32 bits, the call's tiles below 2^31.
     const int64_t segment_bytes = kvbm_segment_rows(dims) * dims->row_bytes;
-    const uint32_t vectors_per_chunk =
-        (uint32_t)(kvbm_segments_per_chunk(dims) * segment_bytes / vector_bytes);
+    const uint32_t vectors_per_chunk = (uint32_t)(kvbm_segments_per_chunk(dims) * segment_bytes / vector_bytes);
     if (dims->nb == 0 || vectors_per_chunk == 0)
         return cudaSuccess;
 

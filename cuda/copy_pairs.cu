@@ -67,7 +67,7 @@ __device__ __forceinline__ void copy_vectors(const char *src, char *dst, uint64_
 
 template <class Table>
 __global__ void __launch_bounds__(kThreads)
-copy_pairs_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
+    copy_pairs_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
     for (uint32_t share = blockIdx.x; share < p.shares; share += gridDim.x) {
         const uint32_t pair = kvbm_div(p.slices, share);

@@ -15,12 +15,28 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // vectors in flight per thread; 8 is no faster (benchmarks/README.md)
 static_assert(kThreads * kUnroll == KVBM_TILE_MIN_BYTES, "the C side bounds a call's tiles with KVBM_TILE_MIN_BYTES");
 
-template <int V> struct VectorOf;
-template <> struct VectorOf<16> { using type = uint4; };
-template <> struct VectorOf<8> { using type = uint2; };
-template <> struct VectorOf<4> { using type = uint32_t; };
-template <> struct VectorOf<2> { using type = uint16_t; };
-template <> struct VectorOf<1> { using type = uint8_t; };
+template <int V>
+struct VectorOf;
+template <>
+struct VectorOf<16> {
+    using type = uint4;
+};
+template <>
+struct VectorOf<8> {
+    using type = uint2;
+};
+template <>
+struct VectorOf<4> {
+    using type = uint32_t;
+};
+template <>
+struct VectorOf<2> {
+    using type = uint16_t;
+};
+template <>
+struct VectorOf<1> {
+    using type = uint8_t;
+};
 
 // Returns launch(std::integral_constant<int, V>()) for V = vector_bytes, one
 // of the widths above: the kernels are instantiated for each.
@@ -146,11 +162,13 @@ __device__ __forceinline__ void for_each_tile(const Tiling &t, const Body &body)
 
 // A table in device-readable memory, or carried by value in the kernel's
 // parameters (small tables: no copy to stage before the launch).
-template <class T> struct TableInMemory {
+template <class T>
+struct TableInMemory {
     const T *items;
     __device__ T operator[](uint32_t i) const { return items[i]; }
 };
-template <class T, int N> struct TableByValue {
+template <class T, int N>
+struct TableByValue {
     T items[N];
     __device__ T operator[](uint32_t i) const { return items[i]; }
 };
@@ -176,8 +194,8 @@ void launch_with(Kernel kernel, const T *host, int64_t count, const Params &p, u
 // (count <= KVBM_TABLE_BY_VALUE_MAX entries read from `host`) in the smallest
 // parameter block that holds it.
 template <class T, class Params, class KernelTiny, class KernelSmall, class KernelMax>
-void launch_by_value(KernelTiny tiny, KernelSmall small, KernelMax large, const T *host, int64_t count,
-                     const Params &p, unsigned grid, unsigned threads, cudaStream_t stream)
+void launch_by_value(KernelTiny tiny, KernelSmall small, KernelMax large, const T *host, int64_t count, const Params &p,
+                     unsigned grid, unsigned threads, cudaStream_t stream)
 {
     if (count <= kTinyTable)
         launch_with<T, kTinyTable>(tiny, host, count, p, grid, threads, stream);
@@ -188,7 +206,8 @@ void launch_by_value(KernelTiny tiny, KernelSmall small, KernelMax large, const 
 }
 
 // Names a table type for a kernel family (launch_table).
-template <class T> struct TableType {
+template <class T>
+struct TableType {
     using type = T;
 };
 
@@ -208,8 +227,8 @@ cudaError_t launch_table(const KernelFor &kernel_for, const T *host_table, const
     else {
         launch_by_value(kernel_for(TableType<TableByValue<T, kTinyTable>>()),
                         kernel_for(TableType<TableByValue<T, kSmallTable>>()),
-                        kernel_for(TableType<TableByValue<T, KVBM_TABLE_BY_VALUE_MAX>>()), host_table, count, p,
-                        grid, threads, stream);
+                        kernel_for(TableType<TableByValue<T, KVBM_TABLE_BY_VALUE_MAX>>()), host_table, count, p, grid,
+                        threads, stream);
     }
     return cudaGetLastError();
 }

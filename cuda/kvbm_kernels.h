@@ -25,12 +25,8 @@ extern "C" {
  * memory at `host_table` and passed by value.  Every pointer, and row_bytes,
  * must be a multiple of `vector_bytes` (16, 8, 4, 2 or 1), the width of the
  * loads and stores.  At most `num_ctas` CTAs run (0: one per tile). */
-cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims,
-                                        void *const *host_table,
-                                        void *const *device_table,
-                                        kvbm_direction direction,
-                                        int vector_bytes,
-                                        uint32_t num_ctas,
+cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims, void *const *host_table, void *const *device_table,
+                                        kvbm_direction direction, int vector_bytes, uint32_t num_ctas,
                                         cudaStream_t stream);
 
 /* A batch of raw copies: pair i moves size(i) bytes from src[i] to dst[i],
@@ -64,8 +60,8 @@ cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_v
  * values).  Every address, stride and the segment size must be a multiple of
  * `vector_bytes`.  At most `num_ctas` CTAs run (0: one per tile). */
 cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
-                              const uint64_t *host_table, const uint64_t *device_table,
-                              int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
+                              const uint64_t *host_table, const uint64_t *device_table, int vector_bytes,
+                              uint32_t num_ctas, cudaStream_t stream);
 
 /* Moves move->p.nb blocks from one paged cache to another in one launch, as
  * kvbm_to_cache.h describes; move->p has been planned (kvbm_paged_plan).
@@ -74,9 +70,9 @@ cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresse
  * by value (at most KVBM_TABLE_BY_VALUE_MAX values).  Every address, stride
  * and the segment size must be a multiple of `vector_bytes`.  At most
  * `num_ctas` CTAs run (0: one per tile). */
-cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_ids *ids,
-                                 const uint64_t *host_table, const uint64_t *device_table,
-                                 int vector_bytes, uint32_t num_ctas, cudaStream_t stream);
+cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_ids *ids, const uint64_t *host_table,
+                                 const uint64_t *device_table, int vector_bytes, uint32_t num_ctas,
+                                 cudaStream_t stream);
 
 /* Load every instance of one file's kernel now (CUDA would at its first
  * launch, waiting for the device to be idle); on the current device. */

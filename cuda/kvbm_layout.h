@@ -27,9 +27,15 @@
 #define KVBM_HOST_DEVICE static inline
 #endif
 
-typedef enum { KVBM_NHD = 0, KVBM_HND = 1 } kvbm_layout;
+typedef enum {
+    KVBM_NHD = 0,
+    KVBM_HND = 1
+} kvbm_layout;
 
-typedef enum { KVBM_TO_UNIVERSAL = 0, KVBM_FROM_UNIVERSAL = 1 } kvbm_direction;
+typedef enum {
+    KVBM_TO_UNIVERSAL = 0,
+    KVBM_FROM_UNIVERSAL = 1
+} kvbm_direction;
 
 /* Division of 32-bit numbers by a divisor fixed for the whole call, as a
  * multiply and a shift (Granlund and Montgomery, "Division by invariant
@@ -124,10 +130,7 @@ KVBM_HOST_DEVICE int64_t kvbm_chunk_slot(const kvbm_block_dims *d, int64_t b, in
     return d->nb + (d->chunk_stride ? b : b * d->nchunks + c);
 }
 
-KVBM_HOST_DEVICE int64_t kvbm_chunk_shift(const kvbm_block_dims *d, int64_t c)
-{
-    return c * d->chunk_stride;
-}
+KVBM_HOST_DEVICE int64_t kvbm_chunk_shift(const kvbm_block_dims *d, int64_t c) { return c * d->chunk_stride; }
 
 /* Rows per segment: a head's tokens are contiguous in an HND chunk, and in
  * an NHD chunk of one head. */
@@ -144,8 +147,7 @@ KVBM_HOST_DEVICE int64_t kvbm_segments_per_chunk(const kvbm_block_dims *d)
 
 /* The (head, first token) of segment s of a chunk.  Segments per chunk fit
  * in 32 bits (kvbm_fits_one_launch). */
-KVBM_HOST_DEVICE void kvbm_segment_start(const kvbm_block_dims *d, uint32_t s,
-                                         int64_t *h, int64_t *t)
+KVBM_HOST_DEVICE void kvbm_segment_start(const kvbm_block_dims *d, uint32_t s, int64_t *h, int64_t *t)
 {
     if (kvbm_segment_rows(d) == d->nt) {
         *h = s;
@@ -166,8 +168,7 @@ KVBM_HOST_DEVICE int64_t kvbm_chunk_offset(const kvbm_block_dims *d, int64_t h, 
 }
 
 /* Byte offset of row (c, h, t) inside a universal block [nh, nchunks, nt, hd]. */
-KVBM_HOST_DEVICE int64_t kvbm_universal_offset(const kvbm_block_dims *d, int64_t c,
-                                               int64_t h, int64_t t)
+KVBM_HOST_DEVICE int64_t kvbm_universal_offset(const kvbm_block_dims *d, int64_t c, int64_t h, int64_t t)
 {
     return ((h * d->universal_chunks + c) * d->nt + t) * d->row_bytes;
 }

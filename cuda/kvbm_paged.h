@@ -33,14 +33,14 @@
 #include "kvbm_layout.h"
 
 typedef struct {
-    int64_t nb;          /* blocks in the call */
-    int64_t nl;          /* layers moved */
+    int64_t nb; /* blocks in the call */
+    int64_t nl; /* layers moved */
     int64_t no, nh, nt, row_bytes;
-    int64_t num_blocks;  /* ids outside [0, num_blocks) are skipped */
+    int64_t num_blocks; /* ids outside [0, num_blocks) are skipped */
     int64_t cache_outer, cache_block, cache_head, cache_token, cache_shift;
     int64_t flat_layer, flat_outer, flat_head, flat_token, flat_shift;
-    int to_flat;         /* the bytes move from the cache into the flat side */
-    int split_outer;     /* the table holds a base per (moved layer, outer): K and V apart */
+    int to_flat;     /* the bytes move from the cache into the flat side */
+    int split_outer; /* the table holds a base per (moved layer, outer): K and V apart */
     /* Filled by kvbm_paged_plan: */
     int64_t segment_bytes;
     int64_t segments; /* per chunk */
@@ -50,10 +50,7 @@ typedef struct {
 
 /* The bases at the head of a call's table: one per moved layer, or one per
  * (moved layer, outer) when split_outer, and the entry of (i, o). */
-KVBM_HOST_DEVICE int64_t kvbm_paged_bases(const kvbm_paged *p)
-{
-    return p->split_outer ? p->nl * p->no : p->nl;
-}
+KVBM_HOST_DEVICE int64_t kvbm_paged_bases(const kvbm_paged *p) { return p->split_outer ? p->nl * p->no : p->nl; }
 
 KVBM_HOST_DEVICE int64_t kvbm_paged_base(const kvbm_paged *p, int64_t i, int64_t o)
 {
@@ -66,9 +63,9 @@ KVBM_HOST_DEVICE int64_t kvbm_paged_base(const kvbm_paged *p, int64_t i, int64_t
  * blocks' addresses unless they are one array (flat_base).  The cache's layer addresses travel with
  * every call, so a cache needs no device memory of its own. */
 typedef struct {
-    const void *ids;        /* device-resident ids, int32 or int64, or NULL */
+    const void *ids; /* device-resident ids, int32 or int64, or NULL */
     int ids_int32;
-    uint64_t flat_base;     /* one flat array: block b at flat_base + b*flat_block; 0: in the table */
+    uint64_t flat_base; /* one flat array: block b at flat_base + b*flat_block; 0: in the table */
     int64_t flat_block;
 } kvbm_paged_addresses;
 

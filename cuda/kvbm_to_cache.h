@@ -36,16 +36,10 @@ typedef struct {
     int src_int32, dst_int32;
 } kvbm_to_cache_ids;
 
-KVBM_HOST_DEVICE int64_t kvbm_to_cache_bases(const kvbm_to_cache *m)
-{
-    return m->p.nl * m->p.no;
-}
+KVBM_HOST_DEVICE int64_t kvbm_to_cache_bases(const kvbm_to_cache *m) { return m->p.nl * m->p.no; }
 
 /* The table entry of the first source id and of the first destination id. */
-KVBM_HOST_DEVICE int64_t kvbm_to_cache_src_ids_at(const kvbm_to_cache *m)
-{
-    return 2 * kvbm_to_cache_bases(m);
-}
+KVBM_HOST_DEVICE int64_t kvbm_to_cache_src_ids_at(const kvbm_to_cache *m) { return 2 * kvbm_to_cache_bases(m); }
 
 KVBM_HOST_DEVICE int64_t kvbm_to_cache_dst_ids_at(const kvbm_to_cache *m, const kvbm_to_cache_ids *ids)
 {

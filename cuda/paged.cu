@@ -28,8 +28,7 @@ __device__ __forceinline__ int64_t block_id(const Table &table, const Params &p,
 {
     if (p.a.ids == nullptr)
         return (int64_t)table[p.bases + b];
-    return p.a.ids_int32 ? (int64_t) static_cast<const int32_t *>(p.a.ids)[b]
-                         : static_cast<const int64_t *>(p.a.ids)[b];
+    return p.a.ids_int32 ? (int64_t)static_cast<const int32_t *>(p.a.ids)[b] : static_cast<const int64_t *>(p.a.ids)[b];
 }
 
 template <class Table>
@@ -42,7 +41,7 @@ __device__ __forceinline__ char *flat_block(const Table &table, const Params &p,
 
 template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
-paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
+    paged_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
     for_each_tile(p.tiles.tiling, [&](uint32_t chunk, uint32_t first) {  // chunk = (b * nl + i) * no + o
         const uint32_t b = kvbm_div(p.tiles.chunks_per_block, chunk);
@@ -75,8 +74,8 @@ static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 40
 }  // namespace
 
 extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_paged_addresses *addresses,
-                                         const uint64_t *host_table, const uint64_t *device_table,
-                                         int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
+                                         const uint64_t *host_table, const uint64_t *device_table, int vector_bytes,
+                                         uint32_t num_ctas, cudaStream_t stream)
 {
     Params p;
     unsigned grid, threads;

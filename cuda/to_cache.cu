@@ -28,12 +28,12 @@ __device__ __forceinline__ int64_t block_id(const Table &table, const void *devi
 {
     if (device_ids == nullptr)
         return (int64_t)table[at + b];
-    return int32 ? (int64_t) static_cast<const int32_t *>(device_ids)[b] : static_cast<const int64_t *>(device_ids)[b];
+    return int32 ? (int64_t)static_cast<const int32_t *>(device_ids)[b] : static_cast<const int64_t *>(device_ids)[b];
 }
 
 template <int V, class Table>
 __global__ void __launch_bounds__(kThreads)
-to_cache_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
+    to_cache_kernel(const __grid_constant__ Table table, const __grid_constant__ Params p)
 {
     for_each_tile(p.tiles.tiling, [&](uint32_t chunk, uint32_t first) {  // chunk = b * nl * no + i * no + o
         const uint32_t b = kvbm_div(p.tiles.chunks_per_block, chunk);
@@ -58,8 +58,8 @@ static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 40
 }  // namespace
 
 extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvbm_to_cache_ids *ids,
-                                            const uint64_t *host_table, const uint64_t *device_table,
-                                            int vector_bytes, uint32_t num_ctas, cudaStream_t stream)
+                                            const uint64_t *host_table, const uint64_t *device_table, int vector_bytes,
+                                            uint32_t num_ctas, cudaStream_t stream)
 {
     Params p;
     unsigned grid, threads;
@@ -74,8 +74,8 @@ extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvb
 
     return with_vector_bytes(vector_bytes, [&](auto v) {
         constexpr int V = decltype(v)::value;
-        return launch_table([](auto table) { return to_cache_kernel<V, typename decltype(table)::type>; },
-                            host_table, device_table, entries, p, grid, threads, stream);
+        return launch_table([](auto table) { return to_cache_kernel<V, typename decltype(table)::type>; }, host_table,
+                            device_table, entries, p, grid, threads, stream);
     });
 }
 

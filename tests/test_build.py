@@ -289,6 +289,25 @@ def test_stubs_match_the_extension():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
+def clang_format_executable():
+    """The clang-format of this Python's environment (pip install clang-format), else PATH's."""
+    beside = os.path.join(os.path.dirname(sys.executable), "clang-format")
+    return beside if os.access(beside, os.X_OK) else shutil.which("clang-format")
+
+
+def test_c_and_cuda_sources_follow_clang_format():
+    """csrc/ and cuda/ read as .clang-format writes them (CI installs clang-format)."""
+    executable = clang_format_executable()
+    if executable is None:
+        pytest.skip("clang-format is not installed (pip install clang-format)")
+    sources = sorted(os.path.join(folder, name) for folder in ("csrc", "cuda")
+                     for name in os.listdir(os.path.join(REPO_ROOT, folder))
+                     if name.endswith((".c", ".h", ".cu", ".cuh")))
+    result = subprocess.run([executable, "--dry-run", "--Werror", *sources], capture_output=True, text=True,
+                            timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 # One block of bytes through the buffer protocol (NumPy and torch do not load in an
 # interpreter with its own GIL): block -> universal, and a PagedKVCache ("btd", two blocks)
 # written from that universal.
