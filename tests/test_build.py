@@ -303,8 +303,10 @@ def test_c_and_cuda_sources_follow_clang_format():
     sources = sorted(os.path.join(folder, name) for folder in ("csrc", "cuda")
                      for name in os.listdir(os.path.join(REPO_ROOT, folder))
                      if name.endswith((".c", ".h", ".cu", ".cuh")))
-    result = subprocess.run([executable, "--dry-run", "--Werror", *sources], capture_output=True, text=True,
-                            timeout=300, cwd=REPO_ROOT)
+    style = os.path.join(REPO_ROOT, ".clang-format")
+    assert os.path.isfile(style), f"{style} is missing (clang-format would fall back to its own style)"
+    result = subprocess.run([executable, f"--style=file:{style}", "--dry-run", "--Werror", *sources],
+                            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

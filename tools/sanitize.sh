@@ -15,7 +15,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$root/CHANGELOG.md" "$work/"
+cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$root/CHANGELOG.md" "$root/.clang-format" "$work/"
 rm -f "$work"/kvbm_ext/*.so
 flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
 (cd "$work" && PATH=/usr/bin:/bin CUDA_HOME=/nonexistent CUDA_PATH=/nonexistent CFLAGS="$flags" LDFLAGS="$flags" \
