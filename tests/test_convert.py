@@ -68,6 +68,18 @@ def expected_for(direction, blocks, universals, layout, no):
     return expected_blocks(universals, layout)
 
 
+def check_through(direction, blocks, universals, layout, arg_blocks, arg_universals):
+    """Converts through other views (arg_blocks, arg_universals) of the torch `blocks` and
+    `universals`, checked on the torch destinations against the reference."""
+    _, dests = sources_and_destinations(direction, blocks, universals)
+    want = expected_for(direction, blocks, universals, layout, 2)
+    poison_(dests)
+    sync()
+    call(direction, arg_blocks, arg_universals, layout)
+    sync()
+    assert_all_bitwise_equal(dests, want, "destinations")
+
+
 def check(direction, blocks, universals, layout, no, **kwargs):
     if direction == "b2u":
         b2u_and_check(blocks, universals, layout, no, **kwargs)
@@ -705,13 +717,7 @@ def test_torch_cuda_array_interface_only_float16(direction, layout, wrapped, gen
     assert cai["version"] >= 2 and cai["typestr"] == "<f2"
     arg_blocks = wrap(blocks, CudaArrayInterfaceOnly) if wrapped in ("all", "blocks") else blocks
     arg_universals = wrap(universals, CudaArrayInterfaceOnly) if wrapped in ("all", "universals") else universals
-    sources, dests = sources_and_destinations(direction, blocks, universals)
-    want = expected_for(direction, blocks, universals, layout, 2)
-    poison_(dests)
-    sync()
-    call(direction, arg_blocks, arg_universals, layout)
-    sync()
-    assert_all_bitwise_equal(dests, want, "destinations")
+    check_through(direction, blocks, universals, layout, arg_blocks, arg_universals)
 
 
 @pytest.mark.gpu
@@ -756,13 +762,7 @@ def test_cupy_arrays(direction, layout, cai_only, dtype, gen):
         cp_blocks, cp_universals = wrap(cp_blocks, CudaArrayInterfaceOnly), wrap(cp_universals, CudaArrayInterfaceOnly)
         cai = cp_universals[0].__cuda_array_interface__
         assert cai["version"] == 3 and "stream" in cai
-    sources, dests = sources_and_destinations(direction, blocks, universals)
-    want = expected_for(direction, blocks, universals, layout, 2)
-    poison_(dests)
-    sync()
-    call(direction, cp_blocks, cp_universals, layout)
-    sync()
-    assert_all_bitwise_equal(dests, want, "destinations")
+    check_through(direction, blocks, universals, layout, cp_blocks, cp_universals)
 
 
 @pytest.mark.gpu
@@ -819,19 +819,14 @@ def test_jax_arrays_as_sources(direction, layout, np_dtype, gen):
     # JAX may leave another GPU current on a multi-GPU machine: name JAX's device.
     device = torch.device("cuda", gpu.local_hardware_id)
     blocks, universals = device_case((3, 2, 2, 3, 4, 5), dtype, layout, gen, device=device)
-    sources, dests = sources_and_destinations(direction, blocks, universals)
-    want = expected_for(direction, blocks, universals, layout, 2)
     to_jax = lambda t: jax.device_put(t.cpu().numpy(), gpu)  # noqa: E731
     if direction == "b2u":
         arg_blocks, arg_universals = [[to_jax(c) for c in chunks] for chunks in blocks], universals
     else:
         arg_blocks, arg_universals = blocks, [to_jax(u) for u in universals]
-    poison_(dests)
-    sync()
-    call(direction, arg_blocks, arg_universals, layout)
-    sync()
-    assert_all_bitwise_equal(dests, want, "destinations")
+    check_through(direction, blocks, universals, layout, arg_blocks, arg_universals)
     # The JAX sources still hold the original bytes (compared through NumPy).
+    sources, _ = sources_and_destinations(direction, blocks, universals)
     jax_sources = arg_blocks if direction == "b2u" else arg_universals
     flat_jax = [a for x in jax_sources for a in (x if isinstance(x, list) else [x])]
     assert_all_bitwise_equal([np.asarray(a) for a in flat_jax], list(arrays_in(sources)), "JAX sources")
