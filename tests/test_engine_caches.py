@@ -110,9 +110,13 @@ def test_to_universal(name, where, gen):
         assert_bitwise_equal(as_int(got), was, f"source memory #{i}")
 
 
+@pytest.mark.parametrize("ids_on", ["host", "device"])
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("name", NAMES)
-def test_from_universal(name, where, gen):
+def test_from_universal(name, where, ids_on, gen):
+    """Ids in a host list, or on the device (int32): no host read, the same bytes."""
+    if ids_on == "device" and where == "cpu":
+        pytest.skip("device ids need a device cache")
     e, d, memory, cache = setup(name, where, gen)
     poison_(memory)
     sync()
@@ -120,32 +124,12 @@ def test_from_universal(name, where, gen):
     ids = torch.randperm(e.dims(d).blocks, generator=gen)[:4].tolist()
     u = universals(e, d, len(ids), memory[0].dtype, gen, where, poisoned=False)
     source = as_int(u.cpu().clone())
-    cache.from_universal(u, ids)
+    cache.from_universal(u, ids if ids_on == "host" else torch.tensor(ids, dtype=torch.int32, device="cuda"))
     sync()
     ref_from_universal(e, d, want, ids, source)
     for i, (got, w) in enumerate(zip(memory, want)):
         assert_bitwise_equal(as_int(got), w, f"cache memory #{i}")
     assert_bitwise_equal(as_int(u), source, "universals (source)")
-
-
-@pytest.mark.parametrize("where", WHERE)
-@pytest.mark.parametrize("name", NAMES)
-def test_from_universal_device_ids(name, where, gen):
-    """Ids on the device (int32): no host read, the same bytes."""
-    if where == "cpu":
-        pytest.skip("device ids need a device cache")
-    e, d, memory, cache = setup(name, where, gen)
-    poison_(memory)
-    sync()
-    want = snapshot(memory)
-    ids = torch.randperm(e.dims(d).blocks, generator=gen)[:3].tolist()
-    u = universals(e, d, len(ids), memory[0].dtype, gen, where, poisoned=False)
-    source = as_int(u.cpu().clone())
-    cache.from_universal(u, torch.tensor(ids, dtype=torch.int32, device="cuda"))
-    sync()
-    ref_from_universal(e, d, want, ids, source)
-    for i, (got, w) in enumerate(zip(memory, want)):
-        assert_bitwise_equal(as_int(got), w, f"cache memory #{i}")
 
 
 @pytest.mark.parametrize("where", WHERE)
