@@ -68,14 +68,19 @@ SOLID_DASHED_OPERATIONAL = "solid: blocks to operational, dashed: back"
 SOLID_DASHED_HOST = "solid: GPU to pinned host (offload), dashed: back (onload)"
 
 
+def there_and_back(api, functions, labels, placement, backend=None):
+    """A move (solid, C0) and the move back (dashed, C1) of one group and placement."""
+    return [Line(labels[0], gpu_row(api, functions[0], placement, backend), "C0"),
+            Line(labels[1], gpu_row(api, functions[1], placement, backend), "C1", BACK)]
+
+
 def paged_lines(placement):
-    ids = "device_ids"
     if placement == "d2d":
-        names = ("to_universal: cache to universal blocks", "from_universal: universal blocks to cache")
+        labels = ("to_universal: cache to universal blocks", "from_universal: universal blocks to cache")
     else:
-        names = ("offload: to_universal, cache to pinned host", "onload: from_universal, pinned host to cache")
-    return [Line(names[0], gpu_row("paged", "PagedKVCache.to_universal", placement, ids), "C0"),
-            Line(names[1], gpu_row("paged", "PagedKVCache.from_universal", placement, ids), "C1", BACK)]
+        labels = ("offload: to_universal, cache to pinned host", "onload: from_universal, pinned host to cache")
+    return there_and_back("paged", ("PagedKVCache.to_universal", "PagedKVCache.from_universal"), labels, placement,
+                          "device_ids")
 
 
 def torch_lines(placement):
@@ -86,10 +91,9 @@ def torch_lines(placement):
 
 
 def list_lines(placement):
-    return [Line("block_to_universal: chunks to universal blocks",
-                 gpu_row("list", "block_to_universal", placement), "C0"),
-            Line("universal_to_block: universal blocks to chunks",
-                 gpu_row("list", "universal_to_block", placement), "C1", BACK)]
+    return there_and_back("list", ("block_to_universal", "universal_to_block"),
+                          ("block_to_universal: chunks to universal blocks",
+                           "universal_to_block: universal blocks to chunks"), placement)
 
 
 OPERATIONAL_BACKENDS = (
@@ -109,10 +113,9 @@ def operational_backend_lines(placement):
 
 
 def universal_operational_lines(placement):
-    return [Line("universal_to_operational: universal to operational blocks",
-                 gpu_row("operational", "universal_to_operational", placement), "C0"),
-            Line("operational_to_universal: operational to universal blocks",
-                 gpu_row("operational", "operational_to_universal", placement), "C1", BACK)]
+    return there_and_back("operational", ("universal_to_operational", "operational_to_universal"),
+                          ("universal_to_operational: universal to operational blocks",
+                           "operational_to_universal: operational to universal blocks"), placement)
 
 
 RAW_COPIES = (
