@@ -68,12 +68,17 @@ typedef struct {
  * about lead_bytes.  Then comes the ramp: while each piece has held less
  * than ramp_bytes, the next holds up to ramp_growth times more, but not
  * over ramp_bytes; those pieces are permuted on the edge CTAs, fast enough
- * to hide behind the copy of the small piece before them.  After the ramp
- * each piece holds up to growth times what the one before holds.  No piece
+ * to hide behind the copy of the small piece before them.  (Whole blocks
+ * cut with a budget of ramp_bytes end the ramp too.)  After the ramp each
+ * piece holds up to growth times what the one before holds.  No piece
  * holds more than piece_bytes. */
 typedef struct {
     int64_t lead_bytes, ramp_bytes, ramp_growth, growth, piece_bytes;
 } kv_cut;
+
+/* The lead piece's bytes (route.c).  A move that describes its pinned side
+ * itself keeps its units within it, so that the lead can be that short. */
+#define KV_LEAD_BYTES ((int64_t)1 << 20)
 
 /* A layout move's kernel, described for the whole call: the kernel (kind)
  * and what it takes, with the call's pointer table in host memory.  A

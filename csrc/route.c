@@ -24,7 +24,7 @@
  * still hides behind the copy before it; fewer, larger pieces keep the
  * host's cost low.  piece_bytes is the staging's (half a lane). */
 static const kv_cut PIECE_CUT = {
-    .lead_bytes = (int64_t)1 << 20, .ramp_bytes = (int64_t)4 << 20, .ramp_growth = 6, .growth = 2};
+    .lead_bytes = KV_LEAD_BYTES, .ramp_bytes = (int64_t)4 << 20, .ramp_growth = 6, .growth = 2};
 
 static const char *const ENGINE_NAMES[] = {"kernel", "async", "batch"};
 

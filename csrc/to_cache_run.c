@@ -84,10 +84,12 @@ static void pinned_dims(const kv_to_cache_call *call, const kvbm_to_cache *m, co
 }
 
 /* Merges into the unit, from one row up, every dimension from `first` on
- * whose stride is the unit's size so far (and those of one entry); returns
- * the unit's bytes. */
+ * whose stride is the unit's size so far (and those of one entry), while
+ * the unit stays within max_bytes; returns the unit's bytes and the count
+ * of dimensions left out. */
 static int64_t merge_unit(kv_packing *k, int first, const int64_t count[KV_MOVED_DIMS],
-                          const int64_t stride[KV_MOVED_DIMS], int64_t row_bytes, int assigned[KV_MOVED_DIMS])
+                          const int64_t stride[KV_MOVED_DIMS], int64_t row_bytes, int64_t max_bytes,
+                          int assigned[KV_MOVED_DIMS], int *left)
 {
     int64_t unit = row_bytes;
     for (int d = 0; d < KV_MOVED_DIMS; d++)
@@ -95,13 +97,16 @@ static int64_t merge_unit(kv_packing *k, int first, const int64_t count[KV_MOVED
     for (int grew = 1; grew;) {
         grew = 0;
         for (int d = first; d < KV_MOVED_DIMS; d++)
-            if (!assigned[d] && stride[d] == unit) {
+            if (!assigned[d] && stride[d] == unit && unit * count[d] <= max_bytes) {
                 k->role[d] = KV_IN_UNIT;
                 k->unit_stride[d] = stride[d];
                 unit *= count[d];
                 assigned[d] = grew = 1;
             }
     }
+    *left = 0;
+    for (int d = 0; d < KV_MOVED_DIMS; d++)
+        *left += !assigned[d];
     return unit;
 }
 
@@ -158,7 +163,14 @@ static const char *plan_staging(const kv_to_cache_call *call, const kvbm_to_cach
      * own. */
     const int apart = pinned->narrays > 1;
     const int first = !apart ? KV_MOVED_LAYER : pinned->kv_pairs ? KV_MOVED_HEAD : KV_MOVED_OUTER;
-    s->unit_bytes = merge_unit(k, first, count, stride, p->row_bytes, assigned);
+    int left;
+    /* One array: units no larger than the lead piece where the rest still
+     * packs (a universal block is then cut by heads, as elsewhere), so
+     * that the pieces at a call's ends can be short. */
+    s->unit_bytes =
+        merge_unit(k, first, count, stride, p->row_bytes, apart ? INT64_MAX : KV_LEAD_BYTES, assigned, &left);
+    if (!apart && left > 2)
+        s->unit_bytes = merge_unit(k, first, count, stride, p->row_bytes, INT64_MAX, assigned, &left);
     const int64_t shift = to_dst ? p->flat_shift : p->cache_shift, block = to_dst ? m->dst_block : p->cache_block;
     if (!apart) {
         s->block_address = addresses;

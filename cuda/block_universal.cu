@@ -79,7 +79,7 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims, 
     Params p;
     p.dims = *dims;
     unsigned grid, threads;
-    p.tiling = make_tiling(vectors_per_chunk, dims->nb * dims->nchunks, num_ctas, &grid, &threads);
+    p.tiling = make_tiling(vectors_per_chunk, vector_bytes, dims->nb * dims->nchunks, num_ctas, &grid, &threads);
     p.vectors_per_segment = kvbm_divisor_make((uint32_t)(segment_bytes / vector_bytes));
     p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
     p.to_universal = direction == KVBM_TO_UNIVERSAL;

@@ -123,14 +123,37 @@ struct Tiling {
     uint32_t tiles;  // in all; below 2^31 (kvbm_fits_one_launch)
 };
 
-// The tiling of `chunks` chunks of vectors_per_chunk vectors each, and the
-// launch shape: at most num_ctas CTAs (0: as many as there are tile groups).
-inline Tiling make_tiling(uint32_t vectors_per_chunk, int64_t chunks, uint32_t num_ctas, unsigned *grid,
-                          unsigned *threads)
+// The threads of a tile.  A chunk that one tile holds: the fewest warps
+// that hold it.  A larger chunk: the tile of kThreads, or of a power of two
+// fewer (one KVBM_TILE_MIN_BYTES at least), that leaves the fewest of the
+// chunk's last tile empty, the larger on a tie: a CTA keeps kThreads *
+// kUnroll vectors in flight only while its tiles are full, and a grid
+// bounded to a few CTAs moves no faster than that (an 18 KiB chunk is nine
+// warp tiles, not a full tile and an eighth of one).
+inline uint32_t tile_threads_for(uint32_t vectors_per_chunk, int vector_bytes)
+{
+    if (vectors_per_chunk <= (uint32_t)(kThreads * kUnroll))
+        return ((vectors_per_chunk + kUnroll - 1) / kUnroll + 31) / 32 * 32;
+    const auto slots = [&](uint32_t tile_threads) {
+        const uint64_t per_tile = (uint64_t)tile_threads * kUnroll;
+        return (vectors_per_chunk + per_tile - 1) / per_tile * per_tile;
+    };
+    uint32_t best = kThreads;
+    for (uint32_t tile_threads = kThreads / 2;
+         tile_threads >= 32 && tile_threads * kUnroll * vector_bytes >= KVBM_TILE_MIN_BYTES; tile_threads /= 2)
+        if (slots(tile_threads) < slots(best))
+            best = tile_threads;
+    return best;
+}
+
+// The tiling of `chunks` chunks of vectors_per_chunk vectors of
+// vector_bytes each, and the launch shape: at most num_ctas CTAs (0: as
+// many as there are tile groups).
+inline Tiling make_tiling(uint32_t vectors_per_chunk, int vector_bytes, int64_t chunks, uint32_t num_ctas,
+                          unsigned *grid, unsigned *threads)
 {
     Tiling t;
-    uint32_t tile_threads = (vectors_per_chunk + kUnroll - 1) / kUnroll;
-    tile_threads = tile_threads >= kThreads ? kThreads : (tile_threads + 31) / 32 * 32;
+    const uint32_t tile_threads = tile_threads_for(vectors_per_chunk, vector_bytes);
     t.vectors_per_chunk = vectors_per_chunk;
     t.tile_threads = tile_threads;
     t.vectors_per_tile = tile_threads * kUnroll;
@@ -262,7 +285,7 @@ inline bool make_paged_tiling(const kvbm_paged *paged, int vector_bytes, uint32_
     const int64_t chunks = paged->nb * paged->nl * paged->no;
     if (chunks == 0 || vectors_per_chunk == 0)
         return false;
-    out->tiling = make_tiling(vectors_per_chunk, chunks, num_ctas, grid, threads);
+    out->tiling = make_tiling(vectors_per_chunk, vector_bytes, chunks, num_ctas, grid, threads);
     out->vectors_per_segment = kvbm_divisor_make((uint32_t)(paged->segment_bytes / vector_bytes));
     out->chunks_per_block = kvbm_divisor_make((uint32_t)(paged->nl * paged->no));
     return true;

@@ -336,6 +336,55 @@ def test_gpu_pinned_many_blocks_cross_pieces(pool, gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hd", [576, 580, 578], ids=["16B-vectors", "8B-vectors", "4B-vectors"])
+@pytest.mark.parametrize("place,backend", [("device", "auto"), ("pinned", "kernel"), ("pinned", "copy_engines")])
+def test_gpu_chunks_of_several_tiles(hd, place, backend, gen):
+    """MLA rows of DeepSeek's width: a block's 16 tokens of one layer (18 KiB and more) span
+    more than one full tile, and the kernels cut such a chunk into equal smaller tiles; both
+    directions, every byte compared."""
+    d = Dims(nl=3, nh=1, nt=16, hd=hd, blocks=9)
+    dev, dev_mem, dev_cache = make("mla", gen, "cuda", d=d)
+    other, other_mem, other_cache = make("mla", gen, "cuda" if place == "device" else "cpu",
+                                         pin=place == "pinned", d=d)
+    src_ids, dst_ids = random_ids(gen, nb=6, blocks=d.blocks)
+    run_and_check(dev, dev_mem, dev_cache, other, other_mem, other_cache, src_ids, dst_ids, d, d, backend=backend)
+    back = torch.randperm(d.blocks, generator=gen)[:6].tolist()
+    run_and_check(other, other_mem, other_cache, dev, dev_mem, dev_cache, dst_ids, back, d, d, backend=backend)
+
+
+# (pinned pool, dims, nb, pieces, largest piece in MiB) of a staged offload and onload through
+# the default 48 MiB lanes.  A universal pool's 5 MiB Llama-70B block is cut by heads, as the
+# paged path cuts it: a 0.6 MiB lead, the 4.4 MiB rest of the block on the edge CTAs, then
+# pieces doubling up to half a lane.  MLA blocks of 1.41 MiB do not divide the 4 MiB ramp: it
+# ends at two blocks, and pieces double from there (1, 2, 4, 8, 16, 17, 16 blocks) instead of
+# staying at two blocks on the edge CTAs.
+LLAMA_70B = Dims(nl=80, nh=8, nt=16, hd=128, blocks=64)
+MLA_70B = Dims(nl=80, nh=1, nt=16, hd=576, blocks=64)
+STAGED_PLANS = [("universal_pool", LLAMA_70B, 1, 2, "4.38"), ("universal_pool", LLAMA_70B, 8, 5, "20.00"),
+                ("universal_pool", LLAMA_70B, 64, 19, "20.00"), ("mla", MLA_70B, 64, 7, "23.91")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool,d,nb,pieces,largest", STAGED_PLANS,
+                         ids=[f"{p[0]}-nb{p[2]}" for p in STAGED_PLANS])
+def test_gpu_staged_pieces_lead_ramp_then_double(pool, d, nb, pieces, largest, gen, caplog, monkeypatch):
+    assert kvbm_ext.staging_info()["lane_bytes"] == 48 << 20, kvbm_ext.staging_info()
+    dev, dev_mem, dev_cache = make("mla" if pool == "mla" else "vllm_flash_attn", gen, "cuda", d=d)
+    host, host_mem, host_cache = make(pool, gen, pin=True, d=d)
+    src_ids, dst_ids = random_ids(gen, nb=nb, blocks=d.blocks)
+    back = torch.randperm(d.blocks, generator=gen)[:nb].tolist()
+    monkeypatch.setenv("KVBM_EXT_DEBUG", "1")
+    with caplog.at_level(logging.DEBUG, logger="kvbm_ext"):
+        run_and_check(dev, dev_mem, dev_cache, host, host_mem, host_cache, src_ids, dst_ids, d, d)
+        run_and_check(host, host_mem, host_cache, dev, dev_mem, dev_cache, dst_ids, back, d, d)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvbm_ext" and "path staged" in r.getMessage()]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert re.search(rf"; {pieces} pieces of up to {largest} MiB on lane \d, permute on at most 8 CTAs, 32 for "
+                         rf"the short pieces at the ends,", line), line
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["offload", "onload"])
 def test_gpu_auto_stages_pinned_moves(direction, gen, caplog, monkeypatch):
     """backend="auto" with a pinned pool and host ids for it: the staged path (the debug
