@@ -20,14 +20,7 @@
 #include <time.h>
 #include <vector>
 
-#define CK(x)                                                                   \
-    do {                                                                        \
-        cudaError_t status = (x);                                               \
-        if (status != cudaSuccess) {                                            \
-            printf("%s line %d: %s\n", #x, __LINE__, cudaGetErrorString(status)); \
-            exit(1);                                                            \
-        }                                                                       \
-    } while (0)
+#include "check.h"
 
 static double now_us()
 {

@@ -36,14 +36,7 @@
 #include <algorithm>
 #include <vector>
 
-#define CK(x)                                                                     \
-    do {                                                                          \
-        cudaError_t status = (x);                                                 \
-        if (status != cudaSuccess) {                                              \
-            printf("%s line %d: %s\n", #x, __LINE__, cudaGetErrorString(status)); \
-            exit(1);                                                              \
-        }                                                                         \
-    } while (0)
+#include "check.h"
 
 constexpr int kChunkBytes = 16 * 576 * 2;
 constexpr int kVectors = kChunkBytes / 16;

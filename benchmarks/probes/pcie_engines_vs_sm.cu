@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+#include "check.h"
 
 template <int UNROLL>
 __global__ void plain_copy(const uint4 *__restrict__ src, uint4 *__restrict__ dst, size_t n) {

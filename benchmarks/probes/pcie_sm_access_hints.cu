@@ -6,7 +6,7 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+#include "check.h"
 template <int MODE> __device__ __forceinline__ uint4 load(const uint4 *p) {
   uint4 v;
   if (MODE == 0) v = *p;
