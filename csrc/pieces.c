@@ -55,15 +55,15 @@ int64_t kv_pieces_cut(const kv_staged *s, const kv_cut *cut, kv_box *boxes, int6
                 b = box.b0 + box.bn;
             }
         }
-        /* The next box grows from what this one holds, not from its budget,
-         * so that a box cut short by a block's end is not followed by one
-         * too large to hide behind its copy. */
-        /* The ramp also ends at whole blocks cut with its last budget:
-         * blocks that do not divide ramp_bytes would otherwise never reach
-         * it, and every piece would stay short and on the edge CTAs. */
+        /* The ramp ends at a box of ramp_bytes, or at whole blocks cut with
+         * its last budget: blocks that do not divide ramp_bytes would never
+         * reach it, and every piece would stay short and on the edge CTAs. */
         const int64_t bytes = units * s->unit_bytes, ramp = smaller(cut->ramp_bytes, cut->piece_bytes);
         const int whole_blocks = box.mn == s->mid && box.in == s->inner;
         edge = edge && bytes < ramp && !(whole_blocks && budget >= ramp);
+        /* The next box grows from what this one holds, not from its budget,
+         * so that a box cut short by a block's end is not followed by one
+         * too large to hide behind its copy. */
         budget =
             smaller(edge ? smaller(bytes * cut->ramp_growth, cut->ramp_bytes) : bytes * cut->growth, cut->piece_bytes);
     }
