@@ -60,6 +60,14 @@ __global__ void __launch_bounds__(kThreads)
     });
 }
 
+struct BlockUniversalKernels {
+    template <int V, class Table>
+    static auto kernel()
+    {
+        return block_universal_kernel<V, Table>;
+    }
+};
+
 static_assert(sizeof(Params) + sizeof(TableByValue<void *, kSmallTable>) <= 4096,
               "a small by-value launch stays under 4 KB of parameters");
 
@@ -84,18 +92,8 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims, 
     p.chunks_per_block = kvbm_divisor_make((uint32_t)dims->nchunks);
     p.to_universal = direction == KVBM_TO_UNIVERSAL;
 
-    return with_vector_bytes(vector_bytes, [&](auto v) {
-        constexpr int V = decltype(v)::value;
-        return launch_table([](auto table) { return block_universal_kernel<V, typename decltype(table)::type>; },
-                            host_table, device_table, kvbm_table_entries(dims), p, grid, threads, stream);
-    });
+    return launch_family<BlockUniversalKernels>(vector_bytes, host_table, device_table, kvbm_table_entries(dims), p,
+                                                grid, threads, stream);
 }
 
-extern "C" cudaError_t kvbm_load_block_universal(void)
-{
-    return load_every_width([](auto v) {
-        constexpr int V = decltype(v)::value;
-        return load_table_kernels<void *>(
-            [](auto table) { return block_universal_kernel<V, typename decltype(table)::type>; });
-    });
-}
+extern "C" cudaError_t kvbm_load_block_universal(void) { return load_family<BlockUniversalKernels, void *>(); }

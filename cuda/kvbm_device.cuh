@@ -265,6 +265,30 @@ cudaError_t load_table_kernels(const KernelFor &kernel_for)
                         kernel_for(TableType<TableByValue<T, KVBM_TABLE_BY_VALUE_MAX>>()));
 }
 
+// A kernel family: Family::kernel<V, Table>() is its kernel for vectors of
+// V bytes and one table type.  A call launches one of them (launch_family),
+// reserve_staging() loads them all (load_family): one list for both.
+template <class Family, class T, class Params>
+cudaError_t launch_family(int vector_bytes, const T *host_table, const T *device_table, int64_t count, const Params &p,
+                          unsigned grid, unsigned threads, cudaStream_t stream)
+{
+    return with_vector_bytes(vector_bytes, [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        return launch_table([](auto table) { return Family::template kernel<V, typename decltype(table)::type>(); },
+                            host_table, device_table, count, p, grid, threads, stream);
+    });
+}
+
+template <class Family, class T>
+cudaError_t load_family()
+{
+    return load_every_width([](auto v) {
+        constexpr int V = decltype(v)::value;
+        return load_table_kernels<T>(
+            [](auto table) { return Family::template kernel<V, typename decltype(table)::type>(); });
+    });
+}
+
 // What the kernels moving kvbm_paged chunks (paged.cu, to_cache.cu) share:
 // a chunk is (block b, moved layer i, outer o), b * nl * no + i * no + o,
 // of `segments` runs of segment_bytes each (kvbm_paged.h).

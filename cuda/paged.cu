@@ -68,6 +68,14 @@ __global__ void __launch_bounds__(kThreads)
     });
 }
 
+struct PagedKernels {
+    template <int V, class Table>
+    static auto kernel()
+    {
+        return paged_kernel<V, Table>;
+    }
+};
+
 static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 4096,
               "a small by-value launch stays under 4 KB of parameters");
 
@@ -87,17 +95,7 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     p.bases = (uint32_t)kvbm_paged_bases(paged);
     const int64_t entries = kvbm_paged_table_entries(addresses, p.bases, paged->nb);
 
-    return with_vector_bytes(vector_bytes, [&](auto v) {
-        constexpr int V = decltype(v)::value;
-        return launch_table([](auto table) { return paged_kernel<V, typename decltype(table)::type>; }, host_table,
-                            device_table, entries, p, grid, threads, stream);
-    });
+    return launch_family<PagedKernels>(vector_bytes, host_table, device_table, entries, p, grid, threads, stream);
 }
 
-extern "C" cudaError_t kvbm_load_paged(void)
-{
-    return load_every_width([](auto v) {
-        constexpr int V = decltype(v)::value;
-        return load_table_kernels<uint64_t>([](auto table) { return paged_kernel<V, typename decltype(table)::type>; });
-    });
-}
+extern "C" cudaError_t kvbm_load_paged(void) { return load_family<PagedKernels, uint64_t>(); }

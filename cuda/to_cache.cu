@@ -52,6 +52,14 @@ __global__ void __launch_bounds__(kThreads)
     });
 }
 
+struct ToCacheKernels {
+    template <int V, class Table>
+    static auto kernel()
+    {
+        return to_cache_kernel<V, Table>;
+    }
+};
+
 static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 4096,
               "a small by-value launch stays under 4 KB of parameters");
 
@@ -72,18 +80,7 @@ extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvb
     p.dst_ids_at = (uint32_t)kvbm_to_cache_dst_ids_at(move, ids);
     const int64_t entries = kvbm_to_cache_table_entries(move, ids);
 
-    return with_vector_bytes(vector_bytes, [&](auto v) {
-        constexpr int V = decltype(v)::value;
-        return launch_table([](auto table) { return to_cache_kernel<V, typename decltype(table)::type>; }, host_table,
-                            device_table, entries, p, grid, threads, stream);
-    });
+    return launch_family<ToCacheKernels>(vector_bytes, host_table, device_table, entries, p, grid, threads, stream);
 }
 
-extern "C" cudaError_t kvbm_load_to_cache(void)
-{
-    return load_every_width([](auto v) {
-        constexpr int V = decltype(v)::value;
-        return load_table_kernels<uint64_t>(
-            [](auto table) { return to_cache_kernel<V, typename decltype(table)::type>; });
-    });
-}
+extern "C" cudaError_t kvbm_load_to_cache(void) { return load_family<ToCacheKernels, uint64_t>(); }
