@@ -3,8 +3,8 @@
 
 static int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* How many of the `left` items (of item_bytes each) that remain of a block
- * or a mid a box takes: as many as `budget` holds, one at least; or all of
+/* How many of the `left` items (of item_bytes each) that remain of the
+ * move, a block or a mid a box takes: as many as `budget` holds, one at least; or all of
  * them rather than leave fewer than it takes, if they fit in `cap`: the
  * remnant would be a piece smaller than the one before it, which the
  * pipeline cannot use (a copy too short to hide the next permute behind). */
@@ -24,7 +24,8 @@ static void next_box(const kv_staged *s, int64_t b, int64_t m, int64_t i, int64_
     box->m0 = m, box->mn = 1;
     box->i0 = i, box->in = s->inner - i;
     if (i == 0 && m == 0 && block_bytes <= budget) {
-        box->bn = smaller(smaller(budget / block_bytes, s->max_blocks), s->nb - b);
+        box->bn =
+            smaller(take(s->nb - b, block_bytes, budget, smaller(cap, s->max_blocks * block_bytes)), s->max_blocks);
         box->mn = s->mid;
     }
     else if (i == 0 && mid_bytes <= budget)

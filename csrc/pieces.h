@@ -29,8 +29,8 @@ typedef struct {
 /* Cuts the move into boxes, in unit order, as `cut` says (gpu.h), and
  * returns their count; fills `boxes` unless it is NULL.  No box holds more
  * than cut->piece_bytes (but each at least one unit), nor more than
- * s->max_blocks whole blocks; a box within a block takes the rest of it
- * rather than leave a smaller remnant.  Starting small lets the copy
+ * s->max_blocks whole blocks; a box takes the rest of the move, or of the
+ * block it lies within, rather than leave a smaller remnant.  Starting small lets the copy
  * engines start early; growing keeps the count, and so the host's cost,
  * low; run backwards (an onload), the same boxes shrink step by step, so
  * that each permute still hides behind the next copy.  *max_units receives

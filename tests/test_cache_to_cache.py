@@ -357,16 +357,19 @@ def test_gpu_chunks_of_several_tiles(hd, place, backend, gen):
 # paged path cuts it: a 0.6 MiB lead, the 4.4 MiB rest of the block on the edge CTAs, then
 # pieces doubling up to half a lane.  MLA blocks of 1.41 MiB do not divide the 4 MiB ramp: it
 # ends at two blocks, and pieces double from there (1, 2, 4, 8, 16, 17, 16 blocks) instead of
-# staying at two blocks on the edge CTAs.
+# staying at two blocks on the edge CTAs.  Llama-8B's 2 MiB blocks at nb = 8: 1 + 1 MiB, 2
+# blocks, then the last 5 blocks as one piece rather than 4 and a remnant of 1.
 LLAMA_70B = Dims(nl=80, nh=8, nt=16, hd=128, blocks=64)
+LLAMA_8B = Dims(nl=32, nh=8, nt=16, hd=128, blocks=64)
 MLA_70B = Dims(nl=80, nh=1, nt=16, hd=576, blocks=64)
 STAGED_PLANS = [("universal_pool", LLAMA_70B, 1, 2, "4.38"), ("universal_pool", LLAMA_70B, 8, 5, "20.00"),
-                ("universal_pool", LLAMA_70B, 64, 19, "20.00"), ("mla", MLA_70B, 64, 7, "23.91")]
+                ("universal_pool", LLAMA_70B, 64, 19, "20.00"), ("mla", MLA_70B, 64, 7, "23.91"),
+                ("universal_pool", LLAMA_8B, 8, 4, "10.00")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool,d,nb,pieces,largest", STAGED_PLANS,
-                         ids=[f"{p[0]}-nb{p[2]}" for p in STAGED_PLANS])
+                         ids=[f"{p[0]}-nl{p[1].nl}-nb{p[2]}" for p in STAGED_PLANS])
 def test_gpu_staged_pieces_lead_ramp_then_double(pool, d, nb, pieces, largest, gen, caplog, monkeypatch):
     assert kvbm_ext.staging_info()["lane_bytes"] == 48 << 20, kvbm_ext.staging_info()
     dev, dev_mem, dev_cache = make("mla" if pool == "mla" else "vllm_flash_attn", gen, "cuda", d=d)
