@@ -1,0 +1,71 @@
+"""Whether a staged call's share of a same-size memcpy drifts over time: Llama-8B
+flashinfer_hnd at nb = 8, a pinned H2D memcpy of the call's bytes, the onload, a D2H memcpy
+and the offload in turn, each behind a 300 us GPU sleep, for SECONDS seconds; the medians of
+each 2-second window.  Results: results/staged-drift-*.log.
+
+    python3 benchmarks/probes/staged_drift.py [SECONDS]     (default 40)
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import engines as E  # noqa: E402
+import harness as H  # noqa: E402
+
+NB, SLEEP_US, WINDOW_S = 8, 300, 2.0
+
+
+def main():
+    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 40
+    device = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(device)
+    torch.cuda.set_stream(stream)
+    cycles = H.calibrate_sleep_cycles_per_us()
+    model, layers = E.MODELS["8b"]
+    dims = E.engine_dims("flashinfer_hnd", layers)
+    pool = E.make_pool(dims, 64, device, pinned=True)
+    engine = E.build_engine("flashinfer_hnd", dims, 130, device)
+    ids = E.id_sets(engine, NB, 1, 64, "cpu")[0]
+    nbytes = NB * dims.block_bytes
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    calls = {"h2d": lambda: staging.copy_(pool.raw[:nbytes], non_blocking=True),
+             "onload": E.transfer(engine, pool, "onload", ids, stream),
+             "d2h": lambda: pool.raw[:nbytes].copy_(staging, non_blocking=True),
+             "offload": E.transfer(engine, pool, "offload", ids, stream)}
+    for call in calls.values():
+        call()
+        call()
+    torch.cuda.synchronize()
+
+    def gpu_us(call):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(SLEEP_US * cycles))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    print(f"{torch.cuda.get_device_name(device)}: {model} flashinfer_hnd nb = {NB}, {nbytes >> 20} MiB a call")
+    began = time.time()
+    while time.time() - began < seconds:
+        samples = {key: [] for key in calls}
+        window = time.time()
+        while time.time() - window < WINDOW_S:
+            for key, call in calls.items():
+                samples[key].append(gpu_us(call))
+        med = {key: statistics.median(values) for key, values in samples.items()}
+        onload = sorted(samples["onload"])
+        print(f"t = {time.time() - began:5.1f} s, {len(onload)} each: H2D {med['h2d']:.1f} us, onload "
+              f"{med['onload']:.1f} us = {100 * med['h2d'] / med['onload']:.1f} % (p10 {onload[len(onload) // 10]:.1f}, "
+              f"p90 {onload[9 * len(onload) // 10]:.1f}); D2H {med['d2h']:.1f} us, offload {med['offload']:.1f} us = "
+              f"{100 * med['d2h'] / med['offload']:.1f} %", flush=True)
+
+
+if __name__ == "__main__":
+    main()

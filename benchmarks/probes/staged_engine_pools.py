@@ -1,0 +1,63 @@
+"""The staged nb = 8 moves of engines.py, every engine in one process, each against a memcpy
+of its own pinned pool: how much of each pool transparent huge pages back (/proc/self/smaps),
+the pool's H2D and D2H memcpy of the call's bytes, and the onload and offload, timed as
+engines.py times them.  Results: results/staged-engine-pools-*.log.
+
+    python3 benchmarks/probes/staged_engine_pools.py
+"""
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import engines as E  # noqa: E402
+import harness as H  # noqa: E402
+
+NB = 8
+
+
+def huge_mib(address, nbytes):
+    """MiB of AnonHugePages in the mappings that overlap [address, address + nbytes)."""
+    kib, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        mapping = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if mapping:
+            inside = int(mapping.group(1), 16) < address + nbytes and int(mapping.group(2), 16) > address
+        elif inside and line.startswith("AnonHugePages:"):
+            kib += int(line.split()[1])
+    return kib >> 10
+
+
+def main():
+    device = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(device)
+    torch.cuda.set_stream(stream)
+    policy, cycles = H.RepPolicy(0.1, 5, 200, 0.2), H.calibrate_sleep_cycles_per_us()
+
+    def gpu_us(call):
+        return H.time_gpu_calls([call], policy, cycles, H.run_once(call, H.cuda_synchronize)).gpu_us
+
+    print(f"{torch.cuda.get_device_name(device)}, nb = {NB}, pools of 64 blocks from kvbm_ext.pinned_empty")
+    for key in ("70b", "8b"):
+        model, layers = E.MODELS[key]
+        for name in E.ENGINES:
+            dims = E.engine_dims(name, layers)
+            pool = E.make_pool(dims, 64, device, pinned=True)
+            engine = E.build_engine(name, dims, 130, device)
+            ids = E.id_sets(engine, NB, 1, 64, "cpu")[0]
+            nbytes = NB * dims.block_bytes
+            staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            h2d = gpu_us(lambda: staging.copy_(pool.raw[:nbytes], non_blocking=True))
+            onload = gpu_us(E.transfer(engine, pool, "onload", ids, stream))
+            offload = gpu_us(E.transfer(engine, pool, "offload", ids, stream))
+            d2h = gpu_us(lambda: pool.raw[:nbytes].copy_(staging, non_blocking=True))
+            print(f"{model} {name}: pool {pool.raw.numel() >> 20} MiB, huge pages "
+                  f"{huge_mib(pool.raw.data_ptr(), pool.raw.numel())} MiB; H2D memcpy {h2d:.1f} us, onload "
+                  f"{onload:.1f} us = {100 * h2d / onload:.1f} %; D2H memcpy {d2h:.1f} us, offload {offload:.1f} us "
+                  f"= {100 * d2h / offload:.1f} %", flush=True)
+
+
+if __name__ == "__main__":
+    main()
