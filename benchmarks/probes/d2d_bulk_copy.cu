@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "check.h"
+#include "timing.h"
 
 constexpr int kThreads = 256;   // an LSU CTA
 constexpr int kMaxStages = 16;  // a TMA ring
@@ -359,21 +360,7 @@ struct Bench {
     template <class F>
     double time(F launch)
     {
-        std::vector<float> ms;
-        for (int rep = 0; rep < 55; ++rep) {
-            CK(cudaMemsetAsync(flush, rep, flush_bytes, stream));
-            CK(cudaEventRecord(start, stream));
-            launch();
-            CK(cudaEventRecord(stop, stream));
-            CK(cudaEventSynchronize(stop));
-            float t;
-            CK(cudaEventElapsedTime(&t, start, stop));
-            if (rep >= 5)
-                ms.push_back(t);
-        }
-        CK(cudaGetLastError());
-        std::sort(ms.begin(), ms.end());
-        return ms[ms.size() / 2] * 1e3;
+        return median_us(stream, start, stop, flush, flush_bytes, launch);
     }
 
     template <class F>

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "check.h"
+#include "timing.h"
 
 constexpr int kChunkBytes = 16 * 576 * 2;
 constexpr int kVectors = kChunkBytes / 16;
@@ -172,21 +173,7 @@ int main(int argc, char **argv)
         CK(cudaMemcpy(ids, order.data(), n * sizeof(int), cudaMemcpyHostToDevice));
 
         auto time = [&](const char *name, auto launch) {
-            std::vector<float> ms;
-            for (int rep = 0; rep < 55; ++rep) {
-                CK(cudaMemsetAsync(flush, rep, flush_bytes, stream));
-                CK(cudaEventRecord(start, stream));
-                launch();
-                CK(cudaEventRecord(stop, stream));
-                CK(cudaEventSynchronize(stop));
-                float t;
-                CK(cudaEventElapsedTime(&t, start, stop));
-                if (rep >= 5)
-                    ms.push_back(t);
-            }
-            CK(cudaGetLastError());
-            std::sort(ms.begin(), ms.end());
-            const double us = ms[ms.size() / 2] * 1e3;
+            const double us = median_us(stream, start, stop, flush, flush_bytes, launch);
             printf("  %-8s %8.2f us  %7.1f GB/s\n", name, us, bytes / us / 1e3);
             return us;
         };
