@@ -4,10 +4,11 @@
 static int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* How many of the `left` items (of item_bytes each) that remain of the
- * move, a block or a mid a box takes: as many as `budget` holds, one at least; or all of
- * them rather than leave fewer than it takes, if they fit in `cap`: the
- * remnant would be a piece smaller than the one before it, which the
- * pipeline cannot use (a copy too short to hide the next permute behind). */
+ * move, a block or a mid a box takes: as many as `budget` holds, one at
+ * least; or all of them rather than leave fewer than it takes, if they fit
+ * in `cap`: the remnant would be a piece smaller than the one before it,
+ * which the pipeline cannot use (a copy too short to hide the next permute
+ * behind, or one more copy's start and gap for a few bytes). */
 static int64_t take(int64_t left, int64_t item_bytes, int64_t budget, int64_t cap)
 {
     const int64_t n = smaller(budget / item_bytes > 0 ? budget / item_bytes : 1, left);

@@ -30,11 +30,11 @@ typedef struct {
  * returns their count; fills `boxes` unless it is NULL.  No box holds more
  * than cut->piece_bytes (but each at least one unit), nor more than
  * s->max_blocks whole blocks; a box takes the rest of the move, or of the
- * block it lies within, rather than leave a smaller remnant.  Starting small lets the copy
- * engines start early; growing keeps the count, and so the host's cost,
- * low; run backwards (an onload), the same boxes shrink step by step, so
- * that each permute still hides behind the next copy.  *max_units receives
- * the units of the largest box. */
+ * block it lies within, rather than leave a smaller remnant.  Starting
+ * small lets the copy engines start early; growing keeps the count, and so
+ * the host's cost, low; run backwards (an onload), the same boxes shrink
+ * step by step, so that each permute still hides behind the next copy.
+ * *max_units receives the units of the largest box. */
 int64_t kv_pieces_cut(const kv_staged *s, const kv_cut *cut, kv_box *boxes, int64_t *max_units);
 
 /* Fills `runs` (room for the box's units) with the pinned runs of `box`, in
