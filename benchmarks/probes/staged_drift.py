@@ -15,8 +15,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import engines as E  # noqa: E402
 import harness as H  # noqa: E402
+from staged_engine_pools import NB, staged_calls  # noqa: E402
 
-NB, SLEEP_US, WINDOW_S = 8, 300, 2.0
+SLEEP_US, WINDOW_S = 300, 2.0
 
 
 def main():
@@ -26,16 +27,7 @@ def main():
     torch.cuda.set_stream(stream)
     cycles = H.calibrate_sleep_cycles_per_us()
     model, layers = E.MODELS["8b"]
-    dims = E.engine_dims("flashinfer_hnd", layers)
-    pool = E.make_pool(dims, 64, device, pinned=True)
-    engine = E.build_engine("flashinfer_hnd", dims, 130, device)
-    ids = E.id_sets(engine, NB, 1, 64, "cpu")[0]
-    nbytes = NB * dims.block_bytes
-    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    calls = {"h2d": lambda: staging.copy_(pool.raw[:nbytes], non_blocking=True),
-             "onload": E.transfer(engine, pool, "onload", ids, stream),
-             "d2h": lambda: pool.raw[:nbytes].copy_(staging, non_blocking=True),
-             "offload": E.transfer(engine, pool, "offload", ids, stream)}
+    _, nbytes, calls = staged_calls("flashinfer_hnd", layers, device, stream)
     for call in calls.values():
         call()
         call()

@@ -30,6 +30,23 @@ def huge_mib(address, nbytes):
     return kib >> 10
 
 
+def staged_calls(name, layers, device, stream):
+    """Engine `name`'s cache at `layers` layers, a pinned universal pool of 64 blocks of its
+    dims, and the calls a staged move at NB blocks is compared by: the H2D and D2H memcpys of
+    its bytes from the pool, the onload and the offload (engines.py's ids).  (pool, the call's
+    bytes, calls)."""
+    dims = E.engine_dims(name, layers)
+    pool = E.make_pool(dims, 64, device, pinned=True)
+    engine = E.build_engine(name, dims, 130, device)
+    ids = E.id_sets(engine, NB, 1, 64, "cpu")[0]
+    nbytes = NB * dims.block_bytes
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return pool, nbytes, {"h2d": lambda: staging.copy_(pool.raw[:nbytes], non_blocking=True),
+                          "onload": E.transfer(engine, pool, "onload", ids, stream),
+                          "d2h": lambda: pool.raw[:nbytes].copy_(staging, non_blocking=True),
+                          "offload": E.transfer(engine, pool, "offload", ids, stream)}
+
+
 def main():
     device = torch.device("cuda", 0)
     stream = torch.cuda.Stream(device)
@@ -43,16 +60,8 @@ def main():
     for key in ("70b", "8b"):
         model, layers = E.MODELS[key]
         for name in E.ENGINES:
-            dims = E.engine_dims(name, layers)
-            pool = E.make_pool(dims, 64, device, pinned=True)
-            engine = E.build_engine(name, dims, 130, device)
-            ids = E.id_sets(engine, NB, 1, 64, "cpu")[0]
-            nbytes = NB * dims.block_bytes
-            staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            h2d = gpu_us(lambda: staging.copy_(pool.raw[:nbytes], non_blocking=True))
-            onload = gpu_us(E.transfer(engine, pool, "onload", ids, stream))
-            offload = gpu_us(E.transfer(engine, pool, "offload", ids, stream))
-            d2h = gpu_us(lambda: pool.raw[:nbytes].copy_(staging, non_blocking=True))
+            pool, _, calls = staged_calls(name, layers, device, stream)
+            h2d, onload, offload, d2h = (gpu_us(calls[what]) for what in ("h2d", "onload", "offload", "d2h"))
             print(f"{model} {name}: pool {pool.raw.numel() >> 20} MiB, huge pages "
                   f"{huge_mib(pool.raw.data_ptr(), pool.raw.numel())} MiB; H2D memcpy {h2d:.1f} us, onload "
                   f"{onload:.1f} us = {100 * h2d / onload:.1f} %; D2H memcpy {d2h:.1f} us, offload {offload:.1f} us "
