@@ -18,9 +18,11 @@ on the device (D2D):
 
 at Llama-3.1-70B dims (nl=80, nh=8, hd=128, bf16, nt=16) and Llama-3.1-8B dims (nl=32);
 MLA keeps the model's layer count with DeepSeek-V3's 576-element latent.  Ids are int64
-tensors on the device.  Measured in the same run: a pinned memcpy of exactly the bytes of
-each call each way (the reference of the pinned rows), the same-size device copy and a
-1 GiB device copy (the copy ceiling of the D2D rows); GB/s count the bytes moved once.  The
+tensors on the device.  Measured in the same run: for each pinned case, a memcpy of exactly
+its bytes between its own pool and the device, timed in rounds alternating with the case
+(its reference); per model and nb, those memcpys each way once more, the same-size device
+copy and a 1 GiB device copy (the copy ceiling of the D2D rows); GB/s count the bytes moved
+once.  The
 host time of one D2D call at nb=64 is timed back to back.  Every case is checked bit for
 bit against a plain torch gather of the engine's tensors before it is timed.
 
@@ -38,9 +40,10 @@ import datetime
 import math
 import os
 import random
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -50,8 +53,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
 from kvbm_ext._no_gpu import require_gpu  # noqa: E402
-from harness import (HD, NH, NT, RepPolicy, Tee, calibrate_sleep_cycles_per_us, cuda_synchronize,  # noqa: E402
-                     fill_random_, int_list, output_dir, run_once, run_stem, steady_host_us, time_gpu_calls)
+from harness import (HD, NH, NT, RepPolicy, Tee, Timing, calibrate_sleep_cycles_per_us,  # noqa: E402
+                     cuda_synchronize, fill_random_, int_list, output_dir, run_once, run_stem, steady_host_us,
+                     time_gpu_calls)
 from report import csv_cells, fmt  # noqa: E402
 import transformers_e2e  # noqa: E402
 
@@ -63,6 +67,7 @@ POISON_INT16 = 0xA5A5 - 0x10000  # destinations are filled with the bytes 0xA5
 ID_SEED = 2026                   # the block ids are the same in every run
 ROTATION_BYTES = 192 * MIB       # D2D calls rotate over id sets until they touch this much (> L2)
 MAX_SETS = 16
+ROUNDS = 3                       # a pinned case alternates with its reference memcpy, a round each
 HOST_NB = 64
 
 TARGET_STAGED_PCT = 97.0         # pinned, nb >= 8: % of the same-size pinned memcpy
@@ -265,6 +270,23 @@ def time_calls(calls, run):
     return time_gpu_calls(calls, run.policy, run.cycles_per_us, first)
 
 
+def time_alternating(calls, reference, run):
+    """The calls and a reference call timed in ROUNDS alternating rounds, each with a share
+    of the policy, so that both see the same state of the host (a pinned transfer's rate
+    follows it: probes/pcie_after_idle.py).  (the calls' Timing, the reference's GPU us),
+    each the median of its rounds."""
+    policy = replace(run.policy, target_s=run.policy.target_s / ROUNDS, cap_s=run.policy.cap_s / ROUNDS)
+    first, reference_first = run_once(calls[0], cuda_synchronize), run_once(reference, cuda_synchronize)
+    ours, theirs = [], []
+    for _ in range(ROUNDS):
+        theirs.append(time_gpu_calls([reference], policy, run.cycles_per_us, reference_first).gpu_us)
+        ours.append(time_gpu_calls(calls, policy, run.cycles_per_us, first))
+    timing = Timing(statistics.median(t.host_us for t in ours), statistics.median(t.gpu_us for t in ours),
+                    sum(t.reps for t in ours), sum(t.uncovered for t in ours),
+                    "/".join(sorted({t.method for t in ours})))
+    return timing, statistics.median(theirs)
+
+
 # ----------------------------------------------------------------------------- the run
 
 @dataclass
@@ -334,6 +356,17 @@ def memcpy_rows(run, model, dims, nb, pinned, on_device, ceiling):
             "d2d": row("d2d", "copy", nb, pool_bytes, device_bytes, ceiling)["gbps"]}
 
 
+def pinned_memcpy(run, pool, direction, nbytes):
+    """A pinned case's reference: one copy_ of its bytes between its own pool and a device
+    buffer, in its direction."""
+    device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=run.device)
+    fill_random_(device_bytes, run.device)
+    pinned_bytes = pool.raw[:nbytes]
+    if direction == "offload":
+        return partial(pinned_bytes.copy_, device_bytes, non_blocking=True)
+    return partial(device_bytes.copy_, pinned_bytes, non_blocking=True)
+
+
 def case_row(run, model, engine, pool, path, direction, nb, same_size, ceiling):
     # An offload manager holds its pool's ids on the host, which lets the move be staged;
     # device to device, the ids live on the device (no host sync, graph-capturable).
@@ -342,10 +375,15 @@ def case_row(run, model, engine, pool, path, direction, nb, same_size, ceiling):
     problem = verify(engine, pool, direction, sets[0], run.stream)
     if problem:
         sys.exit(f"engines: {model} {engine.name} {path} nb={nb}: {problem}; nothing timed after it")
-    timing = time_calls([transfer(engine, pool, direction, ids, run.stream) for ids in sets], run)
+    calls = [transfer(engine, pool, direction, ids, run.stream) for ids in sets]
     nbytes = nb * engine.dims.block_bytes
+    if path == "pinned":
+        timing, memcpy_us = time_alternating(calls, pinned_memcpy(run, pool, direction, nbytes), run)
+        reference = gbps(nbytes, memcpy_us)
+    else:
+        timing = time_calls(calls, run)
+        reference = same_size["d2d"]
     rate = gbps(nbytes, timing.gpu_us)
-    reference = same_size[direction if path == "pinned" else "d2d"]
     extra = dict(ceiling_gbps=ceiling, pct_of_ceiling=100 * rate / ceiling) if path == "d2d" else {}
     return run.add(model=model, engine=engine.name, layout=engine.layout, path=path, direction=direction, nb=nb,
                    bytes=nbytes, sets=len(sets), reps=timing.reps, gpu_us=timing.gpu_us, host_us=timing.host_us,
