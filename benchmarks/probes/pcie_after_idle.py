@@ -15,43 +15,26 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import engines as E  # noqa: E402
-import harness as H  # noqa: E402
-from staged_engine_pools import NB, staged_calls  # noqa: E402
+from staged_engine_pools import NB, behind_sleep_us, eight_b_calls  # noqa: E402
 
 REPS = 20
 WHAT = ("h2d", "onload", "d2h", "offload")
 
 
 def gpu_us(call, cycles_per_us, gpu_sleep_us, host_sleep_s):
-    """(median, largest) GPU time of `call` in REPS tries, each after a synchronize, a host
-    sleep and a GPU sleep."""
+    """(median, largest) GPU time of `call` in REPS tries, each after a host sleep and a GPU
+    sleep."""
     samples = []
     for _ in range(REPS):
         torch.cuda.synchronize()
-        if host_sleep_s:
-            time.sleep(host_sleep_s)
-        torch.cuda._sleep(int(gpu_sleep_us * cycles_per_us))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+        time.sleep(host_sleep_s)
+        samples.append(behind_sleep_us(call, gpu_sleep_us, cycles_per_us))
     return statistics.median(samples), max(samples)
 
 
 def main():
-    device = torch.device("cuda", 0)
-    stream = torch.cuda.Stream(device)
-    torch.cuda.set_stream(stream)
-    cycles = H.calibrate_sleep_cycles_per_us()
-    model, layers = E.MODELS["8b"]
-    _, nbytes, calls = staged_calls("vllm_flash", layers, device, stream)
-    for call in calls.values():
-        call()
-    print(f"{torch.cuda.get_device_name(device)}: {model} vllm_flash nb = {NB}, "
+    model, nbytes, calls, cycles = eight_b_calls("vllm_flash")
+    print(f"{torch.cuda.get_device_name()}: {model} vllm_flash nb = {NB}, "
           f"{nbytes >> 20} MiB; GPU us, median (largest) of {REPS}")
     print(f"{'before each call':32s}" + "".join(f"{what:>20s}" for what in WHAT))
     conditions = [(f"GPU sleep {ms} ms, host spinning", ms * 1e3, 0) for ms in (0.1, 1, 10)]

@@ -13,44 +13,22 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import engines as E  # noqa: E402
-import harness as H  # noqa: E402
-from staged_engine_pools import NB, staged_calls  # noqa: E402
+from staged_engine_pools import NB, behind_sleep_us, eight_b_calls  # noqa: E402
 
 SLEEP_US, WINDOW_S = 300, 2.0
 
 
 def main():
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 40
-    device = torch.device("cuda", 0)
-    stream = torch.cuda.Stream(device)
-    torch.cuda.set_stream(stream)
-    cycles = H.calibrate_sleep_cycles_per_us()
-    model, layers = E.MODELS["8b"]
-    _, nbytes, calls = staged_calls("flashinfer_hnd", layers, device, stream)
-    for call in calls.values():
-        call()
-        call()
-    torch.cuda.synchronize()
-
-    def gpu_us(call):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(SLEEP_US * cycles))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3
-
-    print(f"{torch.cuda.get_device_name(device)}: {model} flashinfer_hnd nb = {NB}, {nbytes >> 20} MiB a call")
+    model, nbytes, calls, cycles = eight_b_calls("flashinfer_hnd")
+    print(f"{torch.cuda.get_device_name()}: {model} flashinfer_hnd nb = {NB}, {nbytes >> 20} MiB a call")
     began = time.time()
     while time.time() - began < seconds:
         samples = {key: [] for key in calls}
         window = time.time()
         while time.time() - window < WINDOW_S:
             for key, call in calls.items():
-                samples[key].append(gpu_us(call))
+                samples[key].append(behind_sleep_us(call, SLEEP_US, cycles))
         med = {key: statistics.median(values) for key, values in samples.items()}
         onload = sorted(samples["onload"])
         print(f"t = {time.time() - began:5.1f} s, {len(onload)} each: H2D {med['h2d']:.1f} us, onload "

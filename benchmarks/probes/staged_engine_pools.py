@@ -47,6 +47,34 @@ def staged_calls(name, layers, device, stream):
                           "offload": E.transfer(engine, pool, "offload", ids, stream)}
 
 
+def eight_b_calls(name):
+    """staged_calls of engine `name` at Llama-3.1-8B's layers on the first GPU, with a stream
+    of its own made current, each call made twice: (model, the call's bytes, calls, the GPU
+    sleep's cycles per us)."""
+    device = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(device)
+    torch.cuda.set_stream(stream)
+    model, layers = E.MODELS["8b"]
+    _, nbytes, calls = staged_calls(name, layers, device, stream)
+    for call in calls.values():
+        call()
+        call()
+    torch.cuda.synchronize()
+    return model, nbytes, calls, H.calibrate_sleep_cycles_per_us()
+
+
+def behind_sleep_us(call, sleep_us, cycles_per_us):
+    """The GPU time of one call, by events queued behind a GPU sleep of sleep_us."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(sleep_us * cycles_per_us))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def main():
     device = torch.device("cuda", 0)
     stream = torch.cuda.Stream(device)
