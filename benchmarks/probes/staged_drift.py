@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from staged_engine_pools import NB, behind_sleep_us, eight_b_calls  # noqa: E402
+from staged_engine_pools import NB, behind_sleep_us, eight_b_calls, shares  # noqa: E402
 
 SLEEP_US, WINDOW_S = 300, 2.0
 
@@ -31,10 +31,8 @@ def main():
                 samples[key].append(behind_sleep_us(call, SLEEP_US, cycles))
         med = {key: statistics.median(values) for key, values in samples.items()}
         onload = sorted(samples["onload"])
-        print(f"t = {time.time() - began:5.1f} s, {len(onload)} each: H2D {med['h2d']:.1f} us, onload "
-              f"{med['onload']:.1f} us = {100 * med['h2d'] / med['onload']:.1f} % (p10 {onload[len(onload) // 10]:.1f}, "
-              f"p90 {onload[9 * len(onload) // 10]:.1f}); D2H {med['d2h']:.1f} us, offload {med['offload']:.1f} us = "
-              f"{100 * med['d2h'] / med['offload']:.1f} %", flush=True)
+        print(f"t = {time.time() - began:5.1f} s, {len(onload)} each: {shares(med)} (onload p10 "
+              f"{onload[len(onload) // 10]:.1f}, p90 {onload[9 * len(onload) // 10]:.1f} us)", flush=True)
 
 
 if __name__ == "__main__":

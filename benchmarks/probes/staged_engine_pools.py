@@ -75,6 +75,13 @@ def behind_sleep_us(call, sleep_us, cycles_per_us):
     return start.elapsed_time(end) * 1e3
 
 
+def shares(us):
+    """The memcpys' and the staged calls' GPU us ({"h2d": ..., "onload": ..., "d2h": ...,
+    "offload": ...}) and each call's share of its memcpy, as a line's words."""
+    return (f"H2D memcpy {us['h2d']:.1f} us, onload {us['onload']:.1f} us = {100 * us['h2d'] / us['onload']:.1f} %; "
+            f"D2H memcpy {us['d2h']:.1f} us, offload {us['offload']:.1f} us = {100 * us['d2h'] / us['offload']:.1f} %")
+
+
 def main():
     device = torch.device("cuda", 0)
     stream = torch.cuda.Stream(device)
@@ -89,11 +96,9 @@ def main():
         model, layers = E.MODELS[key]
         for name in E.ENGINES:
             pool, _, calls = staged_calls(name, layers, device, stream)
-            h2d, onload, offload, d2h = (gpu_us(calls[what]) for what in ("h2d", "onload", "offload", "d2h"))
+            us = {what: gpu_us(calls[what]) for what in ("h2d", "onload", "offload", "d2h")}
             print(f"{model} {name}: pool {pool.raw.numel() >> 20} MiB, huge pages "
-                  f"{huge_mib(pool.raw.data_ptr(), pool.raw.numel())} MiB; H2D memcpy {h2d:.1f} us, onload "
-                  f"{onload:.1f} us = {100 * h2d / onload:.1f} %; D2H memcpy {d2h:.1f} us, offload {offload:.1f} us "
-                  f"= {100 * d2h / offload:.1f} %", flush=True)
+                  f"{huge_mib(pool.raw.data_ptr(), pool.raw.numel())} MiB; {shares(us)}", flush=True)
 
 
 if __name__ == "__main__":
