@@ -345,15 +345,16 @@ def memcpy_label(dims):
 
 
 def memcpy_rows(run, model, dims, nb, pinned, on_device, ceiling):
-    """Copies of exactly nb blocks' bytes: pinned each way, device to device; {key: GB/s}."""
+    """Copies of exactly nb blocks' bytes: pinned each way (the dotted lines; each pinned case
+    times its own reference), device to device; the device copy's GB/s."""
     nbytes = nb * dims.block_bytes
     device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=run.device)
     fill_random_(device_bytes, run.device)
     pinned_bytes, pool_bytes = pinned.raw[:nbytes], on_device.raw[:nbytes]
     row = partial(memcpy_row, run, model, memcpy_label(dims))
-    return {"offload": row("pinned", "offload", nb, pinned_bytes, device_bytes)["gbps"],
-            "onload": row("pinned", "onload", nb, device_bytes, pinned_bytes)["gbps"],
-            "d2d": row("d2d", "copy", nb, pool_bytes, device_bytes, ceiling)["gbps"]}
+    row("pinned", "offload", nb, pinned_bytes, device_bytes)
+    row("pinned", "onload", nb, device_bytes, pinned_bytes)
+    return row("d2d", "copy", nb, pool_bytes, device_bytes, ceiling)["gbps"]
 
 
 def pinned_memcpy(run, pool, direction, nbytes):
@@ -367,7 +368,7 @@ def pinned_memcpy(run, pool, direction, nbytes):
     return partial(device_bytes.copy_, pinned_bytes, non_blocking=True)
 
 
-def case_row(run, model, engine, pool, path, direction, nb, same_size, ceiling):
+def case_row(run, model, engine, pool, path, direction, nb, device_copy, ceiling):
     # An offload manager holds its pool's ids on the host, which lets the move be staged;
     # device to device, the ids live on the device (no host sync, graph-capturable).
     sets = id_sets(engine, nb, sets_for(path, engine.dims, nb, pool.blocks.shape[0]), pool.blocks.shape[0],
@@ -382,7 +383,7 @@ def case_row(run, model, engine, pool, path, direction, nb, same_size, ceiling):
         reference = gbps(nbytes, memcpy_us)
     else:
         timing = time_calls(calls, run)
-        reference = same_size["d2d"]
+        reference = device_copy
     rate = gbps(nbytes, timing.gpu_us)
     extra = dict(ceiling_gbps=ceiling, pct_of_ceiling=100 * rate / ceiling) if path == "d2d" else {}
     return run.add(model=model, engine=engine.name, layout=engine.layout, path=path, direction=direction, nb=nb,
@@ -403,10 +404,11 @@ def host_rows(run, model, engine, pool):
 
 def run_model(run, key, ceiling):
     """Every engine of one model: pinned and D2D, both directions, every nb; host times.  The
-    same-size memcpys are measured once per block size and nb, with the first engine of it."""
+    memcpy rows (and the same-size device copy of the D2D rows) are measured once per block
+    size and nb, with the first engine of it; each pinned case times its own reference."""
     model, layers = MODELS[key]
     capacity = max(max(run.args.nb), HOST_NB)
-    same_size = {}
+    device_copy = {}
     for name in run.args.engines:
         dims = engine_dims(name, layers)
         pinned = make_pool(dims, capacity, run.device, pinned=True)
@@ -415,11 +417,11 @@ def run_model(run, key, ceiling):
               f"pinned_empty took {pinned.seconds * 1e3:.1f} ms", flush=True)
         engine = build_engine(name, dims, 2 * capacity + 2, run.device)
         for nb in run.args.nb:
-            if (dims, nb) not in same_size:
-                same_size[dims, nb] = memcpy_rows(run, model, dims, nb, pinned, on_device, ceiling)
+            if (dims, nb) not in device_copy:
+                device_copy[dims, nb] = memcpy_rows(run, model, dims, nb, pinned, on_device, ceiling)
             for path, pool in (("pinned", pinned), ("d2d", on_device)):
                 for direction in ("offload", "onload"):
-                    case_row(run, model, engine, pool, path, direction, nb, same_size[dims, nb], ceiling)
+                    case_row(run, model, engine, pool, path, direction, nb, device_copy[dims, nb], ceiling)
         host_rows(run, model, engine, on_device)
         del engine, pinned, on_device
         torch.cuda.empty_cache()
