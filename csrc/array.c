@@ -74,7 +74,10 @@ void kv_set_compact_strides(kv_array *a)
     int64_t stride = a->itemsize;
     for (int i = a->ndim - 1; i >= 0; i--) {
         a->strides[i] = stride;
-        stride *= a->shape[i];
+        /* Past int64 the array is refused by its size (kv_array_read) or
+         * empty, where no stride is used: the outer strides stay in range. */
+        if (__builtin_mul_overflow(stride, a->shape[i], &stride))
+            stride = INT64_MAX;
     }
 }
 

@@ -133,24 +133,32 @@ static int read_device(PyObject *device, int *out)
     }
     const int is_torch = strcmp(Py_TYPE(device)->tp_name, "torch.device") == 0;
     PyObject *text = PyUnicode_Check(device) ? Py_NewRef(device) : is_torch ? PyObject_Str(device) : NULL;
-    const char *s = text != NULL && PyUnicode_Check(text) ? PyUnicode_AsUTF8(text) : NULL;
+    Py_ssize_t size = 0;
+    const char *s = text != NULL && PyUnicode_Check(text) ? PyUnicode_AsUTF8AndSize(text, &size) : NULL;
     char *end = NULL;
     long index = KV_CURRENT_DEVICE;
-    if (s != NULL && strncmp(s, "cuda", 4) == 0 && (s[4] == '\0' || (s[4] == ':' && s[5] >= '0' && s[5] <= '9'))) {
-        index = s[4] == '\0' ? KV_CURRENT_DEVICE : strtol(s + 5, &end, 10);
-        if (end != NULL && (*end != '\0' || end - (s + 5) > 9))
-            s = NULL;
+    /* The whole string is read: "cuda\0:7" is no device. */
+    int valid = s != NULL && (size_t)size == strlen(s) && strncmp(s, "cuda", 4) == 0
+                && (s[4] == '\0' || (s[4] == ':' && s[5] >= '0' && s[5] <= '9'));
+    if (valid && s[4] == ':') {
+        index = strtol(s + 5, &end, 10);
+        valid = *end == '\0' && end - (s + 5) <= 9;
     }
-    else
-        s = NULL;
-    Py_XDECREF(text);
-    if (s == NULL) {
-        PyErr_Clear();
-        return kv_path_error(PyExc_ValueError, &path,
-                             "expected None, an int, 'cuda' or 'cuda:N' (a str or a "
-                             "torch.device), got %s",
-                             Py_TYPE(device)->tp_name);
+    PyErr_Clear();
+    if (!valid) {
+        /* A str is shown as given; another object by its type. */
+        const int rc = text != NULL ? kv_path_error(PyExc_ValueError, &path,
+                                                    "expected None, an int, 'cuda' or 'cuda:N' (a str or a "
+                                                    "torch.device), got %R",
+                                                    text)
+                                    : kv_path_error(PyExc_ValueError, &path,
+                                                    "expected None, an int, 'cuda' or 'cuda:N' (a str or a "
+                                                    "torch.device), got %s",
+                                                    Py_TYPE(device)->tp_name);
+        Py_XDECREF(text);
+        return rc;
     }
+    Py_DECREF(text);
     *out = (int)index;
     return 0;
 }
@@ -164,20 +172,24 @@ int kv_read_pool_request(PyObject *const *v, kv_pool_request *r)
         || kv_parse_name(v[4], "huge_pages", huge_names, 3, KV_HUGE_TRANSPARENT, &r->huge) < 0
         || read_device(v[5], &r->device) < 0)
         return -1;
-    int64_t count = 1;
+    /* The strides exported are those of the extents without the zeros
+     * (an empty array's too, as NumPy's): they must fit, whatever the count. */
+    int64_t span = 1, empty = 0;
     int overflow = 0;
-    for (int i = 0; i < r->ndim; i++)
-        overflow |= __builtin_mul_overflow(count, r->shape[i], &count);
-    for (int i = 0; i < r->ndim; i++)
-        if (r->shape[i] == 0)
-            count = overflow = 0;
-    if (overflow || __builtin_mul_overflow(count, (int64_t)(r->dtype->dtype.bits / 8), &r->nbytes)
-        || r->nbytes > INT64_MAX - (int64_t)(2 * KV_HOST_ALIGN)) {
+    for (int i = 0; i < r->ndim; i++) {
+        empty |= r->shape[i] == 0;
+        overflow |= r->shape[i] != 0 && __builtin_mul_overflow(span, r->shape[i], &span);
+    }
+    overflow = overflow || __builtin_mul_overflow(span, (int64_t)(r->dtype->dtype.bits / 8), &span)
+               || span > INT64_MAX - (int64_t)(2 * KV_HOST_ALIGN);
+    if (overflow) {
         char shape[160];
         kv_format_shape(r->shape, r->ndim, shape, sizeof shape);
-        PyErr_Format(PyExc_ValueError, "shape: %s of %s holds more than 2**63 bytes", shape, r->dtype->name);
+        PyErr_Format(PyExc_ValueError, "shape: %s of %s %s more than 2**63 bytes", shape, r->dtype->name,
+                     empty ? "is empty, but its other extents span" : "holds");
         return -1;
     }
+    r->nbytes = empty ? 0 : span;
     if (r->threads == 0)
         r->threads = kv_cpu_count();
     return 0;

@@ -148,50 +148,137 @@ Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssiz
 
 /* ------------------------------------------------------------ lattices */
 
-/* The dimensions that move (extent above 1), strides made positive (the
- * difference of two offsets is symmetric) and sorted largest first. */
-static kv_lattice sorted_lattice(const kv_lattice *g)
+/* Two elements share a byte when the difference of their offsets, a sum of
+ * stride * index over both arrays' dimensions, falls in a window as wide
+ * as their element sizes: a bounded integer equation, solved by a
+ * depth-first search over the terms, largest coefficient first, that only
+ * tries the multiples which leave the rest of the sum able to reach the
+ * window.  Where the strides nest (every layout of distinct elements an
+ * engine makes) each term has one or two such multiples: a few steps. */
+enum {
+    MAX_TERMS = 2 * KV_MAX_NDIM
+};
+
+typedef struct {
+    int n;
+    __int128 c[MAX_TERMS], lo[MAX_TERMS], hi[MAX_TERMS]; /* sum of c[k] * m, lo[k] <= m <= hi[k], c[k] > 0 */
+    __int128 least[MAX_TERMS + 1], most[MAX_TERMS + 1];  /* what the terms from k on can add */
+    int64_t *budget;
+} equation;
+
+/* Adds c * m, m in [lo, hi]; one coefficient's terms merge into one, so
+ * that two arrays alike in a dimension cost one term, not a product. */
+static void add_term(equation *e, __int128 c, __int128 lo, __int128 hi)
 {
-    kv_lattice s = {0, {0}, {0}, g->itemsize};
+    if (c == 0 || (lo == 0 && hi == 0))
+        return;
+    if (c < 0) {
+        const __int128 swap = lo;
+        c = -c, lo = -hi, hi = -swap;
+    }
+    int k = 0;
+    for (; k < e->n && e->c[k] > c; k++)
+        ;
+    if (k < e->n && e->c[k] == c) {
+        e->lo[k] += lo, e->hi[k] += hi;
+        return;
+    }
+    for (int j = e->n++; j > k; j--)
+        e->c[j] = e->c[j - 1], e->lo[j] = e->lo[j - 1], e->hi[j] = e->hi[j - 1];
+    e->c[k] = c, e->lo[k] = lo, e->hi[k] = hi;
+}
+
+static void sum_ranges(equation *e)
+{
+    e->least[e->n] = e->most[e->n] = 0;
+    for (int k = e->n - 1; k >= 0; k--) {
+        e->least[k] = e->least[k + 1] + e->c[k] * e->lo[k];
+        e->most[k] = e->most[k + 1] + e->c[k] * e->hi[k];
+    }
+}
+
+static __int128 floor_div(__int128 a, __int128 b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+static __int128 ceil_div(__int128 a, __int128 b) { return -floor_div(-a, b); }
+
+/* Whether value + the terms from k on can land in [low, high], with some
+ * multiple nonzero when `nonzero` (all those chosen so far were zero).
+ * 1, 0, or -1 once the budget is spent. */
+static int solve(equation *e, int k, __int128 value, __int128 low, __int128 high, int nonzero)
+{
+    if (k == e->n)
+        return value >= low && value <= high && !nonzero;
+    if (--*e->budget < 0)
+        return -1;
+    const __int128 c = e->c[k];
+    __int128 first = ceil_div(low - value - e->most[k + 1], c), last = floor_div(high - value - e->least[k + 1], c);
+    first = first > e->lo[k] ? first : e->lo[k];
+    last = last < e->hi[k] ? last : e->hi[k];
+    for (__int128 m = first; m <= last; m++) {
+        const int found = solve(e, k + 1, value + m * c, low, high, nonzero && m == 0);
+        if (found != 0)
+            return found;
+    }
+    return 0;
+}
+
+/* The terms of g's element offsets, each index from 0 to extent - 1, with
+ * `sign`. */
+static void add_lattice(equation *e, const kv_lattice *g, int sign)
+{
+    for (int i = 0; i < g->ndim; i++)
+        if (g->extent[i] > 1)
+            add_term(e, (__int128)sign * g->stride[i], 0, g->extent[i] - 1);
+}
+
+int kv_lattices_meet(const kv_lattice *g, uint64_t a, const kv_lattice *h, uint64_t b, int64_t *budget)
+{
+    for (int i = 0; i < g->ndim; i++)
+        if (g->extent[i] == 0)
+            return 0;
+    for (int i = 0; i < h->ndim; i++)
+        if (h->extent[i] == 0)
+            return 0;
+    /* a + X and b + Y share a byte when -g.itemsize < (a + X) - (b + Y) < h.itemsize. */
+    equation e = {.n = 0, .budget = budget};
+    add_lattice(&e, g, 1);
+    add_lattice(&e, h, -1);
+    sum_ranges(&e);
+    const __int128 delta = (__int128)b - (__int128)a;
+    return solve(&e, 0, 0, delta - g->itemsize + 1, delta + h->itemsize - 1, 0);
+}
+
+int kv_lattice_overlaps_itself(const kv_lattice *g, int64_t *budget)
+{
+    equation e = {.n = 0, .budget = budget};
     for (int i = 0; i < g->ndim; i++) {
         if (g->extent[i] <= 1)
             continue;
-        const int64_t stride = g->stride[i] < 0 ? -g->stride[i] : g->stride[i];
-        int k = s.ndim++;
-        for (; k > 0 && s.stride[k - 1] < stride; k--) {
-            s.stride[k] = s.stride[k - 1];
-            s.extent[k] = s.extent[k - 1];
-        }
-        s.stride[k] = stride;
-        s.extent[k] = g->extent[i];
+        /* Two dimensions of one stride (or one of stride 0) reach one element twice. */
+        for (int k = 0; k < e.n; k++)
+            if (e.c[k] == (g->stride[i] < 0 ? -(__int128)g->stride[i] : g->stride[i]))
+                return 1;
+        if (g->stride[i] == 0)
+            return 1;
+        add_term(&e, g->stride[i], -(g->extent[i] - 1), g->extent[i] - 1);
     }
-    return s;
+    sum_ranges(&e);
+    return solve(&e, 0, 0, -g->itemsize + 1, g->itemsize - 1, 1);
 }
 
-/* Whether delta = sum of stride[j] * m[j] + r over dimensions k.., for some
- * |m[j]| < extent[j] and |r| < itemsize.  Only the multiples of stride[k]
- * that leave the rest within `reach` of the smaller dimensions are tried:
- * at most two where each stride exceeds the reach of the smaller ones (any
- * layout of distinct elements, sorted).  Past `*budget` steps, which only
- * layouts that do not nest reach, the answer is yes: undecided is taken as
- * shared. */
-static int meets_from(const kv_lattice *g, const __int128 *reach, int k, __int128 delta, int *budget)
+/* ------------------------------------------------------------- regions */
+
+/* The bytes [first, last] one element-lattice reaches from its address. */
+static void lattice_hull(const kv_lattice *g, int64_t *first, int64_t *last)
 {
-    if (k == g->ndim)
-        return delta > -g->itemsize && delta < g->itemsize;
-    if (--*budget < 0)
-        return 1;
-    const __int128 s = g->stride[k], r = reach[k + 1];
-    if (s == 0)
-        return meets_from(g, reach, k + 1, delta, budget);
-    __int128 lo = delta - r, hi = delta + r;
-    lo = lo >= 0 ? (lo + s - 1) / s : -((-lo) / s); /* ceil(lo / s) */
-    hi = hi >= 0 ? hi / s : -((-hi + s - 1) / s);   /* floor(hi / s) */
-    const __int128 most = g->extent[k] - 1;
-    for (__int128 m = lo < -most ? -most : lo; m <= (hi > most ? most : hi); m++)
-        if (meets_from(g, reach, k + 1, delta - m * s, budget))
-            return 1;
-    return 0;
+    int64_t low = 0, high = g->itemsize - 1;
+    for (int i = 0; i < g->ndim; i++) {
+        const int64_t reach = g->extent[i] > 0 ? g->stride[i] * (g->extent[i] - 1) : 0;
+        if (reach < 0)
+            low += reach;
+        else
+            high += reach;
+    }
+    *first = low, *last = high;
 }
 
 static int by_address(const void *a, const void *b)
@@ -200,27 +287,49 @@ static int by_address(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Sorted by address, each array is compared with those that start within
- * its hull. */
-int kv_find_meeting(const kv_lattice *given, kv_placed *placed, int64_t count, int64_t *first, int64_t *second)
+/* Whether pair (a, b) of labels comes before (x, y). */
+static int labels_before(int64_t a, int64_t b, int64_t x, int64_t y) { return a < x || (a == x && b < y); }
+
+/* Both sorted by address: b's regions reaching a's region i are a run, the
+ * regions of one set being translates.  Every pair whose hulls meet is
+ * asked, so that the pair named is the first by label whatever the
+ * addresses. */
+int kv_regions_meet(const kv_regions *a, const kv_regions *b, int64_t *first, int64_t *second, int64_t *budget)
 {
-    const kv_lattice g = sorted_lattice(given);
-    __int128 reach[KV_MAX_NDIM + 1];
-    reach[g.ndim] = g.itemsize - 1;
-    for (int k = g.ndim - 1; k >= 0; k--)
-        reach[k] = reach[k + 1] + (__int128)g.stride[k] * (g.extent[k] - 1);
-    qsort(placed, (size_t)count, sizeof *placed, by_address);
-    for (int64_t i = 0; i < count; i++) {
-        for (int64_t j = i + 1; j < count && (__int128)(placed[j].address - placed[i].address) <= reach[0]; j++) {
-            int budget = 1 << 16;
-            if (meets_from(&g, reach, 0, (__int128)(placed[j].address - placed[i].address), &budget)) {
-                *first = placed[i].index < placed[j].index ? placed[i].index : placed[j].index;
-                *second = placed[i].index < placed[j].index ? placed[j].index : placed[i].index;
-                return 1;
+    int64_t a_low, a_high, b_low, b_high;
+    lattice_hull(&a->lattice, &a_low, &a_high);
+    lattice_hull(&b->lattice, &b_low, &b_high);
+    const int same = a == b;
+    qsort(a->placed, (size_t)a->count, sizeof *a->placed, by_address);
+    if (!same)
+        qsort(b->placed, (size_t)b->count, sizeof *b->placed, by_address);
+    int verdict = 0;
+    int64_t start = 0;
+    for (int64_t i = 0; i < a->count; i++) {
+        const __int128 from = (__int128)a->placed[i].address + a_low, to = (__int128)a->placed[i].address + a_high;
+        /* b's regions ending before region i starts end before the next one's too. */
+        while (start < b->count && (__int128)b->placed[start].address + b_high < from)
+            start++;
+        for (int64_t j = same ? (i + 1 > start ? i + 1 : start) : start;
+             j < b->count && (__int128)b->placed[j].address + b_low <= to; j++) {
+            int64_t x = a->placed[i].label, y = b->placed[j].label;
+            if (same && y < x)
+                x = b->placed[j].label, y = a->placed[i].label;
+            if (verdict > 0 && !labels_before(x, y, *first, *second))
+                continue; /* cannot name an earlier pair */
+            const int meet =
+                kv_lattices_meet(&a->lattice, a->placed[i].address, &b->lattice, b->placed[j].address, budget);
+            /* A shared byte outranks an undecided pair; among equals, the earlier labels. */
+            if (meet != 0
+                && (verdict == 0 || meet > verdict || (meet == verdict && labels_before(x, y, *first, *second)))) {
+                *first = x, *second = y;
+                verdict = meet;
             }
+            if (*budget < 0)
+                return verdict;
         }
     }
-    return 0;
+    return verdict;
 }
 
 int kv_overlap_error(const kv_path *destination, const kv_path *other)

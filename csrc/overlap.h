@@ -36,9 +36,9 @@ int kv_sort_spans(kv_span *spans, Py_ssize_t count, uint64_t *reach);
  * `s`, or -1: a binary search. */
 Py_ssize_t kv_span_overlaps(const kv_span *spans, const uint64_t *reach, Py_ssize_t count, const kv_span *s);
 
-/* The byte layout of one of several arrays that differ only by their
- * address (a cache's layers): its extents, strides in bytes (any sign) and
- * element size. */
+/* The elements of a strided array, relative to its address: extents,
+ * strides in bytes (any sign) and element size.  A contiguous run of n
+ * bytes is one element of n bytes. */
 typedef struct {
     int ndim;
     int64_t extent[KV_MAX_NDIM];
@@ -46,17 +46,35 @@ typedef struct {
     int64_t itemsize;
 } kv_lattice;
 
-/* One of those arrays: where it starts, and which it is. */
+/* The exact questions below are bounded integer equations (NumPy's
+ * shares_memory solves the same): each takes steps from *budget and
+ * answers -1, undecided, once it is spent. */
+
+/* Whether an element of g at address a and one of h at address b share a
+ * byte: 1, 0 or -1. */
+int kv_lattices_meet(const kv_lattice *g, uint64_t a, const kv_lattice *h, uint64_t b, int64_t *budget);
+
+/* Whether two distinct elements of g share a byte: 1, 0 or -1. */
+int kv_lattice_overlaps_itself(const kv_lattice *g, int64_t *budget);
+
+/* Arrays alike but for their address (a cache's layers): one lattice at
+ * each placed address, named by its label in errors. */
 typedef struct {
     uint64_t address;
-    int64_t index;
+    int64_t label;
 } kv_placed;
 
-/* Two of `count` arrays laid out as `g` at placed[i].address that share a
- * byte: exact where their hulls overlap but their elements interleave
- * (views of one buffer), not a comparison of hulls.  Reorders `placed`.
- * Returns 1 with their indexes in *first < *second, or 0. */
-int kv_find_meeting(const kv_lattice *g, kv_placed *placed, int64_t count, int64_t *first, int64_t *second);
+typedef struct {
+    kv_lattice lattice;
+    kv_placed *placed; /* reordered by kv_regions_meet */
+    int64_t count;
+} kv_regions;
+
+/* Whether a region of `a` and one of `b` share a byte (a == b: two
+ * distinct regions of one set), comparing only regions whose hulls meet:
+ * 1 with their labels in *first and *second, 0, or -1 undecided with the
+ * labels of an undecided pair. */
+int kv_regions_meet(const kv_regions *a, const kv_regions *b, int64_t *first, int64_t *second, int64_t *budget);
 
 /* Raises ValueError "destination: destination shares memory with other".
  * Returns -1. */

@@ -63,15 +63,17 @@ static int check_layer_array(kv_paged_cache *self, Py_ssize_t i, const kv_layout
                              "%lld; the layers must share one memory layout",
                              want, (long long)a->strides[d], (long long)first->strides[d]);
     }
-    if ((a->place == KV_DEVICE) != (first->place == KV_DEVICE) || a->device_id != first->device_id) {
+    if ((a->place == KV_DEVICE) != (first->place == KV_DEVICE)) {
         const int on_device = a->place == KV_DEVICE;
-        return kv_path_error(PyExc_ValueError, &path,
-                             "%s %s, but layers[0] is %s %s; a cache lives on one device or "
-                             "in host memory",
-                             on_device ? "on" : "in", on_device ? "a CUDA device" : "host memory",
-                             first->place == KV_DEVICE ? "on" : "in",
-                             first->place == KV_DEVICE ? "a CUDA device" : "host memory");
+        return kv_path_error(
+            PyExc_ValueError, &path, "%s, but layers[0] is %s; a cache lives on one device or in host memory",
+            on_device ? "on a CUDA device" : "in host memory", on_device ? "in host memory" : "on a CUDA device");
     }
+    /* Host memory is one place whatever its producer numbers it (DLPack's CPU 0, the others -1). */
+    if (a->place == KV_DEVICE && a->device_id != first->device_id)
+        return kv_path_error(PyExc_ValueError, &path,
+                             "on cuda:%d, but layers[0] is on cuda:%d; a cache lives on one device", a->device_id,
+                             first->device_id);
     return 0;
 }
 
@@ -179,6 +181,15 @@ static int check_layer_letter(PyObject *dims, int single, int pairs, const kv_la
     return 0;
 }
 
+/* A copy kv_as_sequence made, kept for the cache's life: tracked again, so
+ * that a layer referring back to the cache is a cycle the collector finds. */
+static PyObject *kept(PyObject *tuple)
+{
+    if (!PyObject_GC_IsTracked(tuple))
+        PyObject_GC_Track(tuple);
+    return tuple;
+}
+
 /* layers as a sequence of (K, V) pairs: the 2n arrays, K then V of each
  * layer (a new tuple), and *pairs the pairs as read, each a tuple (new). */
 static PyObject *flatten_pairs(PyObject *seq, PyObject **pairs)
@@ -197,7 +208,7 @@ static PyObject *flatten_pairs(PyObject *seq, PyObject **pairs)
             Py_CLEAR(*pairs);
             break;
         }
-        PyTuple_SET_ITEM(*pairs, i, pair);
+        PyTuple_SET_ITEM(*pairs, i, kept(pair));
         PyTuple_SET_ITEM(arrays, 2 * i, Py_NewRef(PyTuple_GET_ITEM(pair, 0)));
         PyTuple_SET_ITEM(arrays, 2 * i + 1, Py_NewRef(PyTuple_GET_ITEM(pair, 1)));
     }
@@ -299,7 +310,7 @@ static PyObject *layer_arrays(kv_paged_cache *self, const kv_layout *layout)
             Py_SETREF(self->layers, pairs);
     }
     else if (!single)
-        Py_SETREF(self->layers, Py_NewRef(seq));
+        Py_SETREF(self->layers, Py_NewRef(kept(seq)));
     if (seq != NULL && check_layer_letter(self->dims, single, self->kv_pairs, layout) < 0)
         Py_CLEAR(seq);
     return seq;
@@ -326,7 +337,7 @@ static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
     if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0
-        || build_tables(self) < 0)
+        || build_tables(self) < 0 || kv_paged_find_aliasing(self) < 0)
         return -1;
     return kv_paged_guard_layers(self, &state->protocols);
 }

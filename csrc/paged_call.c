@@ -322,20 +322,18 @@ static int read_flats(kv_paged_call *call, PyObject *obj)
 }
 
 /* A destination sharing memory with a source or another destination is
- * refused: each flat block against the cache's arrays (sorted once, at
- * construction: a binary search a block), and the flat blocks against each
- * other when they are written. */
+ * refused: each flat block against the layers and heads the call moves
+ * (paged_alias.c), and the flat blocks against each other when they are
+ * written (each is contiguous: their spans are their bytes). */
 static int check_aliasing(const kv_paged_call *call)
 {
-    const kv_paged_cache *cache = call->cache;
     const int to_flat = call->form->to_flat;
     for (Py_ssize_t i = 0; i < call->nflats; i++) {
-        const kv_span s = kv_span_of(&call->flats[i], i, to_flat);
-        const Py_ssize_t hit = kv_span_overlaps(cache->spans, cache->reach, cache->narrays, &s);
-        if (hit >= 0) {
-            const kv_path flat = flat_path(call, i), layer = kv_paged_layer_path(cache, hit);
-            return to_flat ? kv_overlap_error(&flat, &layer) : kv_overlap_error(&layer, &flat);
-        }
+        const kv_path flat = flat_path(call, i);
+        if (kv_paged_check_flat(call->cache, &call->options.layers, &call->options.heads, &call->flats[i], &flat,
+                                to_flat)
+            < 0)
+            return -1;
     }
     if (!to_flat || call->nflats < 2)
         return 0;
@@ -428,8 +426,9 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     kv_target_init(&call.target, call.options.move.stream, self->device, "the cache is");
     call.reader.protocols = &call.state->protocols;
     call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.move.stream);
-    if (call.reader.dlpack_stream == NULL || kv_paged_check_layers(self, &call.reader, &call.options.layers) < 0
-        || (!form->to_flat && kv_paged_check_aliasing(self, &call.options.layers) < 0)
+    if (call.reader.dlpack_stream == NULL
+        || kv_paged_check_layers(self, "layers", &call.reader, &call.options.layers) < 0
+        || (!form->to_flat && kv_paged_check_aliasing(self, &call.options.layers, "layers") < 0)
         || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0 || check_aliasing(&call) < 0)
         goto done;
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;

@@ -107,13 +107,28 @@ int kv_read_selection(PyObject *obj, int64_t n, const char *name, const char *wh
 int64_t kv_selection_top(const kv_selection *sel);
 int64_t kv_selection_bottom(const kv_selection *sel);
 
-/* paged_layers.c: at construction, what the checks below need (0, or -1
- * with an exception); for a call moving `layers` (a call writing them), a
- * ValueError naming a layer whose memory moved since construction (two
- * layers that share memory).  Return 0 or -1. */
+/* paged_layers.c: at construction, what the check below needs (0, or -1
+ * with an exception); for a call moving `layers`, a ValueError naming a
+ * layer whose memory moved since construction (the cache's arrays called
+ * `name`).  Returns 0 or -1. */
 int kv_paged_guard_layers(kv_paged_cache *self, kv_protocols *protocols);
-int kv_paged_check_layers(const kv_paged_cache *self, const kv_reader *reader, const kv_selection *layers);
-int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers);
+int kv_paged_check_layers(const kv_paged_cache *self, const char *name, const kv_reader *reader,
+                          const kv_selection *layers);
+
+/* paged_alias.c: memory shared by bytes, not by hulls.  At construction,
+ * whether the cache's layers share any (self->aliased; 0, or -1 with
+ * MemoryError); for a call writing `layers`, a ValueError naming two that
+ * share a byte (the cache's arrays called `name`); for to_cache, a ValueError naming a written layer of dst
+ * sharing a byte with a read layer of src (each side's selected layers
+ * and heads); for a flat array of a call, a ValueError naming it and a
+ * layer it shares a byte with (`to_flat`: the flat array is written).
+ * Return 0 or -1. */
+int kv_paged_find_aliasing(kv_paged_cache *self);
+int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers, const char *name);
+int kv_paged_check_caches(const kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
+                          const kv_paged_cache *dst, const kv_selection *dst_layers, const kv_selection *dst_heads);
+int kv_paged_check_flat(const kv_paged_cache *cache, const kv_selection *layers, const kv_selection *heads,
+                        const kv_array *flat, const kv_path *path, int to_flat);
 
 /* A call's keyword options, checked. */
 typedef struct {

@@ -1,7 +1,6 @@
-/* kvbm_ext.PagedKVCache: what its layers must still be at each call.  Their
+/* kvbm_ext.PagedKVCache: what its layers must still be at each call: their
  * memory must not have moved since construction (torch's resize_ reallocates
- * a storage it grows, freeing the memory the cache was built over), and a
- * call writing them must not write two that share memory.  See
+ * a storage it grows, freeing the memory the cache was built over).  See
  * paged_internal.h. */
 #include "paged_internal.h"
 
@@ -10,58 +9,12 @@
 #include "debug.h"
 #include "dlpack.h"
 
-/* One layer's bytes as a lattice: every letter but 'l' (a layer is a
- * translate of layer 0, whether the layers are arrays or one array's 'l'). */
-static kv_lattice layer_lattice(const kv_paged_cache *self)
-{
-    const kv_lattice g = {
-        5,
-        {self->no, self->num_blocks, self->nt, self->nh, self->hd},
-        {self->stride[DIM_K], self->stride[DIM_B], self->stride[DIM_T], self->stride[DIM_H], self->stride[DIM_D]},
-        self->itemsize};
-    return g;
-}
-
-/* Two layers of `layers` that share a byte: 1 with them in *first <
- * *second, 0 when there are none, -1 with MemoryError. */
-static int find_aliased_layers(const kv_paged_cache *self, const kv_selection *layers, int64_t *first, int64_t *second)
-{
-    kv_placed *placed = PyMem_Malloc((size_t)(layers->count > 0 ? layers->count : 1) * sizeof *placed);
-    if (placed == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (int64_t k = 0; k < layers->count; k++) {
-        placed[k].index = layers->first + k * layers->step;
-        placed[k].address = self->layer_addresses[placed[k].index];
-    }
-    const kv_lattice g = layer_lattice(self);
-    const int found = kv_find_meeting(&g, placed, layers->count, first, second);
-    PyMem_Free(placed);
-    return found;
-}
-
-/* Reading layers that share memory is harmless (e.g. one layer given for
- * every layer), so the cache is built; only writing two of them is refused.
- * Caches whose layers share nothing, found once at construction, pay
- * nothing per call. */
-int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers)
-{
-    int64_t first, second;
-    const int found = self->aliased ? find_aliased_layers(self, layers, &first, &second) : 0;
-    if (found <= 0)
-        return found;
-    return kv_error(PyExc_ValueError,
-                    "layers: cache layers %lld and %lld share memory, so a call cannot write both "
-                    "(give each layer memory of its own, or select at most one of them with layers=)",
-                    (long long)first, (long long)second);
-}
-
-static int check_unmoved(const kv_paged_cache *self, Py_ssize_t i, const char *now)
+static int check_unmoved(const kv_paged_cache *self, const char *name, Py_ssize_t i, const char *now)
 {
     if (now == self->arrays[i].data)
         return 0;
-    const kv_path path = kv_paged_layer_path(self, i);
+    kv_path path = kv_paged_layer_path(self, i);
+    path.name = name;
     char was[24], is[24];
     snprintf(was, sizeof was, "%#llx", (unsigned long long)(uintptr_t)self->arrays[i].data);
     snprintf(is, sizeof is, "%#llx", (unsigned long long)(uintptr_t)now);
@@ -75,27 +28,29 @@ static int check_unmoved(const kv_paged_cache *self, Py_ssize_t i, const char *n
 /* Where array i is now, as its C exchange API describes the object read
  * (for torch, the cache's detached alias: set_ on the caller's tensor does
  * not move it, a resize of their shared storage does). */
-static int check_exchange_layer(const kv_paged_cache *self, Py_ssize_t i)
+static int check_exchange_layer(const kv_paged_cache *self, const char *name, Py_ssize_t i)
 {
     DLTensor t;
     if (self->exchange[i]->dltensor_from_py_object_no_sync(self->arrays[i].owner, &t) == 0 && !PyErr_Occurred())
-        return check_unmoved(self, i, (const char *)t.data + t.byte_offset);
-    const kv_path path = kv_paged_layer_path(self, i);
+        return check_unmoved(self, name, i, (const char *)t.data + t.byte_offset);
+    kv_path path = kv_paged_layer_path(self, i);
+    path.name = name;
     return PyErr_Occurred() ? kv_path_error_from(PyExc_ValueError, &path, "its producer can no longer describe it")
                             : kv_path_error(PyExc_ValueError, &path, "its producer can no longer describe it");
 }
 
 /* Where array i is now, read again through its protocol, as the caller
  * gave it. */
-static int check_reread_layer(const kv_paged_cache *self, const kv_reader *reader, Py_ssize_t i)
+static int check_reread_layer(const kv_paged_cache *self, const char *name, const kv_reader *reader, Py_ssize_t i)
 {
     kv_array now;
-    const kv_path path = kv_paged_layer_path(self, i);
+    kv_path path = kv_paged_layer_path(self, i);
+    path.name = name;
     if (kv_array_read(reader, kv_paged_layer(self, i), &path, 0, &now) < 0)
         return -1;
     const char *data = now.data;
     kv_array_release(&now);
-    return check_unmoved(self, i, data);
+    return check_unmoved(self, name, i, data);
 }
 
 /* One array holding every layer, read through a C exchange API, is asked
@@ -103,7 +58,8 @@ static int check_reread_layer(const kv_paged_cache *self, const kv_reader *reade
  * such call per layer (about 0.1 us each, as much as the rest of a call at
  * 80 layers), so they are checked only under KVBM_EXT_DEBUG, as are arrays
  * without the API (read again through their Python protocol). */
-int kv_paged_check_layers(const kv_paged_cache *self, const kv_reader *reader, const kv_selection *layers)
+int kv_paged_check_layers(const kv_paged_cache *self, const char *name, const kv_reader *reader,
+                          const kv_selection *layers)
 {
     const int debug = kv_debug_enabled();
     if (self->narrays > 1 && !debug)
@@ -111,8 +67,8 @@ int kv_paged_check_layers(const kv_paged_cache *self, const kv_reader *reader, c
     const int64_t count = self->narrays == 1 ? 1 : layers->count;
     for (int64_t k = 0; k < count; k++) {
         const Py_ssize_t i = self->narrays == 1 ? 0 : (Py_ssize_t)(layers->first + k * layers->step);
-        const int rc = self->exchange[i] != NULL ? check_exchange_layer(self, i)
-                       : debug                   ? check_reread_layer(self, reader, i)
+        const int rc = self->exchange[i] != NULL ? check_exchange_layer(self, name, i)
+                       : debug                   ? check_reread_layer(self, name, reader, i)
                                                  : 0;
         if (rc < 0)
             return -1;
@@ -175,8 +131,5 @@ int kv_paged_guard_layers(kv_paged_cache *self, kv_protocols *p)
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         if (guard_layer(self, p, i) < 0)
             return -1;
-    const kv_selection every = {0, 1, self->nl};
-    int64_t first, second;
-    self->aliased = find_aliased_layers(self, &every, &first, &second);
-    return self->aliased < 0 ? -1 : 0;
+    return 0;
 }

@@ -142,8 +142,8 @@ static int group_sizes(const kv_layout *layout, int d, int64_t extent, int64_t b
                             text, KV_LAYOUT_LETTERS[rest], KV_LAYOUT_LETTERS[letter]);
         if (size[letter] == 0)
             rest = letter;
-        else
-            known *= size[letter];
+        else if (__builtin_mul_overflow(known, size[letter], &known))
+            known = INT64_MAX; /* fits no extent: refused below */
     }
     if (rest >= 0 ? extent % known == 0 : extent == known) {
         if (rest >= 0)

@@ -98,22 +98,19 @@ static int read_ids(kv_to_cache_call *call, PyObject *obj, const char *name, con
     return kv_paged_check_ids((const int64_t *)list->values, list->count, cache->num_blocks, cache == call->dst, name);
 }
 
-/* The caches share no byte: each array of dst against src's (sorted once,
- * at construction). */
-static int check_aliasing(const kv_to_cache_call *call)
+/* Before any byte is read or written: both caches' memory where it was
+ * built, dst's written layers sharing no byte with each other nor with
+ * src's read ones (the heads moved of each). */
+static int check_caches(const kv_to_cache_call *call)
 {
-    const kv_paged_cache *src = call->src, *dst = call->dst;
-    for (Py_ssize_t i = 0; i < dst->narrays; i++) {
-        const kv_span s = kv_span_of(&dst->arrays[i], i, 1);
-        const Py_ssize_t hit = kv_span_overlaps(src->spans, src->reach, src->narrays, &s);
-        if (hit >= 0) {
-            kv_path written = kv_paged_layer_path(dst, i);
-            const kv_path read = kv_paged_layer_path(src, hit);
-            written.name = "dst.layers";
-            return kv_overlap_error(&written, &read);
-        }
-    }
-    return 0;
+    const kv_paged_options *o = &call->options;
+    const kv_selection landing = kv_paged_landing(o), dst_heads = {o->head_offset, 1, o->heads.count};
+    return kv_paged_check_layers(call->src, "layers", &call->reader, &o->layers) < 0
+                   || kv_paged_check_layers(call->dst, "dst.layers", &call->reader, &landing) < 0
+                   || kv_paged_check_aliasing(call->dst, &landing, "dst.layers") < 0
+                   || kv_paged_check_caches(call->src, &o->layers, &o->heads, call->dst, &landing, &dst_heads) < 0
+               ? -1
+               : 0;
 }
 
 /* What a call moves must fit the kernel's 32-bit counts: 0, or -1 with
@@ -150,7 +147,7 @@ static int read_call(kv_to_cache_call *call, PyObject *const *v)
     if (call->dst_ids.count != call->src_ids.count)
         return kv_error(PyExc_ValueError, "dst_ids: has %zd ids, but src_ids has %zd", call->dst_ids.count,
                         call->src_ids.count);
-    return check_aliasing(call) < 0 || check_size(call) < 0 ? -1 : 0;
+    return check_caches(call) < 0 || check_size(call) < 0 ? -1 : 0;
 }
 
 static void release_call(kv_to_cache_call *call)
