@@ -473,6 +473,166 @@ def case_paged_alias(rng, kvbm_ext):
     return c
 
 
+def cache_memory(rng, kind, nl, NB, no, nh, nt, hd, base=None):
+    """(the constructor's layers, dims, whether they are (K, V) pairs) of a cache of `kind`
+    over fresh random bytes, or over views of `base` (a [nl, 2, NB2, nt, NH2, hd] array)."""
+    if base is not None:
+        return base, "lkbthd", False
+    if kind == "pairs":
+        return [[random_array(rng, (NB, nt, nh, hd), np.float16) for _ in range(2)] for _ in range(nl)], "bthd", True
+    if kind == "one array":
+        return random_array(rng, (nl, no, NB, nt, nh, hd), np.float16), "lkbthd", False
+    return [random_array(rng, (no, NB, nt, nh, hd), np.float16) for _ in range(nl)], "kbthd", False
+
+
+def one_buffer_views(rng, nl, NB, nh, nt, hd):
+    """Two views of one buffer for src and dst: disjoint (block halves, even and odd blocks,
+    head halves) or sharing bytes (overlapping halves, one inside the other, the same)."""
+    base = random_array(rng, (nl, 2, 2 * NB + 1, nt, 2 * nh, hd), np.float16)
+    relation = rng.choice(["halves", "even odd", "heads", "overlap", "inside", "same"])
+    a, b = {"halves": (base[:, :, :NB], base[:, :, NB: 2 * NB]),
+            "even odd": (base[:, :, 0: 2 * NB: 2], base[:, :, 1: 2 * NB: 2]),
+            "heads": (base[:, :, :NB, :, :nh], base[:, :, :NB, :, nh:]),
+            "overlap": (base[:, :, :NB + 1], base[:, :, NB - 1: 2 * NB]),
+            "inside": (base[:, :, 0: 2 * NB: 2], base[:, :, 0: 2 * NB: 4]),
+            "same": (base[:, :, :NB], base[:, :, :NB])}[relation]
+    return base, (a, b) if rng.random() < 0.5 else (b, a)
+
+
+def aliased_dst(rng, layers, pairs):
+    """dst's own layers sharing bytes: a layer given twice, K given as V, a pair twice."""
+    if pairs:
+        how = rng.choice(["K is V", "pair twice"])
+        if how == "K is V":
+            layers[0][1] = layers[0][0]
+        else:
+            layers[-1] = layers[0]
+    elif isinstance(layers, list):
+        layers[-1] = layers[0]
+    return layers
+
+
+def case_to_cache(rng, kvbm_ext):
+    """to_cache between two caches, both hostile: layers that share bytes, (K, V) pairs
+    aliasing, disjoint and overlapping views of one buffer, memory moved since the cache
+    was built, selections and offsets.  Refused exactly when the rule says (a written
+    layer's bytes shared within dst, or with a byte src reads), else checked bit for bit."""
+    _, _, no, nh, nt, hd = shape6(rng)
+    nl, NB, nh, no = rng.randint(1, 3), rng.randint(2, 5), rng.randint(1, 3), 2
+    relation = rng.choice(["separate", "separate", "one buffer", "aliased dst", "moved"])
+    src_kind, dst_kind = rng.choice(["per layer", "pairs", "one array"]), rng.choice(["per layer", "pairs", "one array"])
+    c = Case()
+    memory = []
+    if relation == "one buffer":
+        base, (a, b) = one_buffer_views(rng, nl, NB, nh, nt, hd)
+        src_layers, src_dims, src_pairs = cache_memory(rng, None, nl, NB, no, nh, nt, hd, a)
+        dst_layers, dst_dims, dst_pairs = cache_memory(rng, None, nl, NB, no, nh, nt, hd, b)
+        memory = [base]
+    else:
+        src_layers, src_dims, src_pairs = cache_memory(rng, src_kind, nl, NB, no, nh, nt, hd)
+        dst_layers, dst_dims, dst_pairs = cache_memory(rng, dst_kind, nl, NB, no, nh, nt, hd)
+        if relation == "aliased dst":
+            dst_layers = aliased_dst(rng, dst_layers, dst_pairs)
+        memory = [x for layers in (src_layers, dst_layers) for x in (
+            layers if isinstance(layers, np.ndarray) else [y for item in layers for y in (item if isinstance(item, list)
+                                                                                          else [item])])]
+    src_nb, dst_nb = (src_layers.shape[2] if src_dims == "lkbthd" else NB), (dst_layers.shape[2] if dst_dims == "lkbthd"
+                                                                            else NB)
+    src_nh = src_layers.shape[4] if src_dims == "lkbthd" else nh
+    dst_nh = dst_layers.shape[4] if dst_dims == "lkbthd" else nh
+    nb = rng.randint(1, min(src_nb, dst_nb))
+    src_ids, dst_ids = [rng.randrange(src_nb) for _ in range(nb)], rng.sample(range(dst_nb), nb)
+    count = rng.randint(1, min(src_nh, dst_nh))
+    first = rng.randint(0, src_nh - count)
+    heads, head_offset = slice(first, first + count), rng.randint(0, dst_nh - count)
+    kwargs = {"heads": heads, "head_offset": head_offset}
+    if rng.random() < 0.5:
+        kwargs.update(layers=slice(nl - 1, None, -1), layer_offset=0, pack_layers=True)
+    chosen = fuzz_paged.selection(nl, kwargs.get("layers"))
+    landing = list(range(len(chosen))) if kwargs.get("pack_layers") else chosen
+    c.written = [(x, x.copy()) for x in memory]
+    src_rows = fuzz_paged.outer_rows(src_layers, src_dims, src_pairs)
+    dst_rows = fuzz_paged.outer_rows(dst_layers, dst_dims, dst_pairs)
+    written_whole = [dst_rows[l][o] for l in landing for o in range(no)]
+    written = [dst_rows[l][o][:, :, head_offset: head_offset + count] for l in landing for o in range(no)]
+    read = [src_rows[l][o][:, :, heads] for l in chosen for o in range(no)]
+    c.expect_error = relation == "moved" or fuzz_paged.pieces_share_bytes(written_whole, []) or \
+        fuzz_paged.pieces_share_bytes(written, read)
+    src_arg, dst_arg = src_layers, dst_layers
+    if relation == "moved":
+        import torch
+
+        moved = torch.from_numpy(random_array(rng, (nl, no, NB, nt, nh, hd), np.float16)).clone()
+        src_arg, src_dims = moved, "lkbthd"
+
+    def run():
+        src = kvbm_ext.PagedKVCache(src_arg, src_dims)
+        dst = kvbm_ext.PagedKVCache(dst_arg, dst_dims)
+        if relation == "moved":
+            src_arg.resize_(src_arg.numel() * 2)     # the cache's memory is freed: refused, never read
+        src.to_cache(dst, src_ids, dst_ids, **kwargs)
+    c.run = run
+    if not c.expect_error:
+        before = [x.copy() for x in memory]
+
+        def check():
+            got = [x.copy() for x in memory]
+            for x, was in zip(memory, before):
+                x[...] = was        # the rows (views of memory) hold the bytes of before the call
+            fuzz_paged.apply_to_cache(src_rows, dst_rows, src_ids, dst_ids, chosen, list(range(first, first + count)),
+                                      landing, head_offset)
+            for x, g in zip(memory, got):
+                assert np.array_equal(g.view(np.uint8), x.view(np.uint8)), "to_cache: wrong bytes"
+        c.check = check
+    return c
+
+
+def case_grouped_block_size(rng, kvbm_ext):
+    """Layouts that group t with b or k with t, with block sizes up to and past int64."""
+    dims = rng.choice(["(bt)hd", "b(tk)hd", "(bt)(kd)", "bth(kd)", "(bt)khd"])
+    block_size = rng.choice([1, 2, 4, 2**31, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -1, 0, np.int64(2**62 + 1),
+                             True, Raises(), Index(2**62 + 3)])
+    shape = {"(bt)hd": (8, 2, 4), "b(tk)hd": (2, 8, 2, 4), "(bt)(kd)": (8, 8), "bth(kd)": (2, 4, 2, 8),
+             "(bt)khd": (8, 2, 2, 4)}[dims]
+    layer = random_array(rng, shape, np.float16)
+    c = Case()
+    universal = poisoned((1, 2, 1, 2, 4, 4), np.float16)
+    c.written = [(universal, universal.copy())]
+
+    def run():
+        cache = kvbm_ext.PagedKVCache([layer], dims, block_size=block_size)
+        cache.to_universal([0], universal)
+    c.run = run
+    return c
+
+
+def case_pinned_empty(rng, kvbm_ext):
+    """pinned_empty's shapes: empty with huge other extents, past 2**63 bytes, odd ints;
+    every accepted buffer exports strides and a size that fit (nothing larger than 1 MiB is
+    drawn that the machine could map)."""
+    c = Case()
+    pick = lambda: rng.choice([0, 0, 1, 3, 7, 2**20, 2**31, 2**61, 2**62, 2**63 - 1, 2**63, -1])  # noqa: E731
+    shape = tuple(pick() for _ in range(rng.randint(0, 4)))
+    total = 1
+    for extent in shape:
+        total *= extent
+    if 0 < total * 8 <= 2**20 or min(shape, default=1) < 0 or 0 in shape or total * 8 >= 2**63:
+        arg = rng.choice([shape, list(shape), shape[0] if len(shape) == 1 else shape])
+    else:
+        arg = (0,) + shape       # between 1 MiB and 2**63 bytes: made empty
+    dtype = rng.choice([np.float32, np.float16, np.uint8, "bfloat16", "float64", "nope", np.complex64])
+
+    def run():
+        buf = kvbm_ext.pinned_empty(arg, dtype)
+        view = memoryview(buf)
+        span = sum(abs(st) * (n - 1) for st, n in zip(view.strides, view.shape) if n > 0)
+        assert all(st >= 0 for st in view.strides) and span < 2**63, f"strides {view.strides}"
+        buf.close()
+    c.run = run
+    c.allowed = ALLOWED + (MemoryError,)    # more bytes than the machine has: refused before mapping
+    return c
+
+
 def case_dlpack(rng, kvbm_ext):
     """A DLPack producer built with ctypes, well formed or not, as a source chunk, a
     destination universal or a PagedKVCache layer, through each route."""
@@ -556,7 +716,8 @@ def run_case(seed, kvbm_ext):
     """Draws and runs case `seed`; returns None, or what went wrong (its kind first)."""
     rng = random.Random(seed)
     draw = rng.choice([case_list_api, case_list_api, case_paged, case_paged, case_other, case_paged_select,
-                       case_paged_select, case_paged_alias, case_dlpack, case_plan])
+                       case_paged_select, case_paged_alias, case_dlpack, case_plan, case_to_cache, case_to_cache,
+                       case_grouped_block_size, case_pinned_empty])
     case = draw(rng, kvbm_ext)
     try:
         case.run()

@@ -139,3 +139,31 @@ def offset_ok(value, bottom):
     """Whether layer_offset `value` is taken with `bottom` the lowest layer moved."""
     index = _index(value)
     return index is not None and -bottom <= index <= INT32_MAX
+
+
+def outer_rows(layers, dims, pairs):
+    """Views [NB, nt, nh, hd] of each layer's K and V ([layer][outer]): of (K, V) pairs
+    described by `dims`, or of rows() of the other layouts."""
+    if pairs:
+        return [[_canonical(x, dims, "bthd") for x in pair] for pair in layers]
+    return [[r[:, o] for o in range(r.shape[1])] for r in rows(layers, dims)]
+
+
+def apply_to_cache(src_rows, dst_rows, src_ids, dst_ids, layers, heads, landing, head_offset):
+    """to_cache on NumPy views: dst row (dst_ids[b], landing[k], o, t, head_offset + j) =
+    src row (src_ids[b], layers[k], o, t, heads[j])."""
+    values = [[[src_rows[l][o][s][:, heads].copy() for o in range(len(src_rows[l]))] for l in layers]
+              for s in src_ids]
+    for b, d in enumerate(dst_ids):
+        for k, l in enumerate(landing):
+            for o, value in enumerate(values[b][k]):
+                dst_rows[l][o][d][:, head_offset: head_offset + len(heads)] = value
+
+
+def pieces_share_bytes(written, read):
+    """Whether a written array's own elements overlap, two written arrays share a byte, or a
+    written and a read one do."""
+    w, r = byte_sets(written), byte_sets(read)
+    if any(len(bytes_) < a.size * a.itemsize for bytes_, a in zip(w, written)):
+        return True
+    return any(w[i] & w[j] for i in range(len(w)) for j in range(i + 1, len(w))) or any(a & b for a in w for b in r)

@@ -3,7 +3,9 @@
 #
 # Builds a CPU-only copy of the extension (no nvcc: the sanitizers do not see
 # into CUDA kernels; compute-sanitizer does that on a GPU machine) with
-# -fsanitize=address,undefined into a temporary directory, then runs the
+# -fsanitize=address,undefined into a temporary directory (UBSan aborting on
+# its first report; -fno-wrapv undoes the -fwrapv of CPython's own flags, which
+# would make signed overflow defined and so invisible), then runs the
 # tests against it with libasan preloaded (CPython itself is not built with
 # it) and PYTHONMALLOC=malloc, so that every Python allocation goes through
 # ASan too.  Exits non-zero on any test failure or sanitizer report.
@@ -17,7 +19,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cp -r "$root/csrc" "$root/cuda" "$root/kvbm_ext" "$root/setup.py" "$root/pyproject.toml" "$root/README.md" "$root/LICENSE" "$root/CHANGELOG.md" "$root/.clang-format" "$work/"
 rm -f "$work"/kvbm_ext/*.so
-flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-wrapv -fno-omit-frame-pointer -g"
 (cd "$work" && PATH=/usr/bin:/bin CUDA_HOME=/nonexistent CUDA_PATH=/nonexistent CFLAGS="$flags" LDFLAGS="$flags" \
     python3 setup.py build_ext --inplace > build.log 2>&1) || { tail -30 "$work/build.log"; exit 1; }
 cd "$work"
