@@ -106,6 +106,9 @@ int kv_read_selection(PyObject *obj, int64_t n, const char *name, const char *wh
                         what, Py_TYPE(obj)->tp_name);
     if (rc == 0 && sel->count == 0)
         return kv_error(PyExc_ValueError, "%s: %R selects no %s; select at least one", name, obj, what);
+    /* One entry has no step: a huge one would overflow step * stride. */
+    if (rc == 0 && sel->count == 1)
+        sel->step = 1;
     return rc;
 }
 
