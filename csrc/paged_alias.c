@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "lock.h"
+
 /* Steps one exact check may take (overlap.h): layouts whose strides nest
  * take a few per pair of regions, so only pathological strides reach it. */
 #define ALIAS_BUDGET (1 << 20)
@@ -159,7 +161,29 @@ static int shared_error(const char *destination, const char *other, int meet)
                     destination, other);
 }
 
-int kv_paged_check_caches(const kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
+/* Whether this call's caches and selections are the ones src last found
+ * sharing no byte. */
+static int known_disjoint(kv_paged_cache *src, const kv_paged_cache *dst, const kv_selection *selections)
+{
+    kv_lock_acquire(&src->shared_lock);
+    const int known =
+        src->shared_none_dst == (PyObject *)dst && memcmp(src->shared_none, selections, sizeof src->shared_none) == 0;
+    kv_lock_release(&src->shared_lock);
+    return known;
+}
+
+static void remember_disjoint(kv_paged_cache *src, const kv_paged_cache *dst, const kv_selection *selections)
+{
+    PyObject *kept = Py_NewRef((PyObject *)dst);
+    kv_lock_acquire(&src->shared_lock);
+    PyObject *old = src->shared_none_dst;
+    src->shared_none_dst = kept;
+    memcpy(src->shared_none, selections, sizeof src->shared_none);
+    kv_lock_release(&src->shared_lock);
+    Py_XDECREF(old); /* may run Python code: outside the lock */
+}
+
+int kv_paged_check_caches(kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
                           const kv_paged_cache *dst, const kv_selection *dst_layers, const kv_selection *dst_heads)
 {
     int meet = 0;
@@ -167,7 +191,8 @@ int kv_paged_check_caches(const kv_paged_cache *src, const kv_selection *src_lay
         const kv_span s = kv_span_of(&dst->arrays[i], i, 1);
         meet = hulls_meet(src, &s);
     }
-    if (!meet)
+    const kv_selection selections[4] = {*src_layers, *src_heads, *dst_layers, *dst_heads};
+    if (!meet || known_disjoint(src, dst, selections))
         return 0;
     kv_regions read, written;
     if (cache_regions(src, src_layers, src_heads, &read) < 0)
@@ -180,8 +205,12 @@ int kv_paged_check_caches(const kv_paged_cache *src, const kv_selection *src_lay
     meet = kv_regions_meet(&written, &read, &w, &r, &budget);
     PyMem_Free(read.placed);
     PyMem_Free(written.placed);
-    if (meet == 0)
+    if (meet == 0) {
+        /* The caches' memory is fixed at construction (a move is refused
+         * before this check), so the answer holds for the next call alike. */
+        remember_disjoint(src, dst, selections);
         return 0;
+    }
     char destination[96], source[96];
     format_region(dst, w, "dst.layers", destination, sizeof destination);
     format_region(src, r, "layers", source, sizeof source);

@@ -372,6 +372,7 @@ int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg)
     Py_VISIT(self->counters);
     Py_VISIT(self->distinct_counters);
     Py_VISIT(self->guards);
+    Py_VISIT(self->shared_none_dst);
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         Py_VISIT(self->arrays[i].owner);
     return 0;
@@ -387,6 +388,7 @@ int kv_paged_clear(kv_paged_cache *self)
     Py_CLEAR(self->counters);
     Py_CLEAR(self->distinct_counters);
     Py_CLEAR(self->guards);
+    Py_CLEAR(self->shared_none_dst);
     return 0;
 }
 

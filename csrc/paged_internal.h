@@ -15,6 +15,12 @@
 #include "state.h"
 #include "target.h"
 
+/* Which of the cache's layers or heads a call moves: count of them, from
+ * first, step apart (negative steps run backwards). */
+typedef struct {
+    int64_t first, step, count;
+} kv_selection;
+
 typedef struct {
     PyObject_HEAD PyObject *layers; /* the arrays as given (a tuple of (K, V) tuples for kv_pairs) */
     PyObject *dims;                 /* the layout string, normalized */
@@ -41,6 +47,12 @@ typedef struct {
     /* What keeps those checks valid: the APIs' capsules, and weak
      * references to the other layers (kv_paged_new). */
     PyObject *guards;
+    /* The last dst to_cache found sharing no byte with this cache by the
+     * exact check (their hulls meeting), and the selections it was for:
+     * the same call again skips it (paged_alias.c).  Under `shared_lock`. */
+    PyObject *shared_none_dst;
+    kv_selection shared_none[4];
+    kv_lock shared_lock;
 } kv_paged_cache;
 
 /* Where array i of the cache is named in errors. */
@@ -89,12 +101,6 @@ typedef struct {
 PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                             const kv_paged_form *form);
 
-/* Which of the cache's layers or heads a call moves: count of them, from
- * first, step apart (negative steps run backwards). */
-typedef struct {
-    int64_t first, step, count;
-} kv_selection;
-
 /* paged_select.c: a layers= or heads= argument (NULL: not given) among
  * the cache's n layers or heads, `what` naming one ("layer", "head"):
  * None for all, an index (Python's rules for a negative one), a slice
@@ -125,7 +131,7 @@ int kv_paged_check_layers(const kv_paged_cache *self, const char *name, const kv
  * Return 0 or -1. */
 int kv_paged_find_aliasing(kv_paged_cache *self);
 int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers, const char *name);
-int kv_paged_check_caches(const kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
+int kv_paged_check_caches(kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
                           const kv_paged_cache *dst, const kv_selection *dst_layers, const kv_selection *dst_heads);
 int kv_paged_check_flat(const kv_paged_cache *cache, const kv_selection *layers, const kv_selection *heads,
                         const kv_array *flat, const kv_path *path, int to_flat);

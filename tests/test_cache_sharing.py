@@ -230,6 +230,21 @@ def test_to_cache_heads_of_one_cache_into_its_other_heads(gen):
         assert_bitwise_equal(as_int(memory[l]), want[l], f"layer {l}")
 
 
+def test_a_verdict_is_kept_only_for_its_selection(gen):
+    """The exact check's verdict is remembered per pair of caches and selections: head 0 of
+    one view into a view of head 1 moves; head 1 into it shares bytes, and is refused after."""
+    buffer = rand((NL, 2, NB, NT, 2, HD), gen)
+    src = kvbm_ext.PagedKVCache(buffer, "lkbthd")
+    dst = kvbm_ext.PagedKVCache(buffer[:, :, :, :, 1:], "lkbthd")
+    for _ in range(2):
+        want = as_int(buffer).clone()
+        want[:, :, 2, :, 1] = want[:, :, 0, :, 0]
+        src.to_cache(dst, [0], [2], heads=0)
+        assert_bitwise_equal(as_int(buffer), want, "buffer")
+    refused(lambda: src.to_cache(dst, [0], [2], heads=1), [buffer], ValueError, "dst.layers (layer 0)",
+            "destination shares memory with layers (layer 0)")
+
+
 def test_universals_in_the_gaps_of_a_cache_are_moved(gen):
     """A cache over the even blocks of a buffer and universals written into the odd ones."""
     buffer = rand((2 * NB, NT, NH, HD), gen)
