@@ -125,9 +125,9 @@ def _compare_headers(low: tuple[int, ...], high: tuple[int, ...], rank_low: int,
     for rank, record in ((rank_low, low), (rank_high, high)):
         if record[_F["status"]]:
             kind = _STATUS_KIND.get(record[_F["status"]], RuntimeError)
-            return kind, (f"rank {rank} refused its own arguments in this call ({kind.__name__}, raised on rank "
-                          f"{rank}; with check=False no other rank sees it, with check=True every rank raises it)"
-                          f"{nothing}")
+            return kind, (f"rank {rank} refused its own arguments in this call (it raised a {kind.__name__} with "
+                          f"the reason; check=True raises the reason on every rank): nothing was sent between "
+                          f"{pair} and neither wrote any block")
     for field, words in _AGREED:
         i = _F[field]
         if low[i] != high[i]:

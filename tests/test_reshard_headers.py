@@ -227,7 +227,7 @@ HEADER_EDITS = {
     "call": ({"call": 7}, ValueError, "disagree on the call number: 7 on rank 0, 1 on rank 1"),
     "version": ({"version": 2}, ValueError, "disagree on the header version: 2 on rank 0, 1 on rank 1"),
     "sizes": ({"sends": 999}, ValueError, "disagree on the size of their messages: rank 0 sends 999 bytes"),
-    "status": ({"status": 1}, TypeError, "rank 0 refused its own arguments in this call (TypeError"),
+    "status": ({"status": 1}, TypeError, "rank 0 refused its own arguments in this call (it raised a TypeError"),
     "magic": ({"magic": 0}, RuntimeError, "the header from rank 0 is not a Resharder header"),
     "writer": ({"writer": 5}, RuntimeError, "the header from rank 0 is not a Resharder header"),
 }
