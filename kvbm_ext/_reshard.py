@@ -18,13 +18,24 @@ naming the rank and the argument, with nothing sent and nothing written.  What n
 check can see without communicating (a rank that does not call, or calls with
 another `check`) ends in a TimeoutError after `timeout` seconds.
 
+With check=False the ranks skip that exchange, but the two ranks of every message
+still exchange a fixed-size header first (`HEADER`: what each will send and expects
+to receive), compare the same two records with the same function
+(`_compare_headers`) and, where they disagree, raise the same error before any
+payload is posted or any byte written.  The header is plain bytes, so any transport
+can carry it; the comparison lives here, not in the transport.  Block ids are read
+once per call, into a list (or, on the device, a tensor) the call owns, which every
+later step uses.
+
 torch is imported when a Resharder is built, not when kvbm_ext is imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import struct
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -38,6 +49,96 @@ if TYPE_CHECKING:
 # Seconds a rank waits for the others in one exchange or one call's host messages: well
 # under torch.distributed's own timeouts (10 minutes for NCCL, 30 for gloo).
 DEFAULT_TIMEOUT = 120.0
+
+# ---------------------------------------------------------------- the pair header
+#
+# With check=False every call begins, for each peer this rank exchanges a message with
+# (either way), with one record sent to the peer and one received from it, posted
+# together.  A record is HEADER_FIELDS as little-endian int64 words (HEADER.size = 128
+# bytes, whatever the plan: two ranks that disagree on everything still exchange equal
+# sizes).  `sends` / `expects` are the payload bytes the writer will send to the peer /
+# expects from it (0 where there is no message that way); the other fields describe the
+# writer's call.  `status` is 0, or the code of the error that refused the writer's own
+# arguments (then the writer sends no payload, and its peers raise at once).
+HEADER_FIELDS = ("magic", "version", "plan", "writer", "peer", "call", "status", "dtype", "itemsize", "nb",
+                 "num_outer", "tokens_per_block", "head_dim", "device", "sends", "expects")
+HEADER = struct.Struct(f"<{len(HEADER_FIELDS)}q")
+HEADER_MAGIC = int.from_bytes(b"KVBM-RSH", "big")
+HEADER_VERSION = 1
+_F = {name: i for i, name in enumerate(HEADER_FIELDS)}
+# What both records of a pair must hold alike, in the order a disagreement is reported, and its words.
+_AGREED = (("version", "header version"), ("plan", "plan"), ("call", "call number"), ("dtype", "dtype"),
+           ("itemsize", "itemsize"), ("nb", "number of blocks"), ("num_outer", "num_outer"),
+           ("tokens_per_block", "tokens_per_block"), ("head_dim", "head_dim"), ("device", "device type"))
+_HINTS = {"plan": " (the plan's digest: the ranks called Resharders built for different transfers)",
+          "call": " (the calls of this Resharder that the pair completed: the ranks called different Resharders "
+                  "of one plan, or one rank made a call that the other did not)"}
+_STATUS: dict[type[Exception], int] = {TypeError: 1, ValueError: 2, RuntimeError: 3}
+_STATUS_KIND = {code: kind for kind, code in _STATUS.items()}
+# Element types by code (a code is stable across versions: append only); others by a hash of the name.
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+           "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+           "uint64", "bool", "complex64", "complex128", "complex32")
+_DTYPE_CODE = {name: i + 1 for i, name in enumerate(_DTYPES)}
+_DEVICE_CODE = {"cpu": 1, "cuda": 2}
+
+
+# check=False on a transport that cannot carry the headers on the host (TorchTransport over
+# an NCCL-only group): refused alike on every rank of a pair, before anything is sent.
+NO_HOST_HEADERS = ("check=False: the ranks of each pair compare a 128-byte header on the host before any payload, "
+                   "and this transport cannot carry host tensors (TorchTransport over a group without gloo, such as "
+                   "an NCCL-only group, where reading a received header back would wait for the GPU): create the "
+                   "group with backend=\"cpu:gloo,cuda:nccl\", or call with check=True")
+
+
+def _code(name: str, table: dict[str, int]) -> int:
+    """A name's code in `table`, else a stable 62-bit hash of it (never a table code)."""
+    code = table.get(name)
+    if code is None:
+        code = (int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2) | (1 << 61)
+    return code
+
+
+def _render(field: str, value: int) -> str:
+    """A header value as the error text shows it."""
+    if field == "dtype":
+        return _DTYPES[value - 1] if 1 <= value <= len(_DTYPES) else f"dtype code {value}"
+    if field == "device":
+        return next((name for name, code in _DEVICE_CODE.items() if code == value), f"device code {value}")
+    if field == "plan":
+        return f"digest {value & (2**64 - 1):016x}"
+    return str(value)
+
+
+def _compare_headers(low: tuple[int, ...], high: tuple[int, ...], rank_low: int,
+                     rank_high: int) -> tuple[type[Exception], str] | None:
+    """Why the messages between `rank_low` < `rank_high` cannot go ahead, given the record
+    each wrote (`low`, `high`); None when they agree.  Both ranks call it with the same
+    arguments, so both raise the same error."""
+    pair = f"rank {rank_low} and rank {rank_high}"
+    nothing = "; nothing was sent between them and neither wrote any block"
+    for rank, peer, record in ((rank_low, rank_high, low), (rank_high, rank_low, high)):
+        if (record[_F["magic"]], record[_F["writer"]], record[_F["peer"]]) != (HEADER_MAGIC, rank, peer):
+            return RuntimeError, (f"{pair}: the header from rank {rank} is not a Resharder header from rank {rank} to "
+                                  f"rank {peer} (magic {record[_F['magic']] & (2**64 - 1):016x}, writer "
+                                  f"{record[_F['writer']]}, peer {record[_F['peer']]}){nothing}")
+    for rank, record in ((rank_low, low), (rank_high, high)):
+        if record[_F["status"]]:
+            kind = _STATUS_KIND.get(record[_F["status"]], RuntimeError)
+            return kind, (f"rank {rank} refused its own arguments in this call (it raised a {kind.__name__} with "
+                          f"the reason; check=True raises the reason on every rank): nothing was sent between "
+                          f"{pair} and neither wrote any block")
+    for field, words in _AGREED:
+        i = _F[field]
+        if low[i] != high[i]:
+            return ValueError, (f"{pair} disagree on the {words}: {_render(field, low[i])} on rank {rank_low}, "
+                                f"{_render(field, high[i])} on rank {rank_high}{_HINTS.get(field, '')}{nothing}")
+    sends, expects = _F["sends"], _F["expects"]
+    if low[sends] != high[expects] or low[expects] != high[sends]:
+        return ValueError, (f"{pair} disagree on the size of their messages: rank {rank_low} sends {low[sends]} "
+                            f"bytes and rank {rank_high} expects {high[expects]}, rank {rank_high} sends "
+                            f"{high[sends]} and rank {rank_low} expects {low[expects]}{nothing}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +238,11 @@ class Resharder:
         self.rank = self.transport.rank
         self._lock = threading.Lock()
         self._staging: dict[tuple[str, int], torch.Tensor] = {}
-        self._probes: dict[tuple[int, str], torch.Tensor] = {}
+        self._probes: dict[tuple[Any, ...], torch.Tensor] = {}
         self._done: Any = None          # CUDA event after the previous call's last use of the staging
+        self._headers: Any = None       # (out, in) records per peer, as bytearrays and int64 tensors over them
+        # Whether the transport carries host tensors beside its payloads (TorchTransport: a group with gloo).
+        self._host_headers = getattr(self.transport, "_carries_host_tensors", True) is not False
         problem, fingerprint, seconds = None, None, DEFAULT_TIMEOUT
         try:
             seconds = _timeout(timeout)
@@ -179,6 +283,22 @@ class Resharder:
         # Compared across ranks: the same model and layouts everywhere.
         self._fingerprint = (self.num_heads, self.num_layers, layout_key(src, self.num_layers),
                              layout_key(dst, self.num_layers))
+        # The headers' plan: 8 bytes of a hash of the fingerprint.
+        self._digest = int.from_bytes(hashlib.blake2b(repr(self._fingerprint).encode(), digest_size=8).digest(),
+                                      "little", signed=True)
+        # The ranks this one exchanges a message with (either way), and the (head, layer) cells of
+        # one block it sends to and receives from each.
+        cells: dict[int, list[int]] = {}
+        for t in self._sends:
+            cells.setdefault(t.dst_rank, [0, 0])[0] += len(t.heads) * len(t.layers)
+        for t in self._recvs:
+            cells.setdefault(t.src_rank, [0, 0])[1] += len(t.heads) * len(t.layers)
+        self._peers = sorted(cells)
+        self._peer_cells = [tuple(cells[peer]) for peer in self._peers]
+        # Per peer: the calls of this Resharder whose headers the two ranks compared and found
+        # agreeing.  Both ranks count the same calls (they compare the same records), so the
+        # next header of a pair in step carries the same number on both sides.
+        self._pair_calls = [0] * len(self._peers)
 
     def __repr__(self) -> str:
         return (f"Resharder(num_heads={self.num_heads}, num_layers={self.num_layers}, src={self.src!r}, "
@@ -205,15 +325,23 @@ class Resharder:
         queued on the stream afterwards sees the moved blocks.  Host caches: the
         call returns when the blocks are in place.
 
+        Each ids argument is read once (`_snapshot_ids`): host ids into a list of ints
+        the call owns, which the check, the packing and every unpack use.
+
         `check` (the same on every rank): exchange a description of every rank's
         arguments first, and raise the same error on every rank, before any message
         or write, when any rank's arguments are wrong or they do not fit together
         (model dimensions, element types, block counts, a rank's caches against its
         position, block ids out of range or repeated on the destination, a
-        destination cache that cannot be written).  With `check=False` a rank only
-        checks its own arguments, without communicating: an error is raised on that
-        rank alone, and its peers' messages end in a TimeoutError.  A `check` that
-        is not a bool is reported as a TypeError on every rank.
+        destination cache that cannot be written).  With `check=False` a rank checks
+        its own arguments without communicating, and the two ranks of every message
+        exchange a 128-byte header before it (`HEADER`: plan digest, call number,
+        dtype, itemsize, blocks, geometry, bytes each way): where they disagree, or
+        one refused its own arguments, both raise at once, before any payload,
+        writing nothing (the same error, but for a rank raising its own).  A rank
+        with a refused pair still completes the messages of its other pairs, writes
+        no block, and raises; ranks that exchange no message are not compared.  A
+        `check` that is not a bool is reported as a TypeError on every rank.
 
         `timeout`: seconds this rank waits for the others in the check's exchange
         and for host messages (gloo); past it, TimeoutError.  A rank that does not
@@ -233,22 +361,31 @@ class Resharder:
         import torch
 
         description: tuple[Any, Any] = (None, None)
+        src_ids: Any = None
+        dst_ids: Any = None     # the ids as this call read them, once: every later step uses these
         device, cuda_stream, seconds = "cpu", None, DEFAULT_TIMEOUT
         checked = not isinstance(check, bool) or check     # not a bool: reported through the exchange
         problem = None
+        # check=False: the pairs compare headers, where the transport can carry them
+        headers = not checked and bool(self._peers) and self._host_headers
         try:
             seconds = _timeout(timeout)
             if not isinstance(check, bool):
                 raise TypeError(f"check: expected a bool, got {type(check).__name__}")
-            description = (self._describe("src", self._src_share, src_cache, src_block_ids),
-                           self._describe("dst", self._dst_share, dst_cache, dst_block_ids))
-            if description[0] and description[1] and description[0][0] != description[1][0]:
-                raise _CallError(ValueError, f"rank {self.rank}: src_block_ids has {description[0][0]} ids and "
-                                             f"dst_block_ids {description[1][0]}: one id per moved block on each side")
+            if not checked and self._peers and not self._host_headers:
+                raise _CallError(ValueError, NO_HOST_HEADERS)     # alike on every rank with a message
+            src_desc, src_ids = self._describe("src", self._src_share, src_cache, src_block_ids)
+            dst_desc, dst_ids = self._describe("dst", self._dst_share, dst_cache, dst_block_ids)
+            description = (src_desc, dst_desc)
+            if src_desc and dst_desc and src_desc[0] != dst_desc[0]:
+                raise _CallError(ValueError, f"rank {self.rank}: src_block_ids has {src_desc[0]} ids and "
+                                             f"dst_block_ids {dst_desc[0]}: one id per moved block on each side")
             device = self._device(src_cache, dst_cache)
             cuda_stream = self._stream(stream, device, description != (None, None))
-            if description[1] is not None:
+            if dst_desc is not None:
                 self._check_destination(dst_cache, device)
+            if headers and src_desc and dst_desc:
+                _same_caches(src_desc, dst_desc, self.rank)    # a header describes one kind of cache
         except Exception as error:
             problem = _CallError.of(error, self.rank)
         nb = next((desc[0] for desc in description if desc is not None), 0) if problem is None else 0
@@ -261,9 +398,10 @@ class Resharder:
                     # Packing only writes this rank's staging buffers, so it runs before the
                     # check: an argument the kernel call refuses is reported on every rank too.
                     try:
-                        packed = self._pack(src_cache, src_block_ids, nb, device, cuda_stream)
+                        packed = self._pack(src_cache, src_ids, nb, device, cuda_stream)
                     except Exception as error:
                         problem = _CallError.of(error, self.rank)
+                refused: dict[int, tuple[type[Exception], str]] = {}
                 if checked:
                     # Every rank's description meets every other before anything is sent or
                     # written: all ranks see the same list, so all raise alike.
@@ -271,11 +409,24 @@ class Resharder:
                         (self._fingerprint, problem and problem.info, description), seconds)
                     _raise_agreed([error for _, error, _ in gathered], problem)
                     self._validate(gathered)
-                elif problem is not None:
-                    _raise_agreed([problem.info], problem)
+                else:
+                    if headers:
+                        # Each pair's two headers meet before any payload: both ranks of a pair
+                        # see the same two records, so both raise alike.
+                        cache = src_cache if description[0] is not None else dst_cache
+                        refused = self._exchange_headers(description, cache, nb, problem, seconds)
+                    if problem is not None:
+                        _raise_agreed([problem.info], problem)
+                if refused:
+                    # The pairs that agree still exchange their payloads (their peers wait for them);
+                    # this rank writes nothing, and raises what its refused pairs raise.
+                    if packed is not None:
+                        self._transfer(packed, dst_cache, dst_ids, nb, device, cuda_stream, seconds, refused)
+                    found = [refused[peer] for peer in sorted(refused)]
+                    raise found[0][0]("; ".join(message for _, message in found))
                 if packed is None:
                     return ReshardStats()
-                return self._transfer(packed, dst_cache, dst_block_ids, nb, device, cuda_stream, seconds)
+                return self._transfer(packed, dst_cache, dst_ids, nb, device, cuda_stream, seconds)
             finally:
                 if cuda_stream is not None:
                     # Also after an error: the next call must not touch staging a pack still writes.
@@ -283,18 +434,63 @@ class Resharder:
                         self._done = torch.cuda.Event()
                     self._done.record(cuda_stream)
 
+    def _exchange_headers(self, description: tuple[Any, Any], cache: Any, nb: int, problem: _CallError | None,
+                          seconds: float) -> dict[int, tuple[type[Exception], str]]:
+        """Send every peer this call's header and receive its own (one fixed-size record each
+        way, posted together, on the host), and compare each pair's two records: the error of
+        each pair that cannot go ahead, by peer.  Raises TimeoutError when a peer does not
+        take part within `seconds` (and what the transport raises)."""
+        import torch
+
+        if self._headers is None:
+            out = [bytearray(HEADER.size) for _ in self._peers]
+            into = [bytearray(HEADER.size) for _ in self._peers]
+            self._headers = (out, into, [torch.frombuffer(b, dtype=torch.int64) for b in out],
+                             [torch.frombuffer(b, dtype=torch.int64) for b in into])
+        out, into, out_tensors, in_tensors = self._headers
+        desc = next((d for d in description if d is not None), None)
+        if problem is not None or desc is None:
+            status = _STATUS.get(problem.kind, 3) if problem is not None else 0
+            common = (status, 0, 0, 0, 0, 0, 0, 0)
+            unit = 0
+        else:
+            _, num_outer, tokens, head_dim, dtype, device = desc
+            itemsize = cache.itemsize
+            common = (0, _code(dtype, _DTYPE_CODE), itemsize, nb, num_outer, tokens, head_dim,
+                      _code(device, _DEVICE_CODE))
+            unit = nb * num_outer * tokens * head_dim * itemsize     # bytes of one (head, layer) cell of every block
+        for i, peer in enumerate(self._peers):
+            cells_out, cells_in = self._peer_cells[i]
+            HEADER.pack_into(out[i], 0, HEADER_MAGIC, HEADER_VERSION, self._digest, self.rank, peer,
+                             self._pair_calls[i] + 1, *common, cells_out * unit, cells_in * unit)
+            into[i][:] = bytes(HEADER.size)
+        wait = self.transport.start(list(zip(self._peers, out_tensors)), list(zip(self._peers, in_tensors)), seconds)
+        wait()
+        refused = {}
+        for i, peer in enumerate(self._peers):
+            mine, theirs = HEADER.unpack_from(out[i]), HEADER.unpack_from(into[i])
+            low, high = (mine, theirs) if self.rank < peer else (theirs, mine)
+            found = _compare_headers(low, high, min(self.rank, peer), max(self.rank, peer))
+            if found is None:
+                self._pair_calls[i] += 1
+            else:
+                refused[peer] = found
+        return refused
+
     # ---------------------------------------------------------------- checks
 
-    def _describe(self, side: str, share: tuple[range, range] | None, cache: Any, block_ids: Any) -> tuple | None:
+    def _describe(self, side: str, share: tuple[range, range] | None, cache: Any,
+                  block_ids: Any) -> tuple[tuple | None, Any]:
         """(nb, num_outer, tokens_per_block, head_dim, dtype, device kind) of one side's
-        arguments on this rank after checking them against the rank's position; None
-        when the rank holds no position on that side.  Raises _CallError."""
+        arguments on this rank after checking them against the rank's position, and the
+        block ids as read, once (`_snapshot_ids`); (None, None) when the rank holds no
+        position on that side.  Raises _CallError."""
         where = f"{side}_cache on rank {self.rank}"
         if share is None:
             if cache is not None or block_ids is not None:
                 raise _CallError(ValueError, f"rank {self.rank} holds no {side} position: {side}_cache and "
                                              f"{side}_block_ids must be None")
-            return None
+            return None, None
         if not isinstance(cache, PagedKVCache):
             raise _CallError(TypeError, f"{where}: expected a kvbm_ext.PagedKVCache, got {type(cache).__name__}")
         heads, layers = share
@@ -304,8 +500,9 @@ class Resharder:
                                          f"[{layers.start}, {layers.stop}) of the model ({len(heads)} x "
                                          f"{len(layers)})")
         _torch_dtype(cache, where)
-        nb = _check_block_ids(block_ids, f"{side}_block_ids", self.rank, cache, distinct=side == "dst")
-        return (nb, cache.num_outer, cache.tokens_per_block, cache.head_dim, cache.dtype, cache.device.split(":")[0])
+        ids = _snapshot_ids(block_ids, f"{side}_block_ids", self.rank, cache, distinct=side == "dst")
+        return (len(ids), cache.num_outer, cache.tokens_per_block, cache.head_dim, cache.dtype,
+                cache.device.split(":")[0]), ids
 
     def _check_destination(self, cache: PagedKVCache, device: str) -> None:
         """What would refuse this rank's writes once the messages arrived, found now: a
@@ -322,9 +519,9 @@ class Resharder:
                                              "cannot see this write; build the cache from x.detach() (same memory) "
                                              "to write it anyway")
         for i, t in enumerate(self._recvs + self._locals):
-            key = (i, device)
+            shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
+            key = (i, device, cache.dtype, shape)       # a later call may pass caches of another kind
             if key not in self._probes:
-                shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
                 self._probes[key] = torch.empty(shape, dtype=_torch_dtype(cache, where), device=device)
             try:
                 self._unpack(t, self._probes[key], cache, [], None)
@@ -426,12 +623,21 @@ class Resharder:
                              heads=_whole_or(t.dst_heads, cache.num_heads), stream=stream)
 
     def _transfer(self, packed: list[tuple[ReshardTransfer, torch.Tensor]], dst_cache: Any, dst_ids: Any, nb: int,
-                  device: str, stream: Any, timeout: float) -> ReshardStats:
-        """Send the packed messages, receive this rank's, and unpack them and the local copies."""
+                  device: str, stream: Any, timeout: float,
+                  refused: dict[int, Any] | None = None) -> ReshardStats:
+        """Send the packed messages, receive this rank's, and unpack them and the local copies.
+        With `refused` (peers whose headers disagreed): exchange only the messages of the
+        other peers, and unpack nothing (the caller raises)."""
         # The transport sees bytes: any element type travels (fp8 included) whatever the transport supports.
-        sends = [(t.dst_rank, _bytes_of(buffer)) for t, buffer in packed if not t.is_local]
+        sends = [(t.dst_rank, _bytes_of(buffer)) for t, buffer in packed
+                 if not t.is_local and not (refused and t.dst_rank in refused)]
         local = [(t, buffer) for t, buffer in packed if t.is_local]
-        received = [(t, self._buffer(("recv", i), dst_cache, nb, t, device)) for i, t in enumerate(self._recvs)]
+        received = [(t, self._buffer(("recv", i), dst_cache, nb, t, device)) for i, t in enumerate(self._recvs)
+                    if not (refused and t.src_rank in refused)]
+        if refused:
+            if sends or received:
+                self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received], timeout)()
+            return ReshardStats()
         wait = self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received], timeout)
         # On a GPU the local copies are enqueued while the messages travel.  On the host the
         # wait comes first: if it times out, nothing has been written.
@@ -486,40 +692,61 @@ def _whole_or(selection: range, extent: int) -> range | None:
     return None if selection == range(extent) else selection
 
 
-def _check_block_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, distinct: bool) -> int:
-    """Number of ids; host ids are checked for range (and repeats when written)."""
+def _snapshot_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, distinct: bool) -> Any:
+    """The block ids as this call reads them, once: every later use (the range check, the
+    packing, each unpack) takes what this returns, never the argument again.
+
+    Host ids (a sequence, or a host tensor) become a list of ints that the call owns: the
+    sequence is copied once (its length and items), each item's __index__ is called once,
+    and each id is checked for range (and for repeats when the side is written).  Device
+    ids become a plain tensor over the same memory (taken once; the GPU reads it in stream
+    order, the host never does, and they are not range-checked here).  Raises _CallError."""
     import torch
 
     where = f"{name} on rank {rank}"
     if isinstance(block_ids, torch.Tensor):
-        if block_ids.dim() != 1:
-            raise _CallError(ValueError, f"{where}: expected a 1-D tensor, got {block_ids.dim()}-D")
-        if block_ids.dtype not in (torch.int32, torch.int64):
-            raise _CallError(TypeError, f"{where}: expected int32 or int64 ids, got {block_ids.dtype}")
-        if block_ids.device.type != "cpu":
-            if str(block_ids.device) != cache.device:
-                raise _CallError(ValueError, f"{where}: on {block_ids.device}, but the cache is on {cache.device}")
-            return block_ids.shape[0]           # device ids: not read on the host
-        values = block_ids.tolist()
+        with torch._C.DisableTorchFunctionSubclass():
+            ids = block_ids.detach()     # one read of the argument; a plain torch.Tensor from here on
+        if ids.dim() != 1:
+            raise _CallError(ValueError, f"{where}: expected a 1-D tensor, got {ids.dim()}-D")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise _CallError(TypeError, f"{where}: expected int32 or int64 ids, got {ids.dtype}")
+        if ids.device.type != "cpu":
+            if str(ids.device) != cache.device:
+                raise _CallError(ValueError, f"{where}: on {ids.device}, but the cache is on {cache.device}")
+            return ids
+        values = ids.tolist()
     elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
         values = list(block_ids)
     else:
         raise _CallError(TypeError, f"{where}: expected a sequence of ints or a 1-D int tensor, got "
                                     f"{type(block_ids).__name__}")
+    num_blocks = cache.num_blocks
     seen: dict[int, int] = {}
     for i, value in enumerate(values):
-        try:
-            value = _as_int(value, f"{name}[{i}] on rank {rank}")
-        except TypeError as error:
-            raise _CallError(TypeError, str(error)) from error.__cause__
-        if not 0 <= value < cache.num_blocks:
+        if type(value) is not int:
+            try:
+                value = values[i] = _as_int(value, f"{name}[{i}] on rank {rank}")
+            except TypeError as error:
+                raise _CallError(TypeError, str(error)) from error.__cause__
+        if not 0 <= value < num_blocks:
             raise _CallError(ValueError, f"{name}[{i}] on rank {rank}: block id {value} is out of range "
-                                         f"[0, {cache.num_blocks})")
-        if distinct and value in seen:
-            raise _CallError(ValueError, f"{name}[{i}] on rank {rank}: block id {value} repeats "
-                                         f"{name}[{seen[value]}]; a block can be written once per call")
-        seen[value] = i
-    return len(values)
+                                         f"[0, {num_blocks})")
+        if distinct:
+            if value in seen:
+                raise _CallError(ValueError, f"{name}[{i}] on rank {rank}: block id {value} repeats "
+                                             f"{name}[{seen[value]}]; a block can be written once per call")
+            seen[value] = i
+    return values
+
+
+def _same_caches(src: tuple, dst: tuple, rank: int) -> None:
+    """A rank's two caches hold the same kind of block (with check=False its header describes one)."""
+    for i, field in enumerate(("num_outer", "tokens_per_block", "head_dim", "dtype"), start=1):
+        if src[i] != dst[i]:
+            raise _CallError(ValueError, f"rank {rank}: src_cache has {field} {src[i]} and dst_cache {dst[i]}; the "
+                                         "caches of both engines share num_outer, tokens_per_block, head_dim and "
+                                         "dtype")
 
 
 def reshard(src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: PagedKVCache | None, dst_block_ids: Any,

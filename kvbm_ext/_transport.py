@@ -33,7 +33,15 @@ class Transport(Protocol):
       engine's own timeout applies); for host tensors, it returns once they are done,
       or raises TimeoutError after `timeout` seconds.  Work enqueued on the current
       stream before `start` (the packing) must be finished before a send reads its
-      tensor.
+      tensor.  The tensors of one `start` are all on the host or all on one device.
+
+    Headers: a call with `check=False` first calls `start` with one fixed-size header
+    per peer and direction (`kvbm_ext._reshard.HEADER`: 128 bytes, as a host int64
+    tensor over the record's bytes) and waits for them, before it posts any payload:
+    a transport carries host tensors even when the payloads are device tensors.  The
+    Resharder builds, compares and acts on the headers; the transport only delivers
+    them.  (A transport that cannot carry host tensors sets `_carries_host_tensors =
+    False`, and `check=False` is then refused.)
     """
 
     @property
@@ -52,9 +60,12 @@ class TorchTransport:
     GPU caches need a group with an NCCL backend; host caches one with gloo.  With
     `init_process_group(backend="cpu:gloo,cuda:nccl")` one group does both, and the
     exchanges that check a Resharder and its calls go over gloo without touching the
-    GPU; with an NCCL-only group they go through the GPU and wait for it.  With NCCL,
-    as for any `batch_isend_irecv`, the first NCCL operation on the group must
-    involve all its ranks (e.g. a warm-up `all_reduce`).
+    GPU: `check=True`'s exchange of descriptions and `check=False`'s per-pair headers.
+    With an NCCL-only group `check=True`'s exchange goes through the GPU and waits for
+    it, and `check=False` is refused (its headers would have to be read back from the
+    GPU, a host synchronization per call).  With NCCL, as for any `batch_isend_irecv`,
+    the first NCCL operation on the group must involve all its ranks (e.g. a warm-up
+    `all_reduce`).
 
     A TimeoutError (the other ranks did not take part in time) leaves operations of
     the group pending with no peer to complete them: torch.distributed gives no way
@@ -70,6 +81,8 @@ class TorchTransport:
         self.group = group
         self._global_ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
         self._rank = dist.get_rank(group)
+        # Host tensors (all_gather_object's, check=False's headers) need gloo in the group.
+        self._carries_host_tensors = "gloo" in str(dist.get_backend(group))
 
     @property
     def rank(self) -> int:
@@ -121,9 +134,8 @@ class TorchTransport:
         """Where all_gather_object's tensors live: the host with a gloo backend (alone or
         beside NCCL), else the current CUDA device."""
         import torch
-        import torch.distributed as dist
 
-        if "gloo" in str(dist.get_backend(self.group)):
+        if self._carries_host_tensors:
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 

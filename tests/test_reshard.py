@@ -264,6 +264,36 @@ NCCL_ERRORS = {
 }
 ERRORS = {"gloo": (GLOO_ERROR_BASE, GLOO_ERRORS), "nccl": (NCCL_ERROR_BASE, NCCL_ERRORS)}
 
+# check=False: only the two ranks of a message compare (their headers), and a pair that
+# disagrees does not hold up the others.  name: (rank whose arguments are wrong, or None
+# for all, how, {rank: None (returns, its destination written) or (error type, part of the
+# message)}); ranks that expect one error raise the same.  GLOO_ERROR_BASE's messages:
+# 0 -> 1 and 1 -> 2 (rank 3 holds nothing).
+GLOO_BLOCKS_12 = (ValueError, "rank 1 and rank 2 disagree on the number of blocks: 5 on rank 1, 4 on rank 2; nothing "
+                              "was sent between them and neither wrote any block")
+GLOO_BLOCKS_01 = (ValueError, "rank 0 and rank 1 disagree on the number of blocks: 4 on rank 0, 5 on rank 1")
+GLOO_UNCHECKED = {
+    # rank 1 receives rank 0's message (the pair agrees) but, refusing its pair with rank 2, writes nothing
+    "block count on a receiver, check=False": (2, "dst_ids_short", {0: None, 1: GLOO_BLOCKS_12, 2: GLOO_BLOCKS_12,
+                                                                    3: None}),
+    # rank 1 still sends rank 2 its message: rank 2 writes it
+    "block count on a sender, check=False": (0, "src_ids_short", {0: GLOO_BLOCKS_01, 1: GLOO_BLOCKS_01, 2: None,
+                                                                  3: None}),
+    "own arguments refused, check=False": (0, "src_all_heads", {
+        0: (ValueError, "src_cache on rank 0: holds 4 heads x 4 layers"),
+        1: (ValueError, "rank 0 refused its own arguments in this call"), 2: None, 3: None}),
+}
+# NCCL_ERROR_BASE's message: 0 -> 1 (headers over the group's gloo, payload over NCCL).
+NCCL_BLOCKS = (ValueError, "rank 0 and rank 1 disagree on the number of blocks: 4 on rank 0, 5 on rank 1")
+NCCL_DTYPE = (ValueError, "rank 0 and rank 1 disagree on the dtype: float16 on rank 0, bfloat16 on rank 1")
+NCCL_ONLY = (ValueError, "check=False: the ranks of each pair compare a 128-byte header on the host")
+NCCL_UNCHECKED = {
+    "block count, check=False": (0, "src_ids_short", {0: NCCL_BLOCKS, 1: NCCL_BLOCKS}),
+    "dtype, check=False": (0, "src_dtype", {0: NCCL_DTYPE, 1: NCCL_DTYPE}),
+    "an NCCL-only group refuses check=False": (None, "nccl_only_group", {0: NCCL_ONLY, 1: NCCL_ONLY}),
+}
+UNCHECKED = {"gloo": GLOO_UNCHECKED, "nccl": NCCL_UNCHECKED}
+
 
 def _random_bits(shape, dtype, gen):
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -324,11 +354,18 @@ class Side:
 
 class Recording:
     """A Transport that forwards to another and records what each call posted: the
-    Transport interface, used by a second engine's adapter, exercised here."""
+    Transport interface, used by a second engine's adapter, exercised here.  A call with
+    check=False posts its headers first (host int64 tensors of kvbm_ext._reshard.HEADER.size
+    bytes, one per peer and direction), recorded apart from the payloads."""
 
     def __init__(self, inner):
         self.inner = inner
         self.calls = []
+        self.headers = []
+
+    @property
+    def _carries_host_tensors(self):
+        return self.inner._carries_host_tensors
 
     @property
     def rank(self):
@@ -342,8 +379,14 @@ class Recording:
         return self.inner.all_gather_object(obj, timeout)
 
     def start(self, sends, recvs, timeout):
-        assert all(t.is_contiguous() for _, t in list(sends) + list(recvs))
-        self.calls.append({"sends": [(p, t.nbytes) for p, t in sends], "recvs": [(p, t.nbytes) for p, t in recvs]})
+        tensors = [t for _, t in list(sends) + list(recvs)]
+        assert all(t.is_contiguous() for t in tensors)
+        assert len({t.device for t in tensors}) <= 1, "one start: all on the host or all on one device"
+        posted = {"sends": [(p, t.nbytes) for p, t in sends], "recvs": [(p, t.nbytes) for p, t in recvs]}
+        if tensors and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in tensors):
+            self.headers.append(posted)
+        else:
+            self.calls.append(posted)
         return self.inner.start(sends, recvs, timeout)
 
 
@@ -377,7 +420,7 @@ def _run_case(name, case, rank, device, stream=None):
     if case.group is not None:
         group = dist.new_group(case.group)          # every rank of the world takes part in creating it
         if rank not in case.group:
-            return {"involved": False, "me": None, "posted": [], "staging": [0, 0], "stats": [dataclasses.asdict(
+            return {"involved": False, "me": None, "posted": [], "headers": [], "staging": [0, 0], "stats": [dataclasses.asdict(
                     kvbm_ext.ReshardStats())] * 2, "dst_ok": True, "src_ok": True, "plan_messages": case.messages}
         rank = dist.get_rank(group)                 # the layouts name ranks of the group
     src_model, dst_model, ids, src, dst = _setup(name, case, rank, device)
@@ -401,14 +444,16 @@ def _run_case(name, case, rank, device, stream=None):
             expected[l][:, dst_ids] = src_model[l][:, src_ids]
     if device != "cpu":
         torch.cuda.synchronize()
-    return {"involved": src is not None or dst is not None, "me": transport.rank, "posted": transport.calls, "staging": staging,
+    return {"involved": src is not None or dst is not None, "me": transport.rank, "posted": transport.calls,
+            "headers": transport.headers, "staging": staging,
             "stats": stats, "dst_ok": dst is None or dst.matches(expected), "src_ok": src is None or src.matches(src_model),
             "plan_messages": resharder.num_messages}
 
 
 def _run_error(backend, name, rank, device):
     case, errors = ERRORS[backend]
-    bad_rank, how, _, _ = errors[name]
+    unchecked = name in UNCHECKED[backend]
+    bad_rank, how = (UNCHECKED[backend] if unchecked else errors)[name][:2]
     if rank == bad_rank and how == "dst_hd":
         case = dataclasses.replace(case, hd=2 * case.hd)
     if rank == bad_rank and how == "src_dtype":
@@ -434,13 +479,23 @@ def _run_error(backend, name, rank, device):
         elif how == "bystander_cache":
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
     stream = 1 if rank == bad_rank and how == "host_stream" else None
+    # every rank creates it (a collective), with NCCL alone: no gloo to carry check=False's headers
+    group = dist.new_group(list(range(dist.get_world_size())), backend="nccl") if how == "nccl_only_group" else None
     try:
-        resharder = Resharder(case.heads, case.layers, case.src, dst_layout)
-        resharder(src_cache, src_ids, dst_cache, dst_ids, stream=stream)
+        resharder = Resharder(case.heads, case.layers, case.src, dst_layout, group=group)
+        resharder(src_cache, src_ids, dst_cache, dst_ids, stream=stream, check=not unchecked)
         error = None
     except (TypeError, ValueError) as caught:
         error = [type(caught).__name__, str(caught)]
-    return {"error": error, "dst_ok": dst is None or dst.matches(dst_model)}
+    if device != "cpu":
+        torch.cuda.synchronize()
+    if group is not None:
+        dist.destroy_process_group(group)
+    moved = [t.clone() for t in dst_model]
+    for l in range(case.layers):
+        moved[l][:, ids[0][1]] = src_model[l][:, ids[0][0]]
+    return {"error": error, "dst_ok": dst is None or dst.matches(dst_model),
+            "dst_moved": dst is None or dst.matches(moved)}
 
 
 def _worker(rank, world, backend, store_path, out_dir, names):
@@ -458,7 +513,7 @@ def _worker(rank, world, backend, store_path, out_dir, names):
     results = {}
     for name in names:
         try:
-            if name in ERRORS[backend][1]:
+            if name in ERRORS[backend][1] or name in UNCHECKED[backend]:
                 results[name] = {"ok": True, **_run_error(backend, name, rank, device)}
             else:
                 case = (NCCL_CASES if backend == "nccl" else GLOO_CASES)[name]
@@ -491,17 +546,20 @@ def _run_async(rank, device):
         src_ids, dst_ids = (x.to(device) for x in ids[0])
         resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream)      # warm-up
         stream.synchronize()
-        torch.cuda._sleep(500_000_000)      # ~0.25 s on the current stream, which the call's stream waits for
-        stream.wait_stream(torch.cuda.current_stream())
-        start = time.perf_counter()
-        resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream)   # checked: over gloo
-        host_s = time.perf_counter() - start
-        pending = not stream.query()
-        stream.synchronize()
+        pending, host_s = [], []
+        # checked: descriptions over gloo; unchecked: the pair's headers over gloo (neither reads the GPU)
+        for check in (True, False):
+            torch.cuda._sleep(500_000_000)      # ~0.25 s on the current stream, which the call's stream waits for
+            stream.wait_stream(torch.cuda.current_stream())
+            start = time.perf_counter()
+            resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream, check=check)
+            host_s.append(time.perf_counter() - start)
+            pending.append(not stream.query())
+            stream.synchronize()
         expected = [t.clone() for t in dst_model]
         for l in range(case.layers):
             expected[l][:, ids[0][1]] = src_model[l][:, ids[0][0]]
-        return {"ok": True, "pending": pending, "host_s": host_s, "dst_ok": dst.matches(expected)}
+        return {"ok": True, "pending": all(pending), "host_s": host_s, "dst_ok": dst.matches(expected)}
     except Exception:
         return {"ok": False, "traceback": traceback.format_exc()}
 
@@ -565,6 +623,12 @@ def _check_case(case, results):
             assert result["me"] not in peers_out + peers_in, "a rank never messages itself"
             assert sum(n for _, n in posted["sends"]) == stats["bytes_sent"]
             assert sum(n for _, n in posted["recvs"]) == stats["bytes_received"]
+        # the second call (check=False) posted one header to and from every peer of its messages first
+        peers = sorted({p for posted in result["posted"] for p, _ in posted["sends"] + posted["recvs"]})
+        header = kvbm_ext._reshard.HEADER.size
+        unchecked = peers and not case.one_shot       # one-shot reshard() calls are checked
+        assert result["headers"] == ([{"sends": [[p, header] for p in peers], "recvs": [[p, header] for p in peers]}]
+                                     if unchecked else []), result["headers"]
     for result in results:
         assert result["staging"][1] == result["staging"][0], "the second, smaller call allocated staging"
         assert result["plan_messages"] == case.messages
@@ -572,7 +636,8 @@ def _check_case(case, results):
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    return _spawn("gloo", GLOO_WORLD, list(GLOO_CASES) + list(GLOO_ERRORS), tmp_path_factory.mktemp("gloo"))
+    return _spawn("gloo", GLOO_WORLD, list(GLOO_CASES) + list(GLOO_ERRORS) + list(GLOO_UNCHECKED),
+                  tmp_path_factory.mktemp("gloo"))
 
 
 @pytest.mark.slow
@@ -587,6 +652,31 @@ def test_gloo_reshard(gloo_results, name):
 @pytest.mark.parametrize("name", GLOO_ERRORS)
 def test_gloo_errors_raise_on_every_rank_and_write_nothing(gloo_results, name):
     _check_error(GLOO_ERRORS[name], gloo_results[name])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", GLOO_UNCHECKED)
+def test_gloo_unchecked_pairs_raise_alike_and_the_others_move(gloo_results, name):
+    _check_unchecked(GLOO_UNCHECKED[name][2], gloo_results[name])
+
+
+def _check_unchecked(expected, results):
+    """check=False: each rank as `expected`; a rank that raises wrote nothing."""
+    assert all(r["ok"] for r in results), _failures(results)
+    errors = [r["error"] for r in results]
+    for rank, want in expected.items():
+        if want is None:
+            assert errors[rank] is None, (rank, errors[rank])
+            assert results[rank]["dst_moved"], f"rank {rank} returned, but its destination is not the moved blocks"
+        else:
+            assert errors[rank] is not None, f"rank {rank} returned without an error"
+            assert errors[rank][0] == want[0].__name__ and want[1] in errors[rank][1], (rank, errors[rank])
+            assert results[rank]["dst_ok"], f"rank {rank} raised, but wrote its destination"
+    for a in expected:
+        for b in expected:
+            if expected[a] is not None and expected[a] == expected[b]:
+                assert errors[a] == errors[b], f"ranks {a} and {b} raised different errors: {errors[a]}, {errors[b]}"
 
 
 def _check_error(error, results):
@@ -608,7 +698,8 @@ def nccl_results(tmp_path_factory):
     reason = missing_gpus(2)
     if reason:
         pytest.skip(reason)
-    return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES) + list(NCCL_ERRORS), tmp_path_factory.mktemp("nccl"))
+    return _spawn("nccl", NCCL_WORLD, list(NCCL_CASES) + list(NCCL_ERRORS) + list(NCCL_UNCHECKED),
+                  tmp_path_factory.mktemp("nccl"))
 
 
 @pytest.mark.multiprocess
@@ -623,6 +714,13 @@ def test_nccl_reshard(nccl_results, name):
 @pytest.mark.parametrize("name", NCCL_ERRORS)
 def test_nccl_errors_raise_on_every_rank_and_write_nothing(nccl_results, name):
     _check_error(NCCL_ERRORS[name], nccl_results[name])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("name", NCCL_UNCHECKED)
+def test_nccl_unchecked_pairs_raise_alike(nccl_results, name):
+    _check_unchecked(NCCL_UNCHECKED[name][2], nccl_results[name])
 
 
 @pytest.mark.multiprocess
