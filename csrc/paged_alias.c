@@ -186,11 +186,13 @@ static void remember_disjoint(kv_paged_cache *src, const kv_paged_cache *dst, co
 int kv_paged_check_caches(kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
                           const kv_paged_cache *dst, const kv_selection *dst_layers, const kv_selection *dst_heads)
 {
-    int meet = 0;
-    for (Py_ssize_t i = 0; !meet && i < dst->narrays; i++) {
-        const kv_span s = kv_span_of(&dst->arrays[i], i, 1);
-        meet = hulls_meet(src, &s);
-    }
+    /* dst's whole hull, then its spans (sorted at construction) one by one. */
+    const kv_span whole = {dst->spans[0].start, dst->reach[dst->narrays - 1], 0, 1};
+    if (!hulls_meet(src, &whole))
+        return 0;
+    int meet = dst->narrays == 1;
+    for (Py_ssize_t i = 0; !meet && i < dst->narrays; i++)
+        meet = hulls_meet(src, &dst->spans[i]);
     const kv_selection selections[4] = {*src_layers, *src_heads, *dst_layers, *dst_heads};
     if (!meet || known_disjoint(src, dst, selections))
         return 0;

@@ -24,7 +24,6 @@ from support.builders import CacheCase, block_buffers
 from support.asserts import assert_bitwise_equal, expect_rejected
 from support.builders import random_tensor
 
-pytest.mark.gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to torch")
 
 NL, NB, NO, NH, NT, HD = 4, 6, 2, 3, 4, 8
 IDS = [4, 1, 5]

@@ -27,7 +27,6 @@ from support.builders import CacheCase, block_buffers
 from support.asserts import expect_rejected
 from support.builders import random_tensor
 
-pytest.mark.gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to torch")
 
 NL, NB, NO, NH, NT, HD = 3, 6, 2, 2, 4, 8
 IDS = [4, 0, 5]

@@ -28,7 +28,6 @@ from support.builders import CacheCase, METHODS, block_buffers, random_tensor, s
 from support.devices import sync
 from support.references import as_int, cache_rows, paged_reference, selected
 
-pytest.mark.gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to torch")
 
 NL, NB, NO, NH, NT, HD = 4, 7, 2, 4, 3, 5
 IDS = [5, 0, 3]
