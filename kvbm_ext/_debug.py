@@ -14,6 +14,7 @@ never twice.
 """
 
 import logging
+import os
 import sys
 
 logger = logging.getLogger("kvbm_ext")
@@ -44,6 +45,11 @@ def _printed_to_stderr(record):
                 return True
         node = node.parent if node.propagate else None
     return False
+
+
+def enabled():
+    """Whether KVBM_EXT_DEBUG asks for the lines now (the Python side's switch)."""
+    return os.environ.get("KVBM_EXT_DEBUG", "") not in ("", "0")
 
 
 def emit(message):

@@ -41,6 +41,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from . import PagedKVCache
 from ._plan import EngineLayout, ReshardTransfer, _as_int, layout_key, plan_reshard
+from . import _pieces
+from ._debug import emit, enabled
+from ._driver import Handle
 from ._transport import TorchTransport, Transport
 
 if TYPE_CHECKING:
@@ -141,6 +144,11 @@ def _compare_headers(low: tuple[int, ...], high: tuple[int, ...], rank_low: int,
     return None
 
 
+def _first_difference(low: tuple[int, ...], high: tuple[int, ...]) -> str | None:
+    """The first field both records must hold alike that they do not."""
+    return next((field for field, _ in _AGREED if low[_F[field]] != high[_F[field]]), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReshardStats:
     """What one `Resharder` call moved on this rank: the messages it sent and received and
@@ -200,6 +208,93 @@ def _timeout(value: object) -> float:
     return float(value)
 
 
+class ReshardHandle:
+    """A Resharder call that goes on in the background (`wait=False`).
+
+    `done()` says whether it finished (never raises); `wait(timeout=None)` blocks until
+    it finished and returns its `ReshardStats`, or raises what the call raised (the same
+    errors as a blocking call) or TimeoutError when `timeout` seconds pass first (the call
+    goes on); `wait_stream(stream=None)` makes a CUDA stream (None: torch's current one)
+    wait for the call's GPU work, blocking the host only until that work is enqueued, and
+    raises the call's error if it failed first.  Work queued on a stream after
+    `wait_stream` sees the moved blocks.  `stats`: what the call moves on this rank."""
+
+    def __init__(self, inner: Handle | None, stats: ReshardStats, problem: _CallError | None = None,
+                 refused: dict[int, tuple[type[Exception], str]] | None = None) -> None:
+        self._inner, self.stats, self._problem, self._refused = inner, stats, problem, refused
+
+    def __repr__(self) -> str:
+        return f"<kvbm_ext reshard call: {'done' if self.done() else 'pending'}, {self.stats}>"
+
+    def done(self) -> bool:
+        return self._inner is None or self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> ReshardStats:
+        if self._inner is not None:
+            try:
+                self._inner.wait(timeout)
+            except Exception:
+                if self._problem is None or not self._inner.done():
+                    raise
+        self._raise()
+        return self.stats
+
+    def wait_stream(self, stream: Any = None, timeout: float | None = None) -> None:
+        if self._inner is not None:
+            try:
+                self._inner.wait_stream(stream, timeout)
+            except Exception:
+                if self._problem is None or not self._inner.done():
+                    raise
+        self._raise()
+
+    def _raise(self) -> None:
+        """This rank's own refused arguments first, else the pairs that were refused."""
+        if self._problem is not None:
+            _raise_agreed([self._problem.info], self._problem)
+        if self._refused:
+            found = [self._refused[peer] for peer in sorted(self._refused)]
+            raise found[0][0]("; ".join(message for _, message in found))
+
+
+class _Route:
+    """One transfer as this rank's calls move it: the staging slot of its message (or local
+    copy), its peer, and the cache selections its pack and unpack use."""
+
+    def __init__(self, transfer: ReshardTransfer, side: str, index: int, src_share: Any, dst_share: Any) -> None:
+        self.transfer, self.slot = transfer, (side, index)
+        self.peer = transfer.dst_rank if side == "send" else transfer.src_rank
+        # Selections of the caches that hold exactly their position's heads and layers.
+        self.src = None if src_share is None else (_whole_or(transfer.src_layers, len(src_share[1])),
+                                                   _whole_or(transfer.src_heads, len(src_share[0])))
+        self.dst = None if dst_share is None else (_whole_or(transfer.dst_layers, len(dst_share[1])),
+                                                   _whole_or(transfer.dst_heads, len(dst_share[0])))
+        self._key: Any = None
+        self._views: tuple[Any, ...] = ()
+
+    def views(self, base: torch.Tensor, shape: tuple[int, ...], dtype: Any) -> tuple[Any, ...]:
+        """(bytes used, typed view, block pieces, byte pieces, piece views) of the staging
+        buffer `base` for a call of `shape` (nb first): kept while neither changes, so that
+        a steady call builds none of them."""
+        key = (base.data_ptr(), base.device, shape, dtype)
+        if key != self._key:
+            nb = shape[0]
+            used = base[:math.prod(shape) * dtype.itemsize]
+            view = used.view(dtype).view(shape)
+            block_bytes = used.numel() // nb
+            blocks = _pieces.cut(nb, block_bytes)
+            self._key = key
+            self._views = (used, view, blocks, tuple((a * block_bytes, b * block_bytes) for a, b in blocks),
+                           tuple(view[a:b] for a, b in blocks))
+            if self.slot[0] != "local" and enabled():
+                emit(f"reshard: rank {'sends' if self.slot[0] == 'send' else 'receives'} {nb} blocks of "
+                     f"{block_bytes} bytes {'to' if self.slot[0] == 'send' else 'from'} rank {self.peer} in "
+                     f"{len(blocks)} pieces of {', '.join(str(b - a) for a, b in blocks)} blocks "
+                     f"({', '.join(str((b - a) * block_bytes) for a, b in blocks)} bytes), staging on {base.device}"
+                     f"{' (pinned)' if base.device.type == 'cpu' and base.is_pinned() else ''}")
+        return self._views
+
+
 class Resharder:
     """Moves batches of KV blocks from one engine's layout to another's.
 
@@ -210,7 +305,10 @@ class Resharder:
     the same transfer (`plan`: the whole plan, the same on every rank), and an error on
     any rank (an argument it refuses) is raised on every rank, naming that rank.  A
     rank that cannot even reach the others (its transport fails) raises alone, and the
-    others raise TimeoutError after `timeout` seconds.
+    others raise TimeoutError after `timeout` seconds.  Over a pairwise transport
+    (`kvbm_ext.nixl.NixlTransport`: engines that start and restart on their own) nothing
+    is gathered: each rank builds its own, and the pairs compare their plans' digests in
+    the headers of every call.
 
     Each call `resharder(src_cache, src_block_ids, dst_cache, dst_block_ids)` moves
     block `src_block_ids[i]` of the source engine to block `dst_block_ids[i]` of the
@@ -219,16 +317,21 @@ class Resharder:
     batch's block ids on that side, a rank holding a destination position likewise,
     a rank holding both passes both, and the other arguments are None.  Every
     source rank passes the same number of ids as every destination rank.  (With
-    `check=False` the call communicates only between the ranks that share data, and
-    a rank of the group that holds no position need not call.)
+    `check=False`, or over a pairwise transport, the call communicates only between the
+    ranks that share data, and a rank that holds no position need not call.)
 
     One call at a time per Resharder: a call made while another thread is in a call
-    of the same Resharder raises RuntimeError at once, without communicating.
+    of the same Resharder raises RuntimeError at once, without communicating; a call
+    made while the previous one goes on in the background (`wait=False`) waits for it
+    first (bounded by its timeout).
 
     Staging: each call packs this rank's outgoing share into buffers of the caches'
-    device (one per message or local copy, `[nb, heads, layers, no, nt, hd]`), and
-    receives into one per incoming message.  They are allocated by the first call,
-    grown when a call moves more blocks, and otherwise reused (`staging_nbytes`).
+    device, or of pinned host memory where the transport says so (one per message or
+    local copy, `[nb, heads, layers, no, nt, hd]`), and receives into one per incoming
+    message.  They are allocated by the first call, grown when a call moves more
+    blocks, and otherwise reused (`staging_nbytes`).  A message crosses in a few pieces
+    (ranges of its blocks, `kvbm_ext._pieces.cut`): each piece is sent once packed and
+    unpacked once arrived, while the next one crosses.
     """
 
     def __init__(self, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout, *,
@@ -240,9 +343,11 @@ class Resharder:
         self._staging: dict[tuple[str, int], torch.Tensor] = {}
         self._probes: dict[tuple[Any, ...], torch.Tensor] = {}
         self._done: Any = None          # CUDA event after the previous call's last use of the staging
-        self._headers: Any = None       # (out, in) records per peer, as bytearrays and int64 tensors over them
+        self._last: ReshardHandle | None = None     # the previous call, which may go on in the background
         # Whether the transport carries host tensors beside its payloads (TorchTransport: a group with gloo).
         self._host_headers = getattr(self.transport, "_carries_host_tensors", True) is not False
+        # A pairwise transport has no collective: nothing is gathered, every call compares headers.
+        self._pairwise = getattr(self.transport, "pairwise", False) is True
         problem, fingerprint, seconds = None, None, DEFAULT_TIMEOUT
         try:
             seconds = _timeout(timeout)
@@ -252,6 +357,9 @@ class Resharder:
             fingerprint = self._fingerprint
         except Exception as error:
             problem = _CallError.of(error, self.rank)
+        if self._pairwise:
+            _raise_agreed([problem and problem.info], problem)
+            return
         gathered = self.transport.all_gather_object((fingerprint, problem and problem.info), seconds)
         _raise_agreed([error for _, error in gathered], problem)
         for rank, (theirs, _) in enumerate(gathered):
@@ -297,8 +405,15 @@ class Resharder:
         self._peer_cells = [tuple(cells[peer]) for peer in self._peers]
         # Per peer: the calls of this Resharder whose headers the two ranks compared and found
         # agreeing.  Both ranks count the same calls (they compare the same records), so the
-        # next header of a pair in step carries the same number on both sides.
+        # next header of a pair in step carries the same number on both sides.  A pair that
+        # disagrees on the number starts again from 0 on both ranks (both see the same two
+        # records), as does a pair whose peer was lost in a call (its replacement starts at 0).
         self._pair_calls = [0] * len(self._peers)
+        self._peer_index = {peer: i for i, peer in enumerate(self._peers)}
+        self._sends_routes = [_Route(t, "send", i, self._src_share, None) for i, t in enumerate(self._sends)]
+        self._recvs_routes = [_Route(t, "recv", i, None, self._dst_share) for i, t in enumerate(self._recvs)]
+        self._locals_routes = [_Route(t, "local", i, self._src_share, self._dst_share)
+                               for i, t in enumerate(self._locals)]
 
     def __repr__(self) -> str:
         return (f"Resharder(num_heads={self.num_heads}, num_layers={self.num_layers}, src={self.src!r}, "
@@ -310,8 +425,8 @@ class Resharder:
         return sum(buffer.numel() for buffer in self._staging.values())
 
     def __call__(self, src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: PagedKVCache | None,
-                 dst_block_ids: Any, *, stream: Any = None, check: bool = True,
-                 timeout: float = DEFAULT_TIMEOUT) -> ReshardStats:
+                 dst_block_ids: Any, *, stream: Any = None, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
+                 wait: bool = True) -> Any:
         """Move the blocks; returns what this rank sent, received and copied.
 
         `block_ids`: a sequence of ints (or `__index__` integers) or a 1-D int32/int64
@@ -319,11 +434,18 @@ class Resharder:
         host: no synchronization, and they are not range-checked here).
 
         `stream` (GPU caches): a torch.cuda.Stream or an int cudaStream_t; None is
-        torch's current stream.  The call enqueues everything on it and returns
-        without waiting: packing runs on it, the messages wait for the packing and
-        the stream waits for the messages (NCCL), unpacking runs on it.  Work
-        queued on the stream afterwards sees the moved blocks.  Host caches: the
-        call returns when the blocks are in place.
+        torch's current stream.  Packing runs on it; work queued on the stream after the
+        call sees the moved blocks.  Over a process group (NCCL) the call enqueues
+        everything on it and returns without waiting for the GPU: the messages wait for
+        the packing, the stream waits for the messages, unpacking runs on it.  Over a
+        transport whose far side the host drives (NIXL), the host waits until every piece
+        arrived and its unpack was enqueued (`wait=False` returns before).  Host caches:
+        the call returns when the blocks are in place.
+
+        `wait` (default True): False returns a `ReshardHandle` at once instead of the
+        stats: the call goes on in the background (`done()`, `wait(timeout)`,
+        `wait_stream(stream)`; work on a stream sees the moved blocks only after
+        `wait_stream`).  The next call of this Resharder waits for it first.
 
         Each ids argument is read once (`_snapshot_ids`): host ids into a list of ints
         the call owns, which the check, the packing and every unpack use.
@@ -341,23 +463,25 @@ class Resharder:
         writing nothing (the same error, but for a rank raising its own).  A rank
         with a refused pair still completes the messages of its other pairs, writes
         no block, and raises; ranks that exchange no message are not compared.  A
-        `check` that is not a bool is reported as a TypeError on every rank.
+        `check` that is not a bool is reported as a TypeError on every rank.  Over a
+        pairwise transport both compare headers pair by pair; `check=True` also carries
+        a rank's refused arguments to its peers, which raise the reason itself.
 
         `timeout`: seconds this rank waits for the others in the check's exchange
-        and for host messages (gloo); past it, TimeoutError.  A rank that does not
-        call, or calls with another `check`, is found this way.
+        and for host messages (gloo, NIXL); past it, TimeoutError.  A rank that does
+        not call, or calls with another `check`, is found this way.
         """
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(f"rank {self.rank}: this Resharder is in a call on another thread; a Resharder makes "
                                "one call at a time (its staging is its own): wait for that call, or use one "
                                "Resharder per thread")
         try:
-            return self._call(src_cache, src_block_ids, dst_cache, dst_block_ids, stream, check, timeout)
+            return self._call(src_cache, src_block_ids, dst_cache, dst_block_ids, stream, check, timeout, wait)
         finally:
             self._lock.release()
 
     def _call(self, src_cache: Any, src_block_ids: Any, dst_cache: Any, dst_block_ids: Any, stream: Any,
-              check: object, timeout: object) -> ReshardStats:
+              check: object, timeout: object, wait: object) -> Any:
         import torch
 
         description: tuple[Any, Any] = (None, None)
@@ -365,14 +489,20 @@ class Resharder:
         dst_ids: Any = None     # the ids as this call read them, once: every later step uses these
         device, cuda_stream, seconds = "cpu", None, DEFAULT_TIMEOUT
         checked = not isinstance(check, bool) or check     # not a bool: reported through the exchange
+        background = wait is False
         problem = None
-        # check=False: the pairs compare headers, where the transport can carry them
-        headers = not checked and bool(self._peers) and self._host_headers
+        # Collective transports check a call by gathering every rank's description; the others
+        # compare each pair's headers, where the transport can carry them.
+        gather = checked and not self._pairwise
+        headers = not gather and bool(self._peers) and self._host_headers
         try:
             seconds = _timeout(timeout)
+            self._finish_previous(seconds)
             if not isinstance(check, bool):
                 raise TypeError(f"check: expected a bool, got {type(check).__name__}")
-            if not checked and self._peers and not self._host_headers:
+            if not isinstance(wait, bool):
+                raise TypeError(f"wait: expected a bool, got {type(wait).__name__}")
+            if not gather and self._peers and not self._host_headers:
                 raise _CallError(ValueError, NO_HOST_HEADERS)     # alike on every rank with a message
             src_desc, src_ids = self._describe("src", self._src_share, src_cache, src_block_ids)
             dst_desc, dst_ids = self._describe("dst", self._dst_share, dst_cache, dst_block_ids)
@@ -382,8 +512,11 @@ class Resharder:
                                              f"dst_block_ids {dst_desc[0]}: one id per moved block on each side")
             device = self._device(src_cache, dst_cache)
             cuda_stream = self._stream(stream, device, description != (None, None))
+            # Whatever a pack or an unpack would refuse, found now, before anything is sent.
             if dst_desc is not None:
                 self._check_destination(dst_cache, device)
+            if src_desc is not None:
+                self._check_source(src_cache, device)
             if headers and src_desc and dst_desc:
                 _same_caches(src_desc, dst_desc, self.rank)    # a header describes one kind of cache
         except Exception as error:
@@ -393,40 +526,39 @@ class Resharder:
             if cuda_stream is not None and self._done is not None:
                 cuda_stream.wait_event(self._done)      # the previous call's use of the staging, on any stream
             try:
-                packed = None
+                buffers = None
                 if nb > 0:
-                    # Packing only writes this rank's staging buffers, so it runs before the
-                    # check: an argument the kernel call refuses is reported on every rank too.
-                    try:
-                        packed = self._pack(src_cache, src_ids, nb, device, cuda_stream)
+                    try:        # a failed allocation is reported as any argument error
+                        buffers = self._prepare(src_cache, dst_cache, nb, device)
                     except Exception as error:
                         problem = _CallError.of(error, self.rank)
-                refused: dict[int, tuple[type[Exception], str]] = {}
-                if checked:
+                if gather:
                     # Every rank's description meets every other before anything is sent or
                     # written: all ranks see the same list, so all raise alike.
                     gathered = self.transport.all_gather_object(
                         (self._fingerprint, problem and problem.info, description), seconds)
                     _raise_agreed([error for _, error, _ in gathered], problem)
                     self._validate(gathered)
-                else:
-                    if headers:
-                        # Each pair's two headers meet before any payload: both ranks of a pair
-                        # see the same two records, so both raise alike.
-                        cache = src_cache if description[0] is not None else dst_cache
-                        refused = self._exchange_headers(description, cache, nb, problem, seconds)
-                    if problem is not None:
-                        _raise_agreed([problem.info], problem)
-                if refused:
-                    # The pairs that agree still exchange their payloads (their peers wait for them);
-                    # this rank writes nothing, and raises what its refused pairs raise.
-                    if packed is not None:
-                        self._transfer(packed, dst_cache, dst_ids, nb, device, cuda_stream, seconds, refused)
-                    found = [refused[peer] for peer in sorted(refused)]
-                    raise found[0][0]("; ".join(message for _, message in found))
-                if packed is None:
-                    return ReshardStats()
-                return self._transfer(packed, dst_cache, dst_ids, nb, device, cuda_stream, seconds)
+                elif problem is not None and not headers:
+                    _raise_agreed([problem.info], problem)
+                if buffers is None and not headers:
+                    return ReshardStats() if not background else ReshardHandle(None, ReshardStats())
+                cache = src_cache if description[0] is not None else dst_cache
+                call = self._exchange(buffers or {}, src_cache, src_ids, dst_cache, dst_ids, description, cache, nb,
+                                      problem, headers, checked, device, cuda_stream, seconds)
+                inner = self.transport.exchange(call, background)
+                stats = ReshardStats(
+                    messages_sent=len(call.sends), messages_received=len(call.recvs),
+                    bytes_sent=sum(m.nbytes for m in call.sends), bytes_received=sum(m.nbytes for m in call.recvs),
+                    local_copies=len(self._locals) if buffers else 0, bytes_copied=call.local_bytes)
+                self._last = ReshardHandle(inner, stats, problem, call.refused)
+                if background:
+                    return self._last
+                # a margin over the exchange's own deadline, which ends it
+                self._last.wait(seconds + 30)
+                if cuda_stream is not None:
+                    self._last.wait_stream(cuda_stream)
+                return stats
             finally:
                 if cuda_stream is not None:
                     # Also after an error: the next call must not touch staging a pack still writes.
@@ -434,20 +566,33 @@ class Resharder:
                         self._done = torch.cuda.Event()
                     self._done.record(cuda_stream)
 
-    def _exchange_headers(self, description: tuple[Any, Any], cache: Any, nb: int, problem: _CallError | None,
-                          seconds: float) -> dict[int, tuple[type[Exception], str]]:
-        """Send every peer this call's header and receive its own (one fixed-size record each
-        way, posted together, on the host), and compare each pair's two records: the error of
-        each pair that cannot go ahead, by peer.  Raises TimeoutError when a peer does not
-        take part within `seconds` (and what the transport raises)."""
-        import torch
+    def _finish_previous(self, seconds: float) -> None:
+        """Waits for the previous call if it goes on in the background: its messages read
+        and write this Resharder's staging.  Its outcome was that call's to report."""
+        last = self._last
+        if last is None or last._inner is None:
+            return
+        if not last._inner._finished.wait(seconds):
+            raise TimeoutError(f"rank {self.rank}: the previous call of this Resharder (wait=False) did not finish "
+                               f"within {seconds} s (timeout=); wait for its handle before the next call")
+        self._last = None
+        if last._inner._gpu_done is not None:
+            self._done = last._inner._gpu_done
+        # A peer lost in that call: the pair counts its calls from 0 again, as its next incarnation does.
+        self._lost(getattr(last._inner.error, "peers", ()))
 
-        if self._headers is None:
-            out = [bytearray(HEADER.size) for _ in self._peers]
-            into = [bytearray(HEADER.size) for _ in self._peers]
-            self._headers = (out, into, [torch.frombuffer(b, dtype=torch.int64) for b in out],
-                             [torch.frombuffer(b, dtype=torch.int64) for b in into])
-        out, into, out_tensors, in_tensors = self._headers
+    def _lost(self, peers: Sequence[int]) -> None:
+        """Pairs whose peer was lost in a call start counting calls again (its next
+        incarnation, or the same peer after it failed too, starts from 0)."""
+        for peer in peers:
+            i = self._peer_index.get(peer)
+            if i is not None:
+                self._pair_calls[i] = 0
+
+    def _records(self, description: tuple[Any, Any], cache: Any, nb: int,
+                 problem: _CallError | None) -> dict[int, bytes]:
+        """This call's header record for every peer of its messages: what this rank
+        sends and expects, or the status of its own refused arguments."""
         desc = next((d for d in description if d is not None), None)
         if problem is not None or desc is None:
             status = _STATUS.get(problem.kind, 3) if problem is not None else 0
@@ -455,27 +600,82 @@ class Resharder:
             unit = 0
         else:
             _, num_outer, tokens, head_dim, dtype, device = desc
-            itemsize = cache.itemsize
-            common = (0, _code(dtype, _DTYPE_CODE), itemsize, nb, num_outer, tokens, head_dim,
+            common = (0, _code(dtype, _DTYPE_CODE), cache.itemsize, nb, num_outer, tokens, head_dim,
                       _code(device, _DEVICE_CODE))
-            unit = nb * num_outer * tokens * head_dim * itemsize     # bytes of one (head, layer) cell of every block
+            unit = nb * num_outer * tokens * head_dim * cache.itemsize  # bytes of one (head, layer) cell of every block
+        records = {}
         for i, peer in enumerate(self._peers):
             cells_out, cells_in = self._peer_cells[i]
-            HEADER.pack_into(out[i], 0, HEADER_MAGIC, HEADER_VERSION, self._digest, self.rank, peer,
-                             self._pair_calls[i] + 1, *common, cells_out * unit, cells_in * unit)
-            into[i][:] = bytes(HEADER.size)
-        wait = self.transport.start(list(zip(self._peers, out_tensors)), list(zip(self._peers, in_tensors)), seconds)
-        wait()
-        refused = {}
-        for i, peer in enumerate(self._peers):
-            mine, theirs = HEADER.unpack_from(out[i]), HEADER.unpack_from(into[i])
-            low, high = (mine, theirs) if self.rank < peer else (theirs, mine)
-            found = _compare_headers(low, high, min(self.rank, peer), max(self.rank, peer))
-            if found is None:
-                self._pair_calls[i] += 1
-            else:
-                refused[peer] = found
-        return refused
+            records[peer] = HEADER.pack(HEADER_MAGIC, HEADER_VERSION, self._digest, self.rank, peer,
+                                        self._pair_calls[i] + 1, *common, cells_out * unit, cells_in * unit)
+        return records
+
+    def _compare(self, peer: int, record: bytes, reason: tuple[str, str] | None, checked: bool,
+                 mine: bytes) -> tuple[type[Exception], str] | None:
+        """Why the pair with `peer` cannot go ahead in this call (None: it can), from the two
+        records; counts an agreeing pair's call."""
+        i = self._peer_index[peer]
+        theirs = HEADER.unpack(record) if len(record) == HEADER.size else (0,) * len(HEADER_FIELDS)
+        own = HEADER.unpack(mine)
+        low, high = (own, theirs) if self.rank < peer else (theirs, own)
+        found = _compare_headers(low, high, min(self.rank, peer), max(self.rank, peer))
+        if found is None:
+            self._pair_calls[i] += 1
+            return None
+        if checked and reason is not None and theirs[_F["status"]]:
+            # A checked call over a pairwise transport: the peer's refused arguments, as it raises them.
+            found = (_CallError.KINDS.get(reason[0], RuntimeError), reason[1])
+        if not low[_F["status"]] and not high[_F["status"]] and _first_difference(low, high) == "call":
+            self._pair_calls[i] = 0
+        return found
+
+    def _exchange(self, buffers: dict[tuple[str, int], torch.Tensor], src_cache: Any, src_ids: Any, dst_cache: Any,
+                  dst_ids: Any, description: tuple[Any, Any], cache: Any, nb: int, problem: _CallError | None,
+                  headers: bool, checked: bool, device: str, stream: Any, seconds: float) -> _pieces.Exchange:
+        """This call as its transport moves it: messages in pieces, headers and hooks."""
+        dtype = _torch_dtype(cache, "") if buffers else None
+        sends, recvs = [], []
+        send_views, recv_views, local_views = [], [], []
+        for routes, messages, views in ((self._sends_routes, sends, send_views),
+                                        (self._recvs_routes, recvs, recv_views),
+                                        (self._locals_routes, None, local_views)):
+            for route in routes if buffers else ():
+                t = route.transfer
+                shape = (nb, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
+                used, view, blocks, pieces, piece_views = route.views(buffers[route.slot], shape, dtype)
+                if messages is not None:
+                    messages.append(_pieces.Message(route.peer, used, pieces, route.slot))
+                views.append((route, blocks, piece_views, view))
+
+        def pack(i: int, p: int, on: Any) -> None:
+            route, blocks, piece_views, _ = send_views[i]
+            a, b = blocks[p]
+            layers, heads = route.src
+            src_cache.to_universal(src_ids[a:b], piece_views[p], layers=layers, heads=heads, pack_layers=True,
+                                   stream=on)
+
+        def unpack(j: int, p: int, on: Any) -> None:
+            route, blocks, piece_views, _ = recv_views[j]
+            a, b = blocks[p]
+            layers, heads = route.dst
+            dst_cache.from_universal(piece_views[p], dst_ids[a:b], layers=layers, heads=heads, pack_layers=True,
+                                     stream=on)
+
+        def local(on: Any) -> None:
+            for route, _, _, view in local_views:
+                (src_layers, src_heads), (dst_layers, dst_heads) = route.src, route.dst
+                src_cache.to_universal(src_ids, view, layers=src_layers, heads=src_heads, pack_layers=True, stream=on)
+                dst_cache.from_universal(view, dst_ids, layers=dst_layers, heads=dst_heads, pack_layers=True,
+                                         stream=on)
+
+        records = self._records(description, cache, nb, problem) if headers else None
+        return _pieces.Exchange(
+            owner=self, channel=self._digest, rank=self.rank, sends=tuple(sends), recvs=tuple(recvs),
+            headers=records, reason=problem.info if problem is not None else None, pack=pack, unpack=unpack,
+            compare=lambda peer, record, reason: self._compare(peer, record, reason, checked, records[peer]),
+            local=local, local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
+            call_of=lambda peer: self._pair_calls[self._peer_index[peer]] + 1, device=device, stream=stream,
+            timeout=seconds, check=checked)
 
     # ---------------------------------------------------------------- checks
 
@@ -509,24 +709,44 @@ class Resharder:
         layer tensor that requires grad, and whatever from_universal refuses of the cache
         itself (read-only, layers sharing memory, a layer whose memory moved), asked with
         no block of each unpack this rank will make."""
-        import torch
-
         where = f"dst_cache on rank {self.rank}"
-        layers = cache.layers
-        for i, layer in enumerate(layers if isinstance(layers, tuple) else (layers,)):
+        arrays = cache.layers
+        for i, layer in enumerate(arrays if isinstance(arrays, tuple) else (arrays,)):
             if getattr(layer, "requires_grad", False) is True:
                 raise _CallError(ValueError, f"{where}: layers[{i}]: destination tensor requires grad, and autograd "
                                              "cannot see this write; build the cache from x.detach() (same memory) "
                                              "to write it anyway")
-        for i, t in enumerate(self._recvs + self._locals):
-            shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
-            key = (i, device, cache.dtype, shape)       # a later call may pass caches of another kind
-            if key not in self._probes:
-                self._probes[key] = torch.empty(shape, dtype=_torch_dtype(cache, where), device=device)
+        for i, route in enumerate(self._recvs_routes + self._locals_routes):
+            layers, heads = route.dst
             try:
-                self._unpack(t, self._probes[key], cache, [], None)
+                cache.from_universal(self._probe(i, "dst", route, cache, device, where), [], layers=layers,
+                                     heads=heads, pack_layers=True)
             except (TypeError, ValueError) as error:
                 raise _CallError(type(error), f"{where}: {error}") from error
+
+    def _check_source(self, cache: PagedKVCache, device: str) -> None:
+        """What would refuse this rank's packs, found now: whatever to_universal refuses of
+        the cache (a layer whose memory moved, ...), asked with no block of each pack."""
+        where = f"src_cache on rank {self.rank}"
+        for i, route in enumerate(self._sends_routes + self._locals_routes):
+            layers, heads = route.src
+            try:
+                cache.to_universal([], self._probe(i, "src", route, cache, device, where), layers=layers,
+                                   heads=heads, pack_layers=True)
+            except (TypeError, ValueError) as error:
+                raise _CallError(type(error), f"{where}: {error}") from error
+
+    def _probe(self, i: int, side: str, route: _Route, cache: PagedKVCache, device: str, where: str) -> Any:
+        """A universal buffer of no block for a route's pack or unpack, of the cache's kind."""
+        import torch
+
+        t = route.transfer
+        shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
+        key = (side, i, device, cache.dtype, shape)       # a later call may pass caches of another kind
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = self._probes[key] = torch.empty(shape, dtype=_torch_dtype(cache, where), device=device)
+        return probe
 
     def _device(self, src_cache: Any, dst_cache: Any) -> str:
         devices = {cache.device for cache in (src_cache, dst_cache) if cache is not None}
@@ -581,79 +801,39 @@ class Resharder:
 
     # ---------------------------------------------------------------- the move
 
-    def _buffer(self, key: tuple[str, int], cache: PagedKVCache, nb: int, transfer: ReshardTransfer,
-                device: str) -> torch.Tensor:
-        """The staging buffer `key` as [nb, nh_sel, nl_sel, no, nt, hd] of the cache's element type.
+    def _prepare(self, src_cache: Any, dst_cache: Any, nb: int, device: str) -> dict[tuple[str, int], torch.Tensor]:
+        """The staging buffer of every message and local copy of a call moving nb blocks,
+        by slot: whole buffers, kept across calls (a call uses their first bytes)."""
+        buffers = {}
+        for routes, cache in ((self._sends_routes, src_cache), (self._recvs_routes, dst_cache),
+                              (self._locals_routes, src_cache)):
+            for route in routes:
+                buffers[route.slot] = self._buffer(route, cache, nb, device)
+        return buffers
 
-        Buffers are kept across calls and reallocated only to grow or to follow the caches to another device."""
+    def _buffer(self, route: _Route, cache: PagedKVCache, nb: int, device: str) -> torch.Tensor:
+        """The staging buffer of `route` for nb blocks of the cache's kind: where the transport
+        wants a message's staging (the caches' device, or pinned host memory), a local copy's
+        on the caches' device.  Reallocated only to grow or to move."""
         import torch
 
-        shape = (nb, len(transfer.heads), len(transfer.layers), cache.num_outer, cache.tokens_per_block,
-                 cache.head_dim)
-        nbytes = cache.itemsize
-        for extent in shape:
-            nbytes *= extent
-        buffer = self._staging.get(key)
-        if buffer is None or buffer.numel() < nbytes or buffer.device != torch.device(device):
+        t = route.transfer
+        nbytes = nb * len(t.heads) * len(t.layers) * cache.num_outer * cache.tokens_per_block * cache.head_dim * \
+            cache.itemsize
+        where = device
+        placement = getattr(self.transport, "staging_device", None)
+        if route.slot[0] != "local" and placement is not None:
+            where = placement(device)
+        buffer = self._staging.get(route.slot)
+        if buffer is None or buffer.numel() < nbytes or buffer.device != torch.device(where):
             if buffer is not None and buffer.is_cuda:
                 # Freed now, reused by the allocator only after the work queued so far on this stream,
                 # which waits for every earlier use of it.
                 buffer.record_stream(torch.cuda.current_stream(buffer.device))
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._staging[key] = buffer
-        return buffer[:nbytes].view(_torch_dtype(cache, "")).view(shape)
-
-    def _pack(self, src_cache: Any, src_ids: Any, nb: int, device: str,
-              stream: Any) -> list[tuple[ReshardTransfer, torch.Tensor]]:
-        """Pack every message this rank sends and every local copy it makes into its staging:
-        the transfer's layers of the cache are universal layers 0 on, in order (pack_layers)."""
-        packed = []
-        for key, transfers in (("send", self._sends), ("local", self._locals)):
-            for i, t in enumerate(transfers):
-                buffer = self._buffer((key, i), src_cache, nb, t, device)
-                src_cache.to_universal(src_ids, buffer, layers=_whole_or(t.src_layers, src_cache.num_layers),
-                                       pack_layers=True, heads=_whole_or(t.src_heads, src_cache.num_heads),
-                                       stream=stream)
-                packed.append((t, buffer))
-        return packed
-
-    @staticmethod
-    def _unpack(t: ReshardTransfer, buffer: torch.Tensor, cache: PagedKVCache, ids: Any, stream: Any) -> None:
-        cache.from_universal(buffer, ids, layers=_whole_or(t.dst_layers, cache.num_layers), pack_layers=True,
-                             heads=_whole_or(t.dst_heads, cache.num_heads), stream=stream)
-
-    def _transfer(self, packed: list[tuple[ReshardTransfer, torch.Tensor]], dst_cache: Any, dst_ids: Any, nb: int,
-                  device: str, stream: Any, timeout: float,
-                  refused: dict[int, Any] | None = None) -> ReshardStats:
-        """Send the packed messages, receive this rank's, and unpack them and the local copies.
-        With `refused` (peers whose headers disagreed): exchange only the messages of the
-        other peers, and unpack nothing (the caller raises)."""
-        # The transport sees bytes: any element type travels (fp8 included) whatever the transport supports.
-        sends = [(t.dst_rank, _bytes_of(buffer)) for t, buffer in packed
-                 if not t.is_local and not (refused and t.dst_rank in refused)]
-        local = [(t, buffer) for t, buffer in packed if t.is_local]
-        received = [(t, self._buffer(("recv", i), dst_cache, nb, t, device)) for i, t in enumerate(self._recvs)
-                    if not (refused and t.src_rank in refused)]
-        if refused:
-            if sends or received:
-                self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received], timeout)()
-            return ReshardStats()
-        wait = self.transport.start(sends, [(t.src_rank, _bytes_of(buffer)) for t, buffer in received], timeout)
-        # On a GPU the local copies are enqueued while the messages travel.  On the host the
-        # wait comes first: if it times out, nothing has been written.
-        on_host = not device.startswith("cuda")
-        if on_host:
-            wait()
-        for t, buffer in local:
-            self._unpack(t, buffer, dst_cache, dst_ids, stream)
-        if not on_host:
-            wait()
-        for t, buffer in received:
-            self._unpack(t, buffer, dst_cache, dst_ids, stream)
-        return ReshardStats(messages_sent=len(sends), messages_received=len(received),
-                            bytes_sent=sum(b.nbytes for _, b in sends), bytes_received=sum(b.nbytes for _, b in received),
-                            local_copies=len(local), bytes_copied=sum(b.nbytes for _, b in local))
-
+            pinned = where == "cpu" and device != "cpu"
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=where, pin_memory=pinned)
+            self._staging[route.slot] = buffer
+        return buffer
 
 def _on_stream(device: str, stream: Any) -> Any:
     """A context running torch's CUDA work on `stream` of `device`; nothing on the host."""
@@ -667,13 +847,6 @@ def _on_stream(device: str, stream: Any) -> Any:
     stack.enter_context(torch.cuda.device(device))
     stack.enter_context(torch.cuda.stream(stream))
     return stack
-
-
-def _bytes_of(buffer: torch.Tensor) -> torch.Tensor:
-    """A contiguous buffer as a 1-D uint8 tensor over the same memory."""
-    import torch
-
-    return buffer.reshape(-1).view(torch.uint8)
 
 
 def _torch_dtype(cache: PagedKVCache, where: str) -> torch.dtype:

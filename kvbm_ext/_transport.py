@@ -4,19 +4,25 @@ a torch.distributed process group.  torch is imported when a transport is built.
 from __future__ import annotations
 
 import pickle
+import struct
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ._driver import DONE, WAITING, Handle, submit
 
 if TYPE_CHECKING:
     import torch
+
+    from ._pieces import Exchange
 
 
 class Transport(Protocol):
     """What a `Resharder` needs from the engine that carries its messages.
 
     `TorchTransport` implements it over a torch.distributed process group (NCCL for
-    GPU caches, gloo for host caches).  Another engine (NIXL, UCX, ...) plugs in by
-    implementing these four members; `Resharder(..., transport=...)` takes it.
+    GPU caches, gloo for host caches), `kvbm_ext.nixl.NixlTransport` over NIXL between
+    engines that share no process group.  `Resharder(..., transport=...)` takes any
+    object with these members:
 
     - `rank`, `world_size`: this process's rank and the number of ranks, in the
       numbering the `EngineLayout`s use.
@@ -24,24 +30,26 @@ class Transport(Protocol):
       list indexed by rank (collective over every rank).  Used once when a Resharder is
       built and once per checked call, to validate on every rank before anything
       moves.  Raises TimeoutError when the other ranks did not all take part within
-      `timeout` seconds.
-    - `start(sends, recvs, timeout)`: post every message of one call at once: `sends`
-      and `recvs` are `(peer rank, tensor)` pairs, each tensor contiguous, at most one
-      per peer and direction; the sizes of a matching send and receive are equal.
-      Returns a callable that completes them: for device tensors, it makes the
-      caller's current stream wait for the messages (no host synchronization; the
-      engine's own timeout applies); for host tensors, it returns once they are done,
-      or raises TimeoutError after `timeout` seconds.  Work enqueued on the current
-      stream before `start` (the packing) must be finished before a send reads its
-      tensor.  The tensors of one `start` are all on the host or all on one device.
+      `timeout` seconds.  Not called on a pairwise transport (below).
+    - `exchange(call, background)`: moves one call's messages (`kvbm_ext._pieces.Exchange`:
+      its messages cut into pieces, this rank's header for each peer, and the hooks that
+      pack a piece, unpack a piece and compare a peer's header) and returns a
+      `kvbm_ext._driver.Handle`.  The transport delivers each peer's header to
+      `call.compare` before it moves any payload between the two, moves only the pairs
+      that agree, packs a piece before sending it and unpacks a received piece only after
+      it arrived, and only once `call.allow_writes()` returned True.  `background=False`:
+      it may finish the exchange before it returns (a finished handle; device work
+      enqueued on `call.stream`).  `background=True`: it returns at once, the exchange
+      goes on (`kvbm_ext._driver`), and `handle.wait_stream(stream)` orders a stream after
+      its device work.  Bounded by `call.timeout` either way (TimeoutError).
 
-    Headers: a call with `check=False` first calls `start` with one fixed-size header
-    per peer and direction (`kvbm_ext._reshard.HEADER`: 128 bytes, as a host int64
-    tensor over the record's bytes) and waits for them, before it posts any payload:
-    a transport carries host tensors even when the payloads are device tensors.  The
-    Resharder builds, compares and acts on the headers; the transport only delivers
-    them.  (A transport that cannot carry host tensors sets `_carries_host_tensors =
-    False`, and `check=False` is then refused.)
+    Optional: `pairwise` (default False): True for a transport whose ranks share no
+    collective (engines that start and restart on their own): a Resharder built on it
+    gathers nothing, and each of its calls, checked or not, compares its headers pair by
+    pair (`call.headers`).  `staging_device(device)` (default `device`): where the staging
+    of caches on `device` lives ("cpu" for pinned host memory).  `_carries_host_tensors`
+    (default True): False where headers cannot travel on the host, and `check=False` is
+    refused.
     """
 
     @property
@@ -49,8 +57,13 @@ class Transport(Protocol):
     @property
     def world_size(self) -> int: ...
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
-    def start(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-              timeout: float) -> Callable[[], None]: ...
+    def exchange(self, call: Exchange, background: bool) -> Handle: ...
+
+
+# all_gather_object sends each rank's pickled object in a slot of this many bytes, one
+# round; only an object that does not fit costs a second round at the largest size.
+_GATHER_SLOT = 4096
+_LENGTH = struct.Struct("<q")
 
 
 class TorchTransport:
@@ -67,10 +80,22 @@ class TorchTransport:
     the first NCCL operation on the group must involve all its ranks (e.g. a warm-up
     `all_reduce`).
 
+    Pieces: a message crosses as one `batch_isend_irecv` per piece, all pairs of the
+    call together.  On a GPU each piece's sends wait only for the packing of that piece
+    (they are posted from a stream that waits for it), and the receiver's stream unpacks
+    piece p as soon as it arrived, while the next one crosses.  On the host every piece
+    arrives before anything is unpacked, and the call returns when the blocks are in
+    place, also with `wait=False`.  A GPU call in the background (`wait=False`) has its
+    headers waited for by a thread of the transport and its pieces posted from the
+    driver thread (`kvbm_ext._driver`): the group must then carry nothing else from
+    other threads.
+
     A TimeoutError (the other ranks did not take part in time) leaves operations of
     the group pending with no peer to complete them: torch.distributed gives no way
     to cancel them, so the group is unusable afterwards (destroy it and build another).
     """
+
+    pairwise = False
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -83,6 +108,8 @@ class TorchTransport:
         self._rank = dist.get_rank(group)
         # Host tensors (all_gather_object's, check=False's headers) need gloo in the group.
         self._carries_host_tensors = "gloo" in str(dist.get_backend(group))
+        self._post_streams: dict[Any, Any] = {}     # per device: the stream pieces are posted from
+        self._waiter_pool: Any = None
 
     @property
     def rank(self) -> int:
@@ -94,41 +121,60 @@ class TorchTransport:
 
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]:
         """As torch.distributed.all_gather_object, with every wait bounded by `timeout`
-        seconds in all: the sizes of the pickled objects, then the objects."""
+        seconds in all: one all_gather of a fixed-size slot (its length first), and a
+        second one at the largest size only when an object does not fit."""
         import torch
         import torch.distributed as dist
 
         deadline = time.monotonic() + timeout
         device = self._object_device()
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True), deadline, timeout, "exchange")
-        lengths = [int(s.item()) for s in sizes]
+        data = pickle.dumps(obj)
+        slot = bytearray(_LENGTH.size + _GATHER_SLOT)
+        _LENGTH.pack_into(slot, 0, len(data))
+        if len(data) <= _GATHER_SLOT:
+            slot[_LENGTH.size:_LENGTH.size + len(data)] = data
+        mine = torch.frombuffer(slot, dtype=torch.uint8).to(device)
+        slots = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(slots, mine, group=self.group, async_op=True), deadline, timeout, "exchange")
+        raw = [bytes(s.cpu().numpy()) for s in slots]
+        lengths = [_LENGTH.unpack_from(r)[0] for r in raw]
+        if max(lengths) <= _GATHER_SLOT:
+            return [pickle.loads(r[_LENGTH.size:_LENGTH.size + n]) for r, n in zip(raw, lengths)]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-        padded[: payload.numel()] = payload
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
         self._wait(dist.all_gather(pieces, padded, group=self.group, async_op=True), deadline, timeout, "exchange")
         return [pickle.loads(piece[:n].cpu().numpy().tobytes()) for piece, n in zip(pieces, lengths)]
 
-    def start(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-              timeout: float) -> Callable[[], None]:
-        import torch.distributed as dist
+    def exchange(self, call: Exchange, background: bool) -> Handle:
+        # gloo's operations progress only inside their wait (their is_completed() stays False),
+        # and a wait that times out closes the connection: the host waits for them whole.  A
+        # call on host caches therefore finishes here; one on a GPU in the background hands
+        # the wait for its headers to a thread of its own and posts from the driver.
+        background = background and call.stream is not None
+        job = _TorchCall(self, call, background)
+        if background:
+            return submit(job)
+        while job.step() != DONE:
+            pass
+        job.handle.finish()
+        return job.handle
 
-        ops = [dist.P2POp(dist.isend, tensor, self._global_ranks[peer], self.group) for peer, tensor in sends]
-        ops += [dist.P2POp(dist.irecv, tensor, self._global_ranks[peer], self.group) for peer, tensor in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        on_host = all(tensor.device.type == "cpu" for _, tensor in list(sends) + list(recvs))
+    def _waiter(self) -> Any:
+        """The thread that waits for the headers of calls in the background."""
+        if self._waiter_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-        def wait() -> None:
-            deadline = time.monotonic() + timeout
-            for work in works:
-                if on_host:
-                    self._wait(work, deadline, timeout, "messages")
-                else:
-                    work.wait()     # the current stream waits; the host does not
+            self._waiter_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbm_ext-headers")
+        return self._waiter_pool
 
-        return wait
+    def _post_stream(self, device: Any) -> Any:
+        import torch
+
+        stream = self._post_streams.get(device)
+        if stream is None:
+            stream = self._post_streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def _object_device(self) -> Any:
         """Where all_gather_object's tensors live: the host with a gloo backend (alone or
@@ -138,6 +184,11 @@ class TorchTransport:
         if self._carries_host_tensors:
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
+
+    def _timeout_error(self, timeout: float, what: str, error: Any = None) -> TimeoutError:
+        return TimeoutError(f"rank {self._rank}: the other ranks did not complete the {what} within {timeout} s "
+                            "(timeout=): every rank of the group must take part, each with the same check; the "
+                            "group is unusable now" + (f" ({error})" if error is not None else ""))
 
     def _wait(self, work: Any, deadline: float, timeout: float, what: str) -> None:
         # Imported here, not with the package: CPython 3.12's _datetime cannot load in an
@@ -151,6 +202,149 @@ class TorchTransport:
         except RuntimeError as error:
             if time.monotonic() - started < 0.9 * left:
                 raise       # failed before its time was up: not a timeout
-            raise TimeoutError(f"rank {self._rank}: the other ranks did not complete the {what} within {timeout} s "
-                               "(timeout=): every rank of the group must take part, each with the same check; the "
-                               f"group is unusable now ({error})") from error
+            raise self._timeout_error(timeout, what, error) from error
+
+
+class _TorchCall:
+    """One call's exchange over a process group, as a `kvbm_ext._driver` job.
+
+    Made on the caller's thread: the headers are posted (host tensors over gloo), then
+    every piece of every send is packed on the call's stream, each piece followed by an
+    event, so the headers' round trip runs while the packs are enqueued.  `step()` then
+    compares the headers once they came, and posts the pieces of the pairs that agree:
+    on a GPU all of them at once, each from the post stream after it waited for its
+    piece's event, with the unpack stream waiting for each piece's messages before
+    unpacking it; on the host it waits for every message before unpacking.  Only a call
+    in the background returns WAITING (its headers, waited for by the transport's
+    waiter thread); otherwise step() waits on the host, bounded by the deadline."""
+
+    def __init__(self, transport: TorchTransport, call: Exchange, background: bool) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.transport, self.call = transport, call
+        self.handle = Handle(f"rank {call.rank}: reshard messages",
+                             sum(m.nbytes for m in call.sends + call.recvs))
+        self.deadline = time.monotonic() + call.timeout
+        self._gpu = call.stream is not None
+        self._unpack_stream = call.stream
+        if background:
+            self._unpack_stream = _side_stream(call.device)
+            # The unpacks write the destination: after what the caller queued before this call.
+            self._unpack_stream.wait_stream(call.stream)
+        self._received: dict[int, bytearray] = {}
+        header_works = []
+        if call.headers is not None:
+            ops = []
+            for peer, record in call.headers.items():
+                into = self._received[peer] = bytearray(len(record))
+                ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(record), dtype=torch.int64),
+                                      transport._global_ranks[peer], transport.group))
+                ops.append(dist.P2POp(dist.irecv, torch.frombuffer(into, dtype=torch.int64),
+                                      transport._global_ranks[peer], transport.group))
+            header_works = dist.batch_isend_irecv(ops)
+        self._events: list[Any] = []
+        pieces = max((len(m.pieces) for m in call.sends), default=0)
+        if self._gpu:
+            start = torch.cuda.Event()
+            start.record(call.stream)
+            self._events.append(start)
+        for p in range(pieces):
+            for i, message in enumerate(call.sends):
+                if p < len(message.pieces):
+                    call.pack(i, p, call.stream)
+            if self._gpu:
+                event = torch.cuda.Event()
+                event.record(call.stream)
+                self._events.append(event)
+        self._headers: Any = None
+        if header_works and background:
+            self._headers = transport._waiter().submit(self._wait_all, header_works)
+        else:
+            self._wait_all(header_works)
+
+    def step(self) -> str:
+        if self._headers is not None:
+            if not self._headers.done():
+                if time.monotonic() > self.deadline:
+                    raise self.transport._timeout_error(self.call.timeout, "messages")
+                return WAITING
+            self._headers.result()      # raises what the wait raised
+        for peer, into in self._received.items():
+            self.call.compare(peer, bytes(into))
+        works = self._post()
+        if not self._gpu:
+            self._wait_all(works)
+            if self.call.allow_writes(None):
+                for j, message in enumerate(self.call.recvs):
+                    if message.peer not in self.call.refused:
+                        for p in range(len(message.pieces)):
+                            self.call.unpack(j, p, None)
+        return DONE
+
+    def abandon(self, error: BaseException) -> None:
+        """torch.distributed cannot cancel a posted operation: nothing to release."""
+
+    def _wait_all(self, works: list[Any]) -> None:
+        for work in works:
+            self.transport._wait(work, self.deadline, self.call.timeout, "messages")
+
+    def _post(self) -> list[Any]:
+        """Posts every piece of the pairs that agree; on a GPU, enqueues their unpacks.
+        Returns the host works."""
+        import torch
+        import torch.distributed as dist
+
+        call, transport = self.call, self.transport
+        sends = [m for m in call.sends if m.peer not in call.refused]
+        recvs = [(j, m) for j, m in enumerate(call.recvs) if m.peer not in call.refused]
+        pieces = max((len(m.pieces) for m in sends + [m for _, m in recvs]), default=0)
+        writes = call.allow_writes(self._unpack_stream) if self._gpu else False
+        post = transport._post_stream(torch.device(call.device)) if self._gpu else None
+        batches = []
+        for p in range(pieces):
+            ops = [dist.P2POp(dist.isend, _piece(m, p), transport._global_ranks[m.peer], transport.group)
+                   for m in sends if p < len(m.pieces)]
+            ops += [dist.P2POp(dist.irecv, _piece(m, p), transport._global_ranks[m.peer], transport.group)
+                    for _, m in recvs if p < len(m.pieces)]
+            if post is not None:
+                # NCCL orders its stream after the current one when posted: the post stream,
+                # which waits for this piece's packs (and what preceded the call) only.
+                post.wait_event(self._events[min(p + 1, len(self._events) - 1)])
+                with torch.cuda.stream(post):
+                    batches.append(dist.batch_isend_irecv(ops) if ops else [])
+            else:
+                batches.append(dist.batch_isend_irecv(ops) if ops else [])
+        if not self._gpu:
+            return [work for works in batches for work in works]
+        with torch.cuda.stream(self._unpack_stream):
+            for p, works in enumerate(batches):
+                for work in works:
+                    work.wait()     # the unpack stream waits for this piece's messages, sends included
+                if writes:
+                    for j, message in recvs:
+                        if p < len(message.pieces):
+                            call.unpack(j, p, self._unpack_stream)
+        if self._unpack_stream is not call.stream:
+            event = torch.cuda.Event()
+            event.record(self._unpack_stream)
+            self.handle.gpu_enqueued(event)
+        return []
+
+
+def _piece(message: Any, p: int) -> torch.Tensor:
+    start, stop = message.pieces[p]
+    return message.buffer[start:stop]
+
+
+_side_streams: dict[str, Any] = {}
+
+
+def _side_stream(device: str) -> Any:
+    """The stream of `device` that work enqueued from the driver thread runs on."""
+    import torch
+
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(torch.device(device))
+    return stream

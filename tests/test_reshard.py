@@ -353,10 +353,10 @@ class Side:
 
 
 class Recording:
-    """A Transport that forwards to another and records what each call posted: the
+    """A Transport that forwards to another and records what each call moved: the
     Transport interface, used by a second engine's adapter, exercised here.  A call with
-    check=False posts its headers first (host int64 tensors of kvbm_ext._reshard.HEADER.size
-    bytes, one per peer and direction), recorded apart from the payloads."""
+    check=False carries a header (kvbm_ext._reshard.HEADER.size bytes) for each peer,
+    recorded apart from the payloads; each message's pieces must cover it in order."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -378,16 +378,19 @@ class Recording:
     def all_gather_object(self, obj, timeout):
         return self.inner.all_gather_object(obj, timeout)
 
-    def start(self, sends, recvs, timeout):
-        tensors = [t for _, t in list(sends) + list(recvs)]
-        assert all(t.is_contiguous() for t in tensors)
-        assert len({t.device for t in tensors}) <= 1, "one start: all on the host or all on one device"
-        posted = {"sends": [(p, t.nbytes) for p, t in sends], "recvs": [(p, t.nbytes) for p, t in recvs]}
-        if tensors and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in tensors):
-            self.headers.append(posted)
-        else:
-            self.calls.append(posted)
-        return self.inner.start(sends, recvs, timeout)
+    def exchange(self, call, background):
+        messages = list(call.sends) + list(call.recvs)
+        assert all(m.buffer.is_contiguous() and m.buffer.dtype == torch.uint8 for m in messages)
+        assert len({m.buffer.device for m in messages}) <= 1, "one call: all on the host or all on one device"
+        for m in messages:
+            assert m.pieces and m.pieces[0][0] == 0 and m.pieces[-1][1] == m.buffer.numel(), m.pieces
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(m.pieces, m.pieces[1:])), m.pieces
+        if call.headers is not None:
+            self.headers.append({"sends": [(p, len(r)) for p, r in call.headers.items()],
+                                 "recvs": [(p, len(r)) for p, r in call.headers.items()]})
+        self.calls.append({"sends": [(m.peer, m.nbytes) for m in call.sends],
+                           "recvs": [(m.peer, m.nbytes) for m in call.recvs]})
+        return self.inner.exchange(call, background)
 
 
 def _ids_arg(ids, form, device):

@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 import kvbm_ext
 from kvbm_ext import EngineLayout, Resharder
+from kvbm_ext._driver import Handle
 
 
 def L(tp, pp=1, ranks=None, layer_ranges=None):
@@ -93,15 +94,22 @@ class Reads(Sequence):
 # --------------------------------------------------------------------------
 
 
+def _finished():
+    handle = Handle("scripted")
+    handle.finish()
+    return handle
+
+
 class OneRank:
     rank, world_size = 0, 1
 
     def all_gather_object(self, obj, timeout):
         return [obj]
 
-    def start(self, sends, recvs, timeout):
-        assert not sends and not recvs
-        return lambda: None
+    def exchange(self, call, background):
+        assert not call.sends and not call.recvs and call.headers is None
+        call.allow_writes(call.stream)      # the local copy
+        return _finished()
 
 
 NH, NL, NO, NT, HD, NB = 2, 3, 2, 4, 8, 6
@@ -181,25 +189,23 @@ class ScriptedPeer:
     def all_gather_object(self, obj, timeout):
         return [obj, obj]
 
-    def start(self, sends, recvs, timeout):
-        tensors = [t for _, t in list(sends) + list(recvs)]
-        if tensors and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in tensors):
-            from kvbm_ext._reshard import HEADER, HEADER_FIELDS
+    def exchange(self, call, background):
+        from kvbm_ext._reshard import HEADER, HEADER_FIELDS
 
-            [(peer, out)], [(_, into)] = sends, recvs
-            mine = dict(zip(HEADER_FIELDS, HEADER.unpack(out.numpy().tobytes())))
-            self.call_numbers.append(mine["call"])
-            theirs = dict(mine, writer=mine["peer"], peer=mine["writer"], sends=mine["expects"], expects=mine["sends"])
-            if self.edit:
-                theirs.update(self.edit)
-            into.copy_(torch.frombuffer(bytearray(HEADER.pack(*(theirs[f] for f in HEADER_FIELDS))),
-                                        dtype=torch.int64))
-            self.headers.append(peer)
-        else:
-            for _, t in recvs:
-                t.fill_(0x5A)
-            self.payloads.append(([p for p, _ in sends], [p for p, _ in recvs]))
-        return lambda: None
+        [(peer, out)] = call.headers.items()
+        mine = dict(zip(HEADER_FIELDS, HEADER.unpack(out)))
+        self.call_numbers.append(mine["call"])
+        theirs = dict(mine, writer=mine["peer"], peer=mine["writer"], sends=mine["expects"], expects=mine["sends"])
+        if self.edit:
+            theirs.update(self.edit)
+        self.headers.append(peer)
+        if call.compare(peer, HEADER.pack(*(theirs[f] for f in HEADER_FIELDS))) and call.allow_writes(None):
+            for j, message in enumerate(call.recvs):
+                message.buffer.fill_(0x5A)
+                for p in range(len(message.pieces)):
+                    call.unpack(j, p, None)
+            self.payloads.append(([m.peer for m in call.sends], [m.peer for m in call.recvs]))
+        return _finished()
 
 
 class NoHostTensors(ScriptedPeer):
@@ -207,7 +213,7 @@ class NoHostTensors(ScriptedPeer):
 
     _carries_host_tensors = False
 
-    def start(self, sends, recvs, timeout):
+    def exchange(self, call, background):
         raise AssertionError("nothing may be posted")
 
 
