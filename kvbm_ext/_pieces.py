@@ -58,10 +58,12 @@ class Message:
     """One message of a call, to or from `peer`: `buffer` is this rank's staging of it (a
     contiguous 1-D uint8 tensor), `pieces` its byte ranges (start, stop), in order and the
     same on both ranks, and `slot` names the staging buffer across the calls of its
-    Resharder (a transport that registers memory registers a slot's buffer once)."""
+    Resharder (a transport that registers memory registers a slot's buffer once).  A rank
+    that refused its own arguments moves nothing: its messages have no buffer and no
+    piece, and say only with whom it exchanges headers, and which way."""
 
     peer: int
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
     pieces: tuple[tuple[int, int], ...]
     slot: Hashable
 
@@ -88,8 +90,9 @@ class Exchange:
       (`refused`, by peer: nothing may be written).  `local_bytes`: the bytes they copy.
     - `owner`: the Resharder, whose lifetime bounds its slots' buffers; `channel`: the
       plan's digest, which separates the messages of Resharders sharing a transport;
-      `call_of(peer)`: the pair's call number (the header's), for transports that tag
-      their messages with it; `device` ("cpu" or "cuda:N"), `stream` (the call's torch
+      `call_of(peer)`: the pair's call number (the header's); `renew(peer)`: the peer is
+      a new incarnation (it restarted, and counts its calls from 0): this rank does too,
+      and `headers[peer]` is rewritten, before the pair compares; `device` ("cpu" or "cuda:N"), `stream` (the call's torch
       stream on a GPU, else None), `timeout` (seconds), `check` (the call's check).
     """
 
@@ -97,13 +100,14 @@ class Exchange:
                  recvs: tuple[Message, ...], headers: dict[int, bytes] | None, reason: tuple[str, str] | None,
                  pack: Callable[[int, int, Any], None], unpack: Callable[[int, int, Any], None],
                  compare: Callable[[int, bytes, tuple[str, str] | None], tuple[type[Exception], str] | None],
-                 local: Callable[[Any], None], local_bytes: int, call_of: Callable[[int], int], device: str,
+                 local: Callable[[Any], None], renew: Callable[[int], None], local_bytes: int, call_of: Callable[[int], int], device: str,
                  stream: Any, timeout: float, check: bool) -> None:
         self.owner, self.channel, self.rank = owner, channel, rank
         self.sends, self.recvs = sends, recvs
         self.headers, self.reason = headers, reason
         self._pack, self._unpack, self._compare, self._local = pack, unpack, compare, local
         self.local_bytes = local_bytes
+        self.renew = renew
         self.call_of = call_of
         self.device, self.stream, self.timeout, self.check = device, stream, timeout, check
         self.refused: dict[int, tuple[type[Exception], str]] = {}
@@ -127,6 +131,15 @@ class Exchange:
             if found is not None:
                 self.refused[peer] = found
         return peer not in self.refused
+
+    def compared(self, peer: int) -> bool:
+        """Whether `peer`'s record was compared (or the peer was lost)."""
+        return peer in self._compared
+
+    def lost(self, peer: int) -> None:
+        """`peer` failed before its record came: nothing of it will be unpacked, and the
+        other pairs are no longer held up by its verdict."""
+        self._compared.add(peer)
 
     def settled(self) -> bool:
         """Whether every peer's record was compared (always, without headers)."""

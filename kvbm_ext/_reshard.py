@@ -37,7 +37,7 @@ import hashlib
 import math
 import struct
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import PagedKVCache
 from ._plan import EngineLayout, ReshardTransfer, _as_int, layout_key, plan_reshard
@@ -497,7 +497,17 @@ class Resharder:
         headers = not gather and bool(self._peers) and self._host_headers
         try:
             seconds = _timeout(timeout)
-            self._finish_previous(seconds)
+        except Exception as error:
+            problem = _CallError.of(error, self.rank)
+        # The previous call (wait=False) and the peers' connections come before anything else
+        # of this call: they fail this rank alone, as they are, with nothing sent.
+        self._finish_previous(seconds)
+        connect = getattr(self.transport, "connect", None)
+        if connect is not None and self._peers:
+            connect(self._peers, seconds)
+        try:
+            if problem is not None:
+                raise problem
             if not isinstance(check, bool):
                 raise TypeError(f"check: expected a bool, got {type(check).__name__}")
             if not isinstance(wait, bool):
@@ -590,9 +600,9 @@ class Resharder:
                 self._pair_calls[i] = 0
 
     def _records(self, description: tuple[Any, Any], cache: Any, nb: int,
-                 problem: _CallError | None) -> dict[int, bytes]:
-        """This call's header record for every peer of its messages: what this rank
-        sends and expects, or the status of its own refused arguments."""
+                 problem: _CallError | None) -> Callable[[int], bytes]:
+        """What writes this call's header record for a peer of its messages: what this
+        rank sends and expects, or the status of its own refused arguments."""
         desc = next((d for d in description if d is not None), None)
         if problem is not None or desc is None:
             status = _STATUS.get(problem.kind, 3) if problem is not None else 0
@@ -603,12 +613,14 @@ class Resharder:
             common = (0, _code(dtype, _DTYPE_CODE), cache.itemsize, nb, num_outer, tokens, head_dim,
                       _code(device, _DEVICE_CODE))
             unit = nb * num_outer * tokens * head_dim * cache.itemsize  # bytes of one (head, layer) cell of every block
-        records = {}
-        for i, peer in enumerate(self._peers):
+
+        def record(peer: int) -> bytes:
+            i = self._peer_index[peer]
             cells_out, cells_in = self._peer_cells[i]
-            records[peer] = HEADER.pack(HEADER_MAGIC, HEADER_VERSION, self._digest, self.rank, peer,
-                                        self._pair_calls[i] + 1, *common, cells_out * unit, cells_in * unit)
-        return records
+            return HEADER.pack(HEADER_MAGIC, HEADER_VERSION, self._digest, self.rank, peer, self._pair_calls[i] + 1,
+                               *common, cells_out * unit, cells_in * unit)
+
+        return record
 
     def _compare(self, peer: int, record: bytes, reason: tuple[str, str] | None, checked: bool,
                  mine: bytes) -> tuple[type[Exception], str] | None:
@@ -639,7 +651,11 @@ class Resharder:
         for routes, messages, views in ((self._sends_routes, sends, send_views),
                                         (self._recvs_routes, recvs, recv_views),
                                         (self._locals_routes, None, local_views)):
-            for route in routes if buffers else ():
+            for route in routes:
+                if not buffers:     # this rank refused its own arguments: its peers still get its header
+                    if messages is not None:
+                        messages.append(_pieces.Message(route.peer, None, (), route.slot))
+                    continue
                 t = route.transfer
                 shape = (nb, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
                 used, view, blocks, pieces, piece_views = route.views(buffers[route.slot], shape, dtype)
@@ -668,12 +684,19 @@ class Resharder:
                 dst_cache.from_universal(view, dst_ids, layers=dst_layers, heads=dst_heads, pack_layers=True,
                                          stream=on)
 
-        records = self._records(description, cache, nb, problem) if headers else None
+        record = self._records(description, cache, nb, problem) if headers else None
+        records = {peer: record(peer) for peer in self._peers} if record is not None else None
+
+        def renew(peer: int) -> None:
+            """The peer is a new incarnation (it restarted): the pair counts from 0 again."""
+            self._pair_calls[self._peer_index[peer]] = 0
+            if records is not None and record is not None:
+                records[peer] = record(peer)
         return _pieces.Exchange(
             owner=self, channel=self._digest, rank=self.rank, sends=tuple(sends), recvs=tuple(recvs),
             headers=records, reason=problem.info if problem is not None else None, pack=pack, unpack=unpack,
             compare=lambda peer, record, reason: self._compare(peer, record, reason, checked, records[peer]),
-            local=local, local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
+            local=local, renew=renew, local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
             call_of=lambda peer: self._pair_calls[self._peer_index[peer]] + 1, device=device, stream=stream,
             timeout=seconds, check=checked)
 
@@ -823,7 +846,7 @@ class Resharder:
         where = device
         placement = getattr(self.transport, "staging_device", None)
         if route.slot[0] != "local" and placement is not None:
-            where = placement(device)
+            where = placement(device, route.peer)
         buffer = self._staging.get(route.slot)
         if buffer is None or buffer.numel() < nbytes or buffer.device != torch.device(where):
             if buffer is not None and buffer.is_cuda:
