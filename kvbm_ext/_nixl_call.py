@@ -52,15 +52,14 @@ class NixlCall:
             self._stream.wait_stream(call.stream)
         self._send_regs = [m.buffer is not None and transport._registered(call.owner, m) for m in call.sends]
         self._recv_regs = [m.buffer is not None and transport._registered(call.owner, m) for m in call.recvs]
-        self._events: list[list[Any]] = [[] for _ in call.sends]
+        self._events = [call.events(i, len(m.pieces)) if call.stream is not None else []
+                        for i, m in enumerate(call.sends)]
         for p in range(max((len(m.pieces) for m in call.sends), default=0)):
             for i, message in enumerate(call.sends):
                 if p < len(message.pieces):
                     call.pack(i, p, call.stream)
                     if call.stream is not None:
-                        event = torch.cuda.Event()
-                        event.record(call.stream)
-                        self._events[i].append(event)
+                        self._events[i][p].record(call.stream)
         self._nonces = [secrets.randbits(63) for _ in call.recvs]
         for nonce in self._nonces:
             transport._listen(nonce)

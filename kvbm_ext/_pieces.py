@@ -31,7 +31,7 @@ SINGLE_PIECE_BYTES = 1 << 20
 # speed, crossing at link speed); and at most MAX_MIDDLE of them, which bounds the posts
 # and notifications of a call whatever its size.
 PIECE_BYTES = 32 << 20
-MAX_MIDDLE = 4
+MAX_MIDDLE = 2
 # The first and the last piece hold 1/EDGE_DIVISOR of the blocks (at least one): the wire
 # waits for the first pack, the call for the last unpack.
 EDGE_DIVISOR = 16
@@ -66,6 +66,7 @@ class Message:
     buffer: torch.Tensor | None
     pieces: tuple[tuple[int, int], ...]
     slot: Hashable
+    chunks: tuple[torch.Tensor, ...] = ()      # buffer[start:stop] of each piece
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +93,8 @@ class Exchange:
       plan's digest, which separates the messages of Resharders sharing a transport;
       `call_of(peer)`: the pair's call number (the header's); `renew(peer)`: the peer is
       a new incarnation (it restarted, and counts its calls from 0): this rank does too,
-      and `headers[peer]` is rewritten, before the pair compares; `device` ("cpu" or "cuda:N"), `stream` (the call's torch
+      and `headers[peer]` is rewritten, before the pair compares; `events(i, count)`:
+      CUDA events for the pieces of send i, kept by the Resharder across calls; `device` ("cpu" or "cuda:N"), `stream` (the call's torch
       stream on a GPU, else None), `timeout` (seconds), `check` (the call's check).
     """
 
@@ -100,7 +102,8 @@ class Exchange:
                  recvs: tuple[Message, ...], headers: dict[int, bytes] | None, reason: tuple[str, str] | None,
                  pack: Callable[[int, int, Any], None], unpack: Callable[[int, int, Any], None],
                  compare: Callable[[int, bytes, tuple[str, str] | None], tuple[type[Exception], str] | None],
-                 local: Callable[[Any], None], renew: Callable[[int], None], local_bytes: int, call_of: Callable[[int], int], device: str,
+                 local: Callable[[Any], None], renew: Callable[[int], None],
+                 events: Callable[[int, int], list[Any]], local_bytes: int, call_of: Callable[[int], int], device: str,
                  stream: Any, timeout: float, check: bool) -> None:
         self.owner, self.channel, self.rank = owner, channel, rank
         self.sends, self.recvs = sends, recvs
@@ -108,6 +111,7 @@ class Exchange:
         self._pack, self._unpack, self._compare, self._local = pack, unpack, compare, local
         self.local_bytes = local_bytes
         self.renew = renew
+        self.events = events
         self.call_of = call_of
         self.device, self.stream, self.timeout, self.check = device, stream, timeout, check
         self.refused: dict[int, tuple[type[Exception], str]] = {}

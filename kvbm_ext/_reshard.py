@@ -273,9 +273,9 @@ class _Route:
         self._views: tuple[Any, ...] = ()
 
     def views(self, base: torch.Tensor, shape: tuple[int, ...], dtype: Any) -> tuple[Any, ...]:
-        """(bytes used, typed view, block pieces, byte pieces, piece views) of the staging
-        buffer `base` for a call of `shape` (nb first): kept while neither changes, so that
-        a steady call builds none of them."""
+        """(bytes used, typed view, block pieces, byte pieces, piece views, piece bytes) of
+        the staging buffer `base` for a call of `shape` (nb first): kept while neither
+        changes, so that a steady call builds none of them."""
         key = (base.data_ptr(), base.device, shape, dtype)
         if key != self._key:
             nb = shape[0]
@@ -284,8 +284,9 @@ class _Route:
             block_bytes = used.numel() // nb
             blocks = _pieces.cut(nb, block_bytes)
             self._key = key
-            self._views = (used, view, blocks, tuple((a * block_bytes, b * block_bytes) for a, b in blocks),
-                           tuple(view[a:b] for a, b in blocks))
+            pieces = tuple((a * block_bytes, b * block_bytes) for a, b in blocks)
+            self._views = (used, view, blocks, pieces, tuple(view[a:b] for a, b in blocks),
+                           tuple(used[a:b] for a, b in pieces))
             if self.slot[0] != "local" and enabled():
                 emit(f"reshard: rank {'sends' if self.slot[0] == 'send' else 'receives'} {nb} blocks of "
                      f"{block_bytes} bytes {'to' if self.slot[0] == 'send' else 'from'} rank {self.peer} in "
@@ -343,6 +344,7 @@ class Resharder:
         self._staging: dict[tuple[str, int], torch.Tensor] = {}
         self._probes: dict[tuple[Any, ...], torch.Tensor] = {}
         self._done: Any = None          # CUDA event after the previous call's last use of the staging
+        self._events: dict[int, list[Any]] = {}     # per send: an event per piece, recorded by each call
         self._last: ReshardHandle | None = None     # the previous call, which may go on in the background
         # Whether the transport carries host tensors beside its payloads (TorchTransport: a group with gloo).
         self._host_headers = getattr(self.transport, "_carries_host_tensors", True) is not False
@@ -576,6 +578,16 @@ class Resharder:
                         self._done = torch.cuda.Event()
                     self._done.record(cuda_stream)
 
+    def _piece_events(self, i: int, count: int) -> list[Any]:
+        """CUDA events recorded after each piece of send i is packed: made once, recorded
+        again by every call (a call starts once the previous one no longer needs them)."""
+        import torch
+
+        events = self._events.get(i)
+        if events is None or len(events) < count:
+            events = self._events[i] = [torch.cuda.Event() for _ in range(count)]
+        return events
+
     def _finish_previous(self, seconds: float) -> None:
         """Waits for the previous call if it goes on in the background: its messages read
         and write this Resharder's staging.  Its outcome was that call's to report."""
@@ -658,9 +670,9 @@ class Resharder:
                     continue
                 t = route.transfer
                 shape = (nb, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
-                used, view, blocks, pieces, piece_views = route.views(buffers[route.slot], shape, dtype)
+                used, view, blocks, pieces, piece_views, chunks = route.views(buffers[route.slot], shape, dtype)
                 if messages is not None:
-                    messages.append(_pieces.Message(route.peer, used, pieces, route.slot))
+                    messages.append(_pieces.Message(route.peer, used, pieces, route.slot, chunks))
                 views.append((route, blocks, piece_views, view))
 
         def pack(i: int, p: int, on: Any) -> None:
@@ -696,7 +708,7 @@ class Resharder:
             owner=self, channel=self._digest, rank=self.rank, sends=tuple(sends), recvs=tuple(recvs),
             headers=records, reason=problem.info if problem is not None else None, pack=pack, unpack=unpack,
             compare=lambda peer, record, reason: self._compare(peer, record, reason, checked, records[peer]),
-            local=local, renew=renew, local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
+            local=local, renew=renew, events=self._piece_events, local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
             call_of=lambda peer: self._pair_calls[self._peer_index[peer]] + 1, device=device, stream=stream,
             timeout=seconds, check=checked)
 
@@ -918,6 +930,11 @@ def _snapshot_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, dis
         raise _CallError(TypeError, f"{where}: expected a sequence of ints or a 1-D int tensor, got "
                                     f"{type(block_ids).__name__}")
     num_blocks = cache.num_blocks
+    # Plain ints in range (and distinct where written): checked by C loops; anything else
+    # goes through the loop below, which names the first id that is wrong.
+    if values and set(map(type, values)) == {int} and 0 <= min(values) and max(values) < num_blocks \
+            and (not distinct or len(set(values)) == len(values)):
+        return values
     seen: dict[int, int] = {}
     for i, value in enumerate(values):
         if type(value) is not int:

@@ -243,20 +243,18 @@ class _TorchCall:
                 ops.append(dist.P2POp(dist.irecv, torch.frombuffer(into, dtype=torch.int64),
                                       transport._global_ranks[peer], transport.group))
             header_works = dist.batch_isend_irecv(ops)
-        self._events: list[Any] = []
-        pieces = max((len(m.pieces) for m in call.sends), default=0)
+        # On a GPU: the events the post stream waits for, an event after what the caller queued
+        # before the call, then one after the packs of each piece.
+        pieces = self._packed = max((len(m.pieces) for m in call.sends), default=0)
+        self._events: list[Any] = call.events(-1, pieces + 1) if self._gpu else []
         if self._gpu:
-            start = torch.cuda.Event()
-            start.record(call.stream)
-            self._events.append(start)
+            self._events[0].record(call.stream)
         for p in range(pieces):
             for i, message in enumerate(call.sends):
                 if p < len(message.pieces):
                     call.pack(i, p, call.stream)
             if self._gpu:
-                event = torch.cuda.Event()
-                event.record(call.stream)
-                self._events.append(event)
+                self._events[p + 1].record(call.stream)
         self._headers: Any = None
         if header_works and background:
             self._headers = transport._waiter().submit(self._wait_all, header_works)
@@ -272,14 +270,18 @@ class _TorchCall:
             self._headers.result()      # raises what the wait raised
         for peer, into in self._received.items():
             self.call.compare(peer, bytes(into))
-        works = self._post()
-        if not self._gpu:
-            self._wait_all(works)
-            if self.call.allow_writes(None):
-                for j, message in enumerate(self.call.recvs):
-                    if message.peer not in self.call.refused:
-                        for p in range(len(message.pieces)):
-                            self.call.unpack(j, p, None)
+        if self._gpu:
+            import torch
+
+            with torch.cuda.device(torch.device(self.call.device)):     # also from the driver thread
+                self._post()
+            return DONE
+        self._wait_all(self._post())
+        if self.call.allow_writes(None):
+            for j, message in enumerate(self.call.recvs):
+                if message.peer not in self.call.refused:
+                    for p in range(len(message.pieces)):
+                        self.call.unpack(j, p, None)
         return DONE
 
     def abandon(self, error: BaseException) -> None:
@@ -303,14 +305,14 @@ class _TorchCall:
         post = transport._post_stream(torch.device(call.device)) if self._gpu else None
         batches = []
         for p in range(pieces):
-            ops = [dist.P2POp(dist.isend, _piece(m, p), transport._global_ranks[m.peer], transport.group)
+            ops = [dist.P2POp(dist.isend, m.chunks[p], transport._global_ranks[m.peer], transport.group)
                    for m in sends if p < len(m.pieces)]
-            ops += [dist.P2POp(dist.irecv, _piece(m, p), transport._global_ranks[m.peer], transport.group)
+            ops += [dist.P2POp(dist.irecv, m.chunks[p], transport._global_ranks[m.peer], transport.group)
                     for _, m in recvs if p < len(m.pieces)]
             if post is not None:
                 # NCCL orders its stream after the current one when posted: the post stream,
                 # which waits for this piece's packs (and what preceded the call) only.
-                post.wait_event(self._events[min(p + 1, len(self._events) - 1)])
+                post.wait_event(self._events[min(p + 1, self._packed)])
                 with torch.cuda.stream(post):
                     batches.append(dist.batch_isend_irecv(ops) if ops else [])
             else:
@@ -330,11 +332,6 @@ class _TorchCall:
             event.record(self._unpack_stream)
             self.handle.gpu_enqueued(event)
         return []
-
-
-def _piece(message: Any, p: int) -> torch.Tensor:
-    start, stop = message.pieces[p]
-    return message.buffer[start:stop]
 
 
 _side_streams: dict[str, Any] = {}
