@@ -23,8 +23,10 @@ touched by parallel threads, placed near the GPU, usable by every function
 here and by torch and NumPy without a copy.
 
 Resharder (and reshard) moves blocks between engines of different tensor /
-pipeline parallel sizes over torch.distributed: one packed message per pair of
-ranks that share heads and layers (EngineLayout, plan_reshard, Transport).
+pipeline parallel sizes over torch.distributed, or over NIXL between engines that
+share no process group (kvbm_ext.nixl, imported on its own): one packed message per
+pair of ranks that share heads and layers, in pieces (EngineLayout, plan_reshard,
+Transport).
 """
 
 try:
@@ -56,13 +58,14 @@ except ImportError as error:  # pragma: no cover - only without a build
     ) from error
 
 from ._plan import EngineLayout, ReshardTransfer, plan_reshard
-from ._reshard import Resharder, ReshardStats, reshard
+from ._reshard import ReshardHandle, Resharder, ReshardStats, reshard
 from ._transport import TorchTransport, Transport
 
 __all__ = [
     "EngineLayout",
     "HostBuffer",
     "PagedKVCache",
+    "ReshardHandle",
     "ReshardStats",
     "ReshardTransfer",
     "Resharder",

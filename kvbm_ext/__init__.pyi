@@ -1,10 +1,11 @@
 import dataclasses
-from typing import Any, Callable, Literal, Protocol, Sequence, SupportsIndex, TypedDict, final
+from typing import Any, Callable, Literal, Protocol, Sequence, SupportsIndex, TypedDict, final, overload
 
 __all__ = [
     "EngineLayout",
     "HostBuffer",
     "PagedKVCache",
+    "ReshardHandle",
     "ReshardStats",
     "ReshardTransfer",
     "Resharder",
@@ -309,27 +310,36 @@ def plan_reshard(
     num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout
 ) -> tuple[ReshardTransfer, ...]: ...
 
+class ReshardHandle:
+    stats: ReshardStats
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> ReshardStats: ...
+    def wait_stream(self, stream: Any = None, timeout: float | None = None) -> None: ...
+
+# A transport's handle on one call's exchange (kvbm_ext._driver.Handle).
+class _Handle(Protocol):
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> None: ...
+    def wait_stream(self, stream: Any = None, timeout: float | None = None) -> None: ...
+
 class Transport(Protocol):
     @property
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
-    def start(
-        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]], timeout: float
-    ) -> Callable[[], None]: ...
+    def exchange(self, call: Any, background: bool) -> _Handle: ...
 
 class TorchTransport:
     group: Any
+    pairwise: bool
     def __init__(self, group: Any = None) -> None: ...
     @property
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
-    def start(
-        self, sends: Sequence[tuple[int, _Tensor]], recvs: Sequence[tuple[int, _Tensor]], timeout: float
-    ) -> Callable[[], None]: ...
+    def exchange(self, call: Any, background: bool) -> _Handle: ...
 
 class Resharder:
     plan: tuple[ReshardTransfer, ...]
@@ -353,6 +363,7 @@ class Resharder:
     ) -> None: ...
     @property
     def staging_nbytes(self) -> int: ...
+    @overload
     def __call__(
         self,
         src_cache: PagedKVCache | None,
@@ -363,7 +374,21 @@ class Resharder:
         stream: _Stream = None,
         check: bool = True,
         timeout: float = 120.0,
+        wait: Literal[True] = True,
     ) -> ReshardStats: ...
+    @overload
+    def __call__(
+        self,
+        src_cache: PagedKVCache | None,
+        src_block_ids: _BlockIds | None,
+        dst_cache: PagedKVCache | None,
+        dst_block_ids: _BlockIds | None,
+        *,
+        stream: _Stream = None,
+        check: bool = True,
+        timeout: float = 120.0,
+        wait: Literal[False],
+    ) -> ReshardHandle: ...
 
 def reshard(
     src_cache: PagedKVCache | None,

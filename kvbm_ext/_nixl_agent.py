@@ -22,30 +22,34 @@ def nixl_errors() -> tuple[type[BaseException], ...]:
                  if name.startswith("nixl") and name.endswith("Error"))
 
 
+class _Bindings:
+    """nixl_cu13's bindings module, but for the agent's configuration: its progress thread
+    waits `delay_us` between polls."""
+
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self._real, self._delay_us = real, delay_us
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._real, attribute)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - NIXL's name
+        config.pthrDelay = self._delay_us
+        return self._real.nixlAgent(name, config)
+
+
 def make_agent(name: str, progress_delay_us: int) -> Any:
     """A NIXL agent with the UCX backend, its calls serialized across threads (STRICT),
     and a progress thread that waits up to `progress_delay_us` between polls.
 
     nixl_cu13._api.nixl_agent sets the progress thread's delay to 0 (it spins, a good part
-    of a core while idle) and offers no option: the agent is built through a stand-in for
-    the bindings module that sets the delay on the configuration it is given."""
+    of a core while idle) and offers no option: the agent is built while the module's
+    bindings are a `_Bindings` that sets the delay on the configuration it is given."""
     import nixl_cu13._api as api
-
-    class Bindings:
-        def __init__(self, real: Any) -> None:
-            self._real = real
-
-        def __getattr__(self, attribute: str) -> Any:
-            return getattr(self._real, attribute)
-
-        def nixlAgent(self, agent_name: str, config: Any) -> Any:  # noqa: N802 - NIXL's name
-            config.pthrDelay = progress_delay_us
-            return self._real.nixlAgent(agent_name, config)
 
     config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     with _make_lock:
         real = api.nixlBind
-        api.nixlBind = Bindings(real)
+        api.nixlBind = _Bindings(real, progress_delay_us)
         try:
             return api.nixl_agent(name, config)
         finally:

@@ -43,15 +43,15 @@ class NixlCall:
         self.t, self.call = transport, call
         self.handle = Handle(f"rank {call.rank}: reshard over NIXL", sum(m.nbytes for m in call.sends + call.recvs))
         self._until = time.monotonic() + call.timeout
-        self.deadline = self._until + _BACKSTOP_S
+        self.deadline: float | None = self._until + _BACKSTOP_S
         self._stream = None
         if call.stream is not None:
             # Unpacks are enqueued from the driver thread, on a stream of their own that starts
             # after what the caller queued before this call (the destination's earlier readers).
             self._stream = _side_stream(call.device)
             self._stream.wait_stream(call.stream)
-        self._send_regs = [m.buffer is not None and transport._registered(call.owner, m) for m in call.sends]
-        self._recv_regs = [m.buffer is not None and transport._registered(call.owner, m) for m in call.recvs]
+        self._send_regs = [None if m.buffer is None else transport._registered(call.owner, m) for m in call.sends]
+        self._recv_regs = [None if m.buffer is None else transport._registered(call.owner, m) for m in call.recvs]
         self._events = [call.events(i, len(m.pieces)) if call.stream is not None else []
                         for i, m in enumerate(call.sends)]
         for p in range(max((len(m.pieces) for m in call.sends), default=0)):
@@ -137,8 +137,9 @@ class NixlCall:
             return False
         self._meet(message.peer)
         registration = self._recv_regs[j]
-        buffer = registration and wire.Buffer(registration.address, registration.nbytes, registration.device_id,
-                                              registration.id, registration.memory, registration.metadata)
+        buffer = None if registration is None else wire.Buffer(
+            registration.address, registration.nbytes, registration.device_id, registration.id, registration.memory,
+            registration.metadata)
         call = self.call
         note = wire.ready(call.rank, call.channel, self._nonces[j], call.headers[message.peer], call.reason, buffer)
         if self._notify(message.peer, note):

@@ -264,11 +264,15 @@ class _Route:
     def __init__(self, transfer: ReshardTransfer, side: str, index: int, src_share: Any, dst_share: Any) -> None:
         self.transfer, self.slot = transfer, (side, index)
         self.peer = transfer.dst_rank if side == "send" else transfer.src_rank
-        # Selections of the caches that hold exactly their position's heads and layers.
-        self.src = None if src_share is None else (_whole_or(transfer.src_layers, len(src_share[1])),
-                                                   _whole_or(transfer.src_heads, len(src_share[0])))
-        self.dst = None if dst_share is None else (_whole_or(transfer.dst_layers, len(dst_share[1])),
-                                                   _whole_or(transfer.dst_heads, len(dst_share[0])))
+        # (layers, heads) of the caches, which hold exactly their position's heads and layers.
+        self.src: tuple[range | None, range | None] = (None, None)
+        self.dst: tuple[range | None, range | None] = (None, None)
+        if src_share is not None:
+            self.src = (_whole_or(transfer.src_layers, len(src_share[1])), _whole_or(transfer.src_heads,
+                                                                                     len(src_share[0])))
+        if dst_share is not None:
+            self.dst = (_whole_or(transfer.dst_layers, len(dst_share[1])), _whole_or(transfer.dst_heads,
+                                                                                     len(dst_share[0])))
         self._key: Any = None
         self._views: tuple[Any, ...] = ()
 
@@ -360,7 +364,7 @@ class Resharder:
         except Exception as error:
             problem = _CallError.of(error, self.rank)
         if self._pairwise:
-            _raise_agreed([problem and problem.info], problem)
+            _raise_agreed([problem.info if problem is not None else None], problem)
             return
         gathered = self.transport.all_gather_object((fingerprint, problem and problem.info), seconds)
         _raise_agreed([error for _, error in gathered], problem)
@@ -658,8 +662,11 @@ class Resharder:
                   headers: bool, checked: bool, device: str, stream: Any, seconds: float) -> _pieces.Exchange:
         """This call as its transport moves it: messages in pieces, headers and hooks."""
         dtype = _torch_dtype(cache, "") if buffers else None
-        sends, recvs = [], []
-        send_views, recv_views, local_views = [], [], []
+        sends: list[_pieces.Message] = []
+        recvs: list[_pieces.Message] = []
+        send_views: list[Any] = []
+        recv_views: list[Any] = []
+        local_views: list[Any] = []
         for routes, messages, views in ((self._sends_routes, sends, send_views),
                                         (self._recvs_routes, recvs, recv_views),
                                         (self._locals_routes, None, local_views)):
@@ -704,11 +711,16 @@ class Resharder:
             self._pair_calls[self._peer_index[peer]] = 0
             if records is not None and record is not None:
                 records[peer] = record(peer)
+
+        def compare(peer: int, theirs: bytes, reason: tuple[str, str] | None) -> tuple[type[Exception], str] | None:
+            assert records is not None, "a call without headers compares none"
+            return self._compare(peer, theirs, reason, checked, records[peer])
+
         return _pieces.Exchange(
             owner=self, channel=self._digest, rank=self.rank, sends=tuple(sends), recvs=tuple(recvs),
             headers=records, reason=problem.info if problem is not None else None, pack=pack, unpack=unpack,
-            compare=lambda peer, record, reason: self._compare(peer, record, reason, checked, records[peer]),
-            local=local, renew=renew, events=self._piece_events, local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
+            compare=compare, local=local, renew=renew, events=self._piece_events,
+            local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
             call_of=lambda peer: self._pair_calls[self._peer_index[peer]] + 1, device=device, stream=stream,
             timeout=seconds, check=checked)
 

@@ -225,7 +225,8 @@ class _TorchCall:
         self.transport, self.call = transport, call
         self.handle = Handle(f"rank {call.rank}: reshard messages",
                              sum(m.nbytes for m in call.sends + call.recvs))
-        self.deadline = time.monotonic() + call.timeout
+        self._until = time.monotonic() + call.timeout
+        self.deadline: float | None = self._until
         self._gpu = call.stream is not None
         self._unpack_stream = call.stream
         if background:
@@ -264,7 +265,7 @@ class _TorchCall:
     def step(self) -> str:
         if self._headers is not None:
             if not self._headers.done():
-                if time.monotonic() > self.deadline:
+                if time.monotonic() > self._until:
                     raise self.transport._timeout_error(self.call.timeout, "messages")
                 return WAITING
             self._headers.result()      # raises what the wait raised
@@ -289,7 +290,7 @@ class _TorchCall:
 
     def _wait_all(self, works: list[Any]) -> None:
         for work in works:
-            self.transport._wait(work, self.deadline, self.call.timeout, "messages")
+            self.transport._wait(work, self._until, self.call.timeout, "messages")
 
     def _post(self) -> list[Any]:
         """Posts every piece of the pairs that agree; on a GPU, enqueues their unpacks.

@@ -35,8 +35,8 @@ PUBLIC_FUNCTIONS = [
     "plan_reshard",
     "reshard",
 ]
-PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "EngineLayout", "Resharder", "ReshardStats", "ReshardTransfer", "TorchTransport",
-                "Transport"]
+PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "EngineLayout", "Resharder", "ReshardHandle", "ReshardStats",
+                "ReshardTransfer", "TorchTransport", "Transport"]
 
 
 def test_all_lists_every_public_function():

@@ -43,13 +43,13 @@ API_GROUPS = (
                                                           "is_memcpy_batch_available")),
     ("The build and the devices", ("build_info", "cuda_devices", "is_using_stubs", "__version__")),
     ("Resharding between engines (docs/resharding.md)",
-     ("EngineLayout", "plan_reshard", "Resharder", "reshard", "ReshardStats", "ReshardTransfer", "Transport",
-      "TorchTransport")),
+     ("EngineLayout", "plan_reshard", "Resharder", "reshard", "ReshardStats", "ReshardHandle", "ReshardTransfer",
+      "Transport", "TorchTransport")),
 )
 # How the README names an instance of a class whose methods it lists.
 # (Classes the library returns keep their own name.)
 INSTANCE = {"PagedKVCache": "cache", "Resharder": "resharder", "EngineLayout": "layout",
-            "TorchTransport": "transport", "Transport": "transport", "HostBuffer": "buf"}
+            "TorchTransport": "transport", "Transport": "transport", "HostBuffer": "buf", "ReshardHandle": "handle"}
 USER_MADE_DATACLASSES = ("EngineLayout",)
 TORCH = "torch==2.13.0"
 TARGET_S = 180          # fresh venv to passing tests on a CPU machine
@@ -109,8 +109,19 @@ def parameters(args, skip_self):
     if args.kwonlyargs:
         shown.append("*")
     for arg, default in zip(args.kwonlyargs, args.kw_defaults):
-        shown.append(arg.arg if default is None else f"{arg.arg}={default_text(default)}")
+        if default is None and literal(arg.annotation) is not None:
+            shown.append(f"{arg.arg}={literal(arg.annotation)}")     # an overload's required Literal[...]
+        else:
+            shown.append(arg.arg if default is None else f"{arg.arg}={default_text(default)}")
     return shown
+
+
+def literal(annotation):
+    """The value of a one-value Literal[...] annotation, as written; else None."""
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "Literal" \
+            and not isinstance(annotation.slice, ast.Tuple):
+        return ast.unparse(annotation.slice)
+    return None
 
 
 def returns_text(node, typed_dicts):
@@ -150,7 +161,11 @@ def class_lines(node, typed_dicts, listed):
     user makes it, its methods on an instance (those not listed already for an instance of
     that name, in `listed`), then its attributes and properties on one comment line."""
     instance = INSTANCE.get(node.name, node.name)
-    members = {item.name: item for item in node.body if isinstance(item, ast.FunctionDef)}
+    overloads = {}      # every signature of a method, its @overload ones in order
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef):
+            overloads.setdefault(item.name, []).append(item)
+    members = {name: items[-1] for name, items in overloads.items()}
     maker = members.get("__new__") or members.get("__init__")
     lines = []
     if maker is not None:
@@ -166,7 +181,8 @@ def class_lines(node, typed_dicts, listed):
         elif (name == "__call__" or not name.startswith("_")) and (instance, name) not in listed:
             listed.add((instance, name))
             called = instance if name == "__call__" else f"{instance}.{name}"
-            lines += call_line(called, parameters(item.args, True), returns_text(item, typed_dicts))
+            for signature in overloads[name]:
+                lines += call_line(called, parameters(signature.args, True), returns_text(signature, typed_dicts))
     if attributes:
         owner = instance if instance != node.name else f"kvbm_ext.{node.name}"
         lines += textwrap.wrap(", ".join(attributes), WIDTH, initial_indent=f"# {owner}: ",
