@@ -87,8 +87,9 @@ class Exchange:
       caches; done when it returns on the host).  `unpack(j, p, stream)`: unpacks piece p of
       recv j, only after `allow_writes()` returned True.
     - `allow_writes()`: once every peer's record was compared: True when all agreed (the
-      call's local copies are made then, on `stream`), False when a pair was refused
-      (`refused`, by peer: nothing may be written).  `local_bytes`: the bytes they copy.
+      call's local copies, packed when the call was made, are unpacked then, on `stream`),
+      False when a pair was refused (`refused`, by peer: nothing may be written).
+      `local_bytes`: the bytes they copy.
     - `owner`: the Resharder, whose lifetime bounds its slots' buffers; `channel`: the
       plan's digest, which separates the messages of Resharders sharing a transport;
       `call_of(peer)`: the pair's call number (the header's); `renew(peer)`: the peer is
@@ -150,7 +151,7 @@ class Exchange:
         return self.headers is None or len(self._compared) == len(self.headers)
 
     def allow_writes(self, stream: Any) -> bool:
-        """True once every pair agreed: the local copies are made (on `stream`) at the
+        """True once every pair agreed: the local copies are unpacked (on `stream`) at the
         first call.  False when a pair was refused.  Only after every record came."""
         assert self.settled(), "allow_writes before every header was compared"
         if self._writes is None:

@@ -507,7 +507,7 @@ class Resharder:
             problem = _CallError.of(error, self.rank)
         # The previous call (wait=False) and the peers' connections come before anything else
         # of this call: they fail this rank alone, as they are, with nothing sent.
-        self._finish_previous(seconds)
+        previous = self._finish_previous(seconds)
         connect = getattr(self.transport, "connect", None)
         if connect is not None and self._peers:
             connect(self._peers, seconds)
@@ -539,8 +539,12 @@ class Resharder:
             problem = _CallError.of(error, self.rank)
         nb = next((desc[0] for desc in description if desc is not None), 0) if problem is None else 0
         with _on_stream(device, cuda_stream):
-            if cuda_stream is not None and self._done is not None:
-                cuda_stream.wait_event(self._done)      # the previous call's use of the staging, on any stream
+            if cuda_stream is not None:
+                # The previous call's use of the staging: its packs (on any stream) and, where it
+                # went on in the background, its unpacks.
+                for event in (self._done, previous):
+                    if event is not None:
+                        cuda_stream.wait_event(event)
             try:
                 buffers = None
                 if nb > 0:
@@ -592,20 +596,20 @@ class Resharder:
             events = self._events[i] = [torch.cuda.Event() for _ in range(count)]
         return events
 
-    def _finish_previous(self, seconds: float) -> None:
+    def _finish_previous(self, seconds: float) -> Any:
         """Waits for the previous call if it goes on in the background: its messages read
-        and write this Resharder's staging.  Its outcome was that call's to report."""
+        and write this Resharder's staging.  Its outcome was that call's to report.  Returns
+        the CUDA event after its last GPU work (None: none, or waited for already)."""
         last = self._last
         if last is None or last._inner is None:
-            return
+            return None
         if not last._inner._finished.wait(seconds):
             raise TimeoutError(f"rank {self.rank}: the previous call of this Resharder (wait=False) did not finish "
                                f"within {seconds} s (timeout=); wait for its handle before the next call")
         self._last = None
-        if last._inner._gpu_done is not None:
-            self._done = last._inner._gpu_done
         # A peer lost in that call: the pair counts its calls from 0 again, as its next incarnation does.
         self._lost(getattr(last._inner.error, "peers", ()))
+        return last._inner._gpu_done
 
     def _lost(self, peers: Sequence[int]) -> None:
         """Pairs whose peer was lost in a call start counting calls again (its next
@@ -696,12 +700,16 @@ class Resharder:
             dst_cache.from_universal(piece_views[p], dst_ids[a:b], layers=layers, heads=heads, pack_layers=True,
                                      stream=on)
 
+        # The local copies are packed now, on the call's stream, as the messages are: work the
+        # caller queues after the call may overwrite the source blocks.
+        for route, _, _, view in local_views:
+            layers, heads = route.src
+            src_cache.to_universal(src_ids, view, layers=layers, heads=heads, pack_layers=True, stream=stream)
+
         def local(on: Any) -> None:
             for route, _, _, view in local_views:
-                (src_layers, src_heads), (dst_layers, dst_heads) = route.src, route.dst
-                src_cache.to_universal(src_ids, view, layers=src_layers, heads=src_heads, pack_layers=True, stream=on)
-                dst_cache.from_universal(view, dst_ids, layers=dst_layers, heads=dst_heads, pack_layers=True,
-                                         stream=on)
+                layers, heads = route.dst
+                dst_cache.from_universal(view, dst_ids, layers=layers, heads=heads, pack_layers=True, stream=on)
 
         record = self._records(description, cache, nb, problem) if headers else None
         records = {peer: record(peer) for peer in self._peers} if record is not None else None

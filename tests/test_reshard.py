@@ -12,6 +12,7 @@ is shown with the child's traceback.
 
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -164,19 +165,29 @@ def test_example_runs_on_the_cpu():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_benchmark_runs_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("transport, backend, methods", [
+    ("nccl", "gloo", 6),
+    pytest.param("nixl", "nixl", 5, marks=pytest.mark.skipif(importlib.util.find_spec("nixl_cu13") is None,
+                                                            reason="NIXL is not installed (kvbm_ext[nixl])")),
+])
+def test_benchmark_runs_on_the_cpu(tmp_path, transport, backend, methods):
     script = os.path.join(REPO_ROOT, "benchmarks", "reshard.py")
-    run = subprocess.run([sys.executable, script, "--device", "cpu", "--nb", "2", "--calls", "2", "--repeats", "2",
-                          "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, script, "--device", "cpu", "--transport", transport, "--nb", "2",
+                          "--calls", "2", "--repeats", "2", "--out", str(tmp_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     [csv_path] = tmp_path.glob("reshard-*.csv")
     [log_path] = tmp_path.glob("reshard-*.log")
     lines = csv_path.read_text().splitlines()
-    assert len(lines) == 1 + 2 * 5, lines          # a header, then 5 methods for each direction
-    assert "1to2,2,fragments,16," in csv_path.read_text()   # 4 layers x K/V x 2 blocks: one send per chunk
+    assert len(lines) == 1 + 2 * methods, lines          # a header, then every method for each direction
+    # 4 layers x K/V x 2 blocks: one send (NCCL) or one descriptor (NIXL) per chunk
+    assert f"cpu,{backend},1to2,2,fragments,16," in csv_path.read_text()
     for direction in ("1to2", "2to1"):
-        assert f"{direction} nb=2: 1 messages + 1 local copies per call, pairs sharing data 1 + 1: PASS" in run.stdout
+        assert (f"{backend} {direction} nb=2: 1 messages + 1 local copies per call, pairs sharing data 1 + 1: "
+                "PASS") in run.stdout
     assert "targets" in log_path.read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(list(tmp_path.glob("reshard-*.png"))) == 1
 
 
 # --------------------------------------------------------------------------
