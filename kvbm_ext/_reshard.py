@@ -292,8 +292,10 @@ class _Route:
             self._views = (used, view, blocks, pieces, tuple(view[a:b] for a, b in blocks),
                            tuple(used[a:b] for a, b in pieces))
             if self.slot[0] != "local" and enabled():
-                emit(f"reshard: rank {'sends' if self.slot[0] == 'send' else 'receives'} {nb} blocks of "
-                     f"{block_bytes} bytes {'to' if self.slot[0] == 'send' else 'from'} rank {self.peer} in "
+                sends = self.slot[0] == "send"
+                me = self.transfer.src_rank if sends else self.transfer.dst_rank
+                emit(f"reshard: rank {me} {'sends' if sends else 'receives'} {nb} blocks of {block_bytes} bytes "
+                     f"{'to' if sends else 'from'} rank {self.peer} in "
                      f"{len(blocks)} pieces of {', '.join(str(b - a) for a, b in blocks)} blocks "
                      f"({', '.join(str((b - a) * block_bytes) for a, b in blocks)} bytes), staging on {base.device}"
                      f"{' (pinned)' if base.device.type == 'cpu' and base.is_pinned() else ''}")

@@ -17,6 +17,8 @@ destination byte is compared with a plain-torch reference after every call.
 - a rank that starts seconds after its peer (records passed as files);
 - a rank killed between calls and started again with the same name: the survivor's call
   raises PeerError, the next one moves with the new incarnation.
+- the example (examples/disagg_nixl.py): vLLM's packed K|V at TP 2 to SGLang's pairs at
+  TP 1, and the reverse, in separate processes, checked bit for bit.
 - two GPUs: TP 1 -> 2 and 2 -> 1 at Llama-70B's heads, bit for bit, with device and with
   pinned staging.
 
@@ -27,6 +29,8 @@ and reports per step.  Without NIXL (nixl-cu13) everything here is skipped, sayi
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -34,6 +38,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from support import REPO_ROOT
 from support.devices import missing_gpus
 from support.nixl_ranks import launch
 
@@ -228,6 +233,20 @@ def test_a_restarted_rank(tmp_path):
     assert lost["ok"] and lost["error"][0] == "PeerError" and lost["error"][2] == [1], lost
     for result in (survivor["restart#3#60"], second["restart#3#60"]):
         assert result["ok"] and result["error"] is None and result["dst_ok"], result
+
+
+# --------------------------------------------------------------------------- the example
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reverse", [False, True], ids=["vllm tp2 -> sglang tp1", "sglang tp1 -> vllm tp2"])
+def test_the_disaggregated_example_runs_on_the_cpu(reverse):
+    script = os.path.join(REPO_ROOT, "examples", "disagg_nixl.py")
+    run = subprocess.run([sys.executable, script, "--device", "cpu"] + (["--reverse"] if reverse else []),
+                         capture_output=True, text=True, timeout=HARD_DEADLINE)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "check OK" in run.stdout, run.stdout
+    received = "received 1 messages" if reverse else "received 2 messages"
+    assert received in run.stdout, run.stdout
 
 
 # --------------------------------------------------------------------------- two GPUs
