@@ -203,9 +203,16 @@ class NixlTransport:
         for its record within `timeout` seconds (PeerError if none comes)."""
         deadline = time.monotonic() + timeout
         for rank in peers:
-            peer = self._peers.get(rank)
-            if peer is None or peer.record is None or peer.stale:
-                self._load(self._fetch(rank, deadline, timeout))
+            while (peer := self._peers.get(rank)) is None or peer.record is None or peer.stale:
+                record = self._fetch(rank, deadline, timeout)
+                try:
+                    self._load(record)
+                except self._errors as error:
+                    # The record of an incarnation that is gone: its next one may publish in time.
+                    if time.monotonic() > deadline:
+                        raise PeerError([(rank, record.name)], f"loading its record failed: "
+                                                               f"{type(error).__name__}: {error}") from error
+                    time.sleep(POLL_S)
 
     def staging_device(self, device: str, peer: int) -> str:
         """Where the staging of a message with `peer` lives for caches on `device`: the device,
@@ -273,6 +280,7 @@ class NixlTransport:
                     self._agent.remove_remote_agent(peer.record.name)
                 except self._errors:
                     pass        # already gone
+                peer.record = None
             self._agent.add_remote_agent(record.metadata)
             peer.record, peer.stale, peer.generation = record, False, peer.generation + 1
             peer.metadata.clear()
@@ -311,7 +319,12 @@ class NixlTransport:
         """Moves the agent's new notifications into the inbox (and loads a peer that says
         HELLO with another incarnation than the one loaded)."""
         with self._lock:
-            for messages in self._agent.get_new_notifs().values():
+            try:
+                notes = self._agent.get_new_notifs()
+            except self._errors as error:
+                raise RuntimeError(f"NIXL failed to read this rank's notifications: {type(error).__name__}: "
+                                   f"{error}") from error
+            for messages in notes.values():
                 for message in messages:
                     try:
                         note = wire.decode(message)
@@ -326,7 +339,10 @@ class NixlTransport:
             assert note.record is not None
             peer = self._peers.get(note.rank)
             if peer is None or peer.record is None or peer.record.incarnation != note.record.incarnation:
-                self._load(note.record)
+                try:
+                    self._load(note.record)
+                except self._errors:
+                    self._peers[note.rank].stale = True      # the call that needs it loads it again
         elif note.kind == wire.READY:
             if (note.rank, note.nonce) not in self._aborted:
                 self._ready[(note.rank, note.channel)] = note
@@ -376,7 +392,11 @@ class NixlTransport:
             import torch
 
             whole = torch.empty(0, dtype=torch.uint8, device=message.buffer.device).set_(storage)
-            registration = self._registrations[key] = register(self._agent, whole)
+            try:
+                registration = self._registrations[key] = register(self._agent, whole)
+            except self._errors as error:
+                raise RuntimeError(f"NIXL could not register {whole.numel()} bytes of staging on {whole.device}: "
+                                   f"{type(error).__name__}: {error}") from error
             return registration
 
     def _writes(self, owner: Any, message: Any, registration: Any, peer: _Peer, buffer: wire.Buffer) -> list[Any]:
