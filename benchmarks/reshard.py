@@ -20,7 +20,7 @@ between the GPUs), in pieces.  For each --transport, direction and nb, in the sa
     reshard-check    check=True (the ranks exchange a description over gloo first)
     one-buffer       the ceiling: one send of the link bytes from the sending GPU
     all-bytes        one send of all the bytes the reshard moves, local ones included
-    fragments        one send per (layer, K/V, block) chunk of all the bytes (posted in
+    fragments        the link bytes as one send per (layer, K/V, block) chunk (posted in
                      batch_isend_irecv groups of --fragment-batch, over --fragment-calls calls)
   nixl (kvbm_ext.nixl.NixlTransport, UCX; the ranks find each other through a FileStore)
     reshard, reshard-async, reshard-check   as above
@@ -262,8 +262,8 @@ def bench_direction(me, transport, name, nb, rows):
 
 
 def nccl_rows(me, sender, receiver, link, total, chunks):
-    """One send of the link bytes and of all the bytes, and one send per (layer, K/V, block) chunk of all the
-    bytes, from the sending rank to the other."""
+    """One send of the link bytes and of all the bytes, and the link bytes as one send per (layer, K/V, block)
+    chunk, from the sending rank to the other."""
     results = {}
     peer = receiver if me.rank == sender else sender
     op = dist.isend if me.rank == sender else dist.irecv
@@ -277,7 +277,7 @@ def nccl_rows(me, sender, receiver, link, total, chunks):
         one_buffer()
         results[method] = me.seconds(one_buffer) + ((1, 0, size),)
         del buffer
-    pieces = torch.empty(total, dtype=torch.uint8, device=me.device).view(chunks, -1)
+    pieces = torch.empty(link, dtype=torch.uint8, device=me.device).view(chunks, -1)
     batch = me.args.fragment_batch
 
     def fragments():
@@ -289,7 +289,7 @@ def nccl_rows(me, sender, receiver, link, total, chunks):
             work.wait()
 
     fragments()
-    results["fragments"] = me.seconds(fragments, me.args.fragment_calls) + ((chunks, 0, total),)
+    results["fragments"] = me.seconds(fragments, me.args.fragment_calls) + ((chunks, 0, link),)
     return results
 
 
@@ -348,6 +348,10 @@ def nixl_rows(me, sender, receiver, link, chunks):
         fn()
         results[method] = me.seconds(fn) + ((1 if method == "one-buffer" else chunks, 0, link),)
     dist.barrier()
+    if me.rank == sender:
+        agent.release_xfer_handle(whole)
+        for dlist in (local, remote):
+            agent.release_dlist_handle(dlist)
     agent.deregister_memory(mine.handle)
     return results
 

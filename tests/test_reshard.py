@@ -561,14 +561,23 @@ def _run_async(rank, device):
         resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream)      # warm-up
         stream.synchronize()
         pending, host_s = [], []
-        # checked: descriptions over gloo; unchecked: the pair's headers over gloo (neither reads the GPU)
-        for check in (True, False):
+        # checked: descriptions over gloo; unchecked: the pair's headers over gloo (neither reads the GPU);
+        # in the background: the headers waited for and the pieces posted by other threads, the stream
+        # ordered after the unpacks by the handle
+        for check, wait in ((True, True), (False, True), (False, False)):
+            # the moved blocks poisoned again (the case's caches are "kbthd"): each call must write them
+            for d in dst.arrays:
+                d[:, dst_ids] = 0
             torch.cuda._sleep(500_000_000)      # ~0.25 s on the current stream, which the call's stream waits for
             stream.wait_stream(torch.cuda.current_stream())
             start = time.perf_counter()
-            resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream, check=check)
+            out = resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream, check=check,
+                            wait=wait)
             host_s.append(time.perf_counter() - start)
             pending.append(not stream.query())
+            if not wait:
+                out.wait_stream(stream)
+                out.wait(60)
             stream.synchronize()
         expected = [t.clone() for t in dst_model]
         for l in range(case.layers):
