@@ -38,8 +38,6 @@ _BACKSTOP_S = 5.0
 
 class NixlCall:
     def __init__(self, transport: Any, call: Any) -> None:
-        import torch
-
         self.t, self.call = transport, call
         self.handle = Handle(f"rank {call.rank}: reshard over NIXL", sum(m.nbytes for m in call.sends + call.recvs))
         self._until = time.monotonic() + call.timeout
@@ -99,12 +97,12 @@ class NixlCall:
         if not waiting:
             self._finish()
             if self._failed:
-                raise self._error("")
+                raise self._error()
             return DONE
         if time.monotonic() > self._until:
             for peer in waiting:
                 self._failed.setdefault(peer, f"no answer within the timeout ({call.timeout} s)")
-            raise self._error("")
+            raise self._error()
         return MOVED if moved else WAITING
 
     def abandon(self, error: BaseException) -> None:
@@ -255,7 +253,7 @@ class NixlCall:
                 peers.add(message.peer)
         return sorted(peers)
 
-    def _error(self, detail: str) -> BaseException:
+    def _error(self) -> BaseException:
         from .nixl import PeerError
 
         peers = [(rank, self.t._peers[rank].name if rank in self.t._peers else "?") for rank in self._failed]

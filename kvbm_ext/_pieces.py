@@ -92,11 +92,11 @@ class Exchange:
       `local_bytes`: the bytes they copy.
     - `owner`: the Resharder, whose lifetime bounds its slots' buffers; `channel`: the
       plan's digest, which separates the messages of Resharders sharing a transport;
-      `call_of(peer)`: the pair's call number (the header's); `renew(peer)`: the peer is
-      a new incarnation (it restarted, and counts its calls from 0): this rank does too,
-      and `headers[peer]` is rewritten, before the pair compares; `events(i, count)`:
-      CUDA events for the pieces of send i, kept by the Resharder across calls; `device` ("cpu" or "cuda:N"), `stream` (the call's torch
-      stream on a GPU, else None), `timeout` (seconds), `check` (the call's check).
+      `renew(peer)`: the peer is a new incarnation (it restarted, and counts its calls from
+      0): this rank does too, and `headers[peer]` is rewritten, before the pair compares;
+      `events(i, count)`: CUDA events for the pieces of send i, kept by the Resharder
+      across calls; `device` ("cpu" or "cuda:N"), `stream` (the call's torch stream on a
+      GPU, else None), `timeout` (seconds).
     """
 
     def __init__(self, *, owner: Any, channel: int, rank: int, sends: tuple[Message, ...],
@@ -104,8 +104,8 @@ class Exchange:
                  pack: Callable[[int, int, Any], None], unpack: Callable[[int, int, Any], None],
                  compare: Callable[[int, bytes, tuple[str, str] | None], tuple[type[Exception], str] | None],
                  local: Callable[[Any], None], renew: Callable[[int], None],
-                 events: Callable[[int, int], list[Any]], local_bytes: int, call_of: Callable[[int], int], device: str,
-                 stream: Any, timeout: float, check: bool) -> None:
+                 events: Callable[[int, int], list[Any]], local_bytes: int, device: str, stream: Any,
+                 timeout: float) -> None:
         self.owner, self.channel, self.rank = owner, channel, rank
         self.sends, self.recvs = sends, recvs
         self.headers, self.reason = headers, reason
@@ -113,16 +113,10 @@ class Exchange:
         self.local_bytes = local_bytes
         self.renew = renew
         self.events = events
-        self.call_of = call_of
-        self.device, self.stream, self.timeout, self.check = device, stream, timeout, check
+        self.device, self.stream, self.timeout = device, stream, timeout
         self.refused: dict[int, tuple[type[Exception], str]] = {}
         self._compared: set[int] = set()
         self._writes: bool | None = None
-
-    @property
-    def peers(self) -> list[int]:
-        """The peers of this call's messages, either way, in order."""
-        return sorted({m.peer for m in self.sends} | {m.peer for m in self.recvs})
 
     def pack(self, i: int, p: int, stream: Any) -> None:
         self._pack(i, p, stream)

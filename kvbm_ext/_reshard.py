@@ -731,8 +731,7 @@ class Resharder:
             headers=records, reason=problem.info if problem is not None else None, pack=pack, unpack=unpack,
             compare=compare, local=local, renew=renew, events=self._piece_events,
             local_bytes=sum(view.numel() * view.element_size() for *_, view in local_views),
-            call_of=lambda peer: self._pair_calls[self._peer_index[peer]] + 1, device=device, stream=stream,
-            timeout=seconds, check=checked)
+            device=device, stream=stream, timeout=seconds)
 
     # ---------------------------------------------------------------- checks
 

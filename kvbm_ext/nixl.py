@@ -137,10 +137,8 @@ class NixlTransport:
         if store is not None and not (callable(getattr(store, "set", None)) and callable(getattr(store, "get", None))):
             raise TypeError(f"store: expected an object with set(key, bytes) and get(key), got {type(store).__name__}")
         delay = _index(progress_delay_us, "progress_delay_us", 0, 10_000_000)
-        try:
-            from ._nixl_agent import make_agent, nixl_errors
-        except ImportError as error:    # pragma: no cover - the import itself cannot fail without NIXL
-            raise ImportError("kvbm_ext.nixl needs NIXL: pip install \"kvbm_ext[nixl]\" (nixl-cu13 1.5.1)") from error
+        from ._nixl_agent import make_agent, nixl_errors
+
         try:
             self._errors = nixl_errors()
             self._agent = make_agent(name, delay)
