@@ -75,6 +75,10 @@ class NixlCall:
     # ------------------------------------------------------------ the driver's
 
     def step(self) -> str:
+        with self._on_device():
+            return self._step()
+
+    def _step(self) -> str:
         call, t = self.call, self.t
         moved = False
         t._pump()
@@ -106,6 +110,21 @@ class NixlCall:
         return MOVED if moved else WAITING
 
     def abandon(self, error: BaseException) -> None:
+        with self._on_device():
+            self._abandon(error)
+
+    def _on_device(self) -> Any:
+        """The driver thread's current CUDA device: the caches' (UCX's CUDA transports work
+        in the thread's current context); nothing for host caches."""
+        import contextlib
+
+        if self._stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.device(self._stream.device)
+
+    def _abandon(self, error: BaseException) -> None:
         """Cancels the WRITEs in flight, tells the senders still awaited that this call gave
         up, and marks the peers it failed with for a new connection."""
         call, t = self.call, self.t
