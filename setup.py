@@ -29,12 +29,12 @@ from setuptools.command.build_ext import build_ext
 VERSION = "0.4.0"
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "80;86;89;90"
-C_SOURCES = ["address_list.c", "args.c", "array.c", "array_read.c", "convert.c", "convert_run.c", "copy.c",
-             "cpu_copy.c", "debug.c", "dlpack_read.c", "errors.c", "host_args.c", "host_buffer.c", "host_dlpack.c",
-             "host_new.c", "host_pool.c", "interface_read.c", "module.c", "options.c", "overlap.c", "paged_alias.c",
-             "paged_cache.c", "paged_call.c", "paged_layers.c", "paged_layout.c", "paged_run.c", "paged_select.c",
-             "paged_type.c", "pieces.c", "protocols.c", "route.c", "staging_api.c", "stream.c", "target.c",
-             "to_cache.c", "to_cache_run.c", "torch.c"]
+C_SOURCES = ["address_list.c", "args.c", "array.c", "array_read.c", "checksum.c", "convert.c", "convert_run.c",
+             "copy.c", "cpu_copy.c", "crc32c.c", "debug.c", "dlpack_read.c", "errors.c", "host_args.c",
+             "host_buffer.c", "host_dlpack.c", "host_new.c", "host_pool.c", "interface_read.c", "module.c",
+             "options.c", "overlap.c", "paged_alias.c", "paged_cache.c", "paged_call.c", "paged_layers.c",
+             "paged_layout.c", "paged_run.c", "paged_select.c", "paged_type.c", "pieces.c", "protocols.c", "route.c",
+             "staging_api.c", "stream.c", "target.c", "to_cache.c", "to_cache_run.c", "torch.c"]
 # csrc/gpu_stub.c replaces them without nvcc
 CUDA_C_SOURCES = ["gpu_batch.c", "gpu_copies.c", "gpu_devices.c", "gpu_host.c", "gpu_launch.c", "gpu_place.c",
                   "gpu_ranges.c", "gpu_ring.c", "gpu_staging.c", "gpu_to_cache.c", "move_kernels.c", "moves.c",

@@ -131,7 +131,8 @@ class _Driver:
                 jobs = list(self._jobs)
             moved = False
             for job in jobs:
-                state, error = WAITING, None
+                state: str = WAITING
+                error: BaseException | None = None
                 try:
                     state = job.step()
                     if state == WAITING and job.deadline is not None and time.monotonic() > job.deadline:
