@@ -182,6 +182,27 @@ def test_rebuild_follows_cuda_archs_and_nvcc(tmp_path):
     assert built_archs(tmp_path) == "[]"
 
 
+@pytest.mark.build
+@requires_nvcc
+def test_a_second_wheel_build_of_an_unchanged_tree_compiles_no_kernel(tmp_path):
+    """pip builds wheels (and editable installs) in a new temporary directory each time;
+    the objects stay in the tree's build/, so the second build runs no nvcc."""
+    copy_sources(tmp_path)
+    environment = dict(os.environ, CUDA_ARCHS="90")
+    environment.pop("PYTHONPATH", None)
+
+    def wheel():
+        run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps",
+                              "-w", str(tmp_path / "dist"), str(tmp_path)], env=environment, capture_output=True,
+                             text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return run.stdout + run.stderr
+
+    assert "nvcc -c" in wheel()
+    again = wheel()
+    assert "nvcc -c" not in again and "kvbm_ext: building with CUDA" in again, again[-3000:]
+
+
 # --------------------------------------------------------------------------
 # The sdist holds what building and testing need.
 # --------------------------------------------------------------------------
