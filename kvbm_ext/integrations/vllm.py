@@ -361,7 +361,7 @@ class PinnedTier(Tier):
     """A pinned host pool from kvbm_ext.pinned_empty (host memory when the caches are on
     the host), one array for every tensor of the worker:
     [num_slots * blocks_per_chunk, nh, n_tensors, no, nt, hd] (universal blocks) or
-    [num_slots * blocks_per_chunk, n_tensors, page_bytes] (raw pages).  Each group moves
+    [num_slots * blocks_per_chunk, n_tensors, page_bytes] (raw pages, byte for byte).  Each group moves
     through a PagedKVCache over its tensors' part of the pool."""
 
     name = "pinned"
@@ -391,7 +391,8 @@ class PinnedTier(Tier):
         self.pool = raw.view(dtype).view(shape)
         for group in groups:
             if not group.universal:
-                layers, layout = [self.pool[:, t, :group.cache.head_dim] for t in group.tensor_ids], "bd"
+                layers = [self.pool[:, t, None, :group.cache.head_dim] for t in group.tensor_ids]
+                layout = "btd"
             elif first.num_outer == 2:
                 layers, layout = [self.pool[:, :, t] for t in group.tensor_ids], "bhktd"
             else:
@@ -438,11 +439,11 @@ LATER_TIERS = ("disk", "peer")
 
 def describe_tensor(tensor, page_bytes, page):
     """A view of one canonical tensor's pages, (num_blocks, page_bytes) int8 with any
-    block stride, in the page's own dims: `page` is None (raw bytes, layout "bd"), or
-    (dtype, heads_first, nh, nt, no, hd)."""
+    block stride, in the page's own dims: `page` is None (raw bytes: one token of
+    page_bytes, layout "btd"), or (dtype, heads_first, nh, nt, no, hd)."""
     pages = tensor[:, :page_bytes]
     if page is None:
-        return pages, "bd"
+        return pages.unsqueeze(1), "btd"
     dtype, heads_first, nh, nt, no, hd = page
     values = pages.view(dtype)
     if no == 1:
@@ -660,7 +661,7 @@ class KvbmOffloadingSpec(OffloadingSpec):
         self._manager = self._worker = None
 
     def _num_slots(self, config, extra):
-        if "kvbm_num_slots" in extra:
+        if extra.get("kvbm_num_slots") is not None:
             num_slots = int(extra["kvbm_num_slots"])
         elif extra.get("cpu_bytes_to_use"):
             slot_bytes = config.worker_kv_bytes_per_block * config.parallel.world_size * self.blocks_per_chunk

@@ -20,6 +20,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -92,13 +93,15 @@ class Engine:
         cache.kv_cache_layout = "HND" if kvbm_vllm.VLLM_VERSION.startswith("0.26") else "LBHNC"
         extra = {"spec_name": "KvbmOffloadingSpec", "spec_module_path": "kvbm_ext.integrations.vllm",
                  "kvbm_num_slots": 16, **(extra or {})}
+        kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         self.config = VllmConfig(
             model_config=model, cache_config=cache, device_config=DeviceConfig("cpu"),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_batched_tokens,
                                              max_model_len=4096, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                kv_connector_extra_config=extra))
+                                                kv_connector_extra_config=extra),
+            kv_events_config=kv_events)
         self.config.cache_config.num_gpu_blocks = num_blocks
         names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=self.heads, head_size=head_dim,
@@ -136,6 +139,20 @@ class Engine:
         self._context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         for worker in self.spec_workers:
             self._watch(worker)
+        self.evicted, self.kv_events = 0, []
+        prepare_store, take_events = self.manager.prepare_store, self.scheduler.connector.take_events
+
+        def store(keys, req_context):
+            output = prepare_store(keys, req_context)
+            self.evicted += len(output.evicted_keys) if output is not None else 0
+            return output
+
+        def events():
+            taken = list(take_events())
+            self.kv_events += taken
+            return taken
+
+        self.manager.prepare_store, self.scheduler.connector.take_events = store, events
 
     def _watch(self, worker):
         """Counts every job submitted and reported; poisons each load's destination blocks
@@ -195,9 +212,13 @@ class Engine:
                 worker_meta = meta_w if worker_meta is None else worker_meta.aggregate(meta_w)
             worker.clear_connector_metadata()
         self._check_loads()
-        running = [r.request_id for r in self.scheduler.running if output.num_scheduled_tokens.get(r.request_id)]
+        running = [r for r in self.scheduler.running if output.num_scheduled_tokens.get(r.request_id)]
+        # A token is sampled only once the prompt is computed, as a model runner does: a
+        # request mid chunked prefill samples nothing.
+        sampled = [[7 + int(r.request_id) % 900] if r.num_computed_tokens >= r.num_tokens else [] for r in running]
+        running = [r.request_id for r in running]
         runner = ModelRunnerOutput(req_ids=running, req_id_to_index={r: i for i, r in enumerate(running)},
-                                   sampled_token_ids=[[7 + int(r) % 900] for r in running],
+                                   sampled_token_ids=sampled,
                                    kv_connector_output=KVConnectorOutput(finished_sending=set(),
                                                                          finished_recving=recving,
                                                                          kv_connector_worker_meta=worker_meta))
