@@ -6,6 +6,9 @@ prefix).  Skipped, with the reason, where vLLM is not importable (.ci/run instal
 a venv of its own: tests/requirements-vllm.txt)."""
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -27,6 +30,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvbm_ext.integrations import vllm as integration  # noqa: E402
+from support import REPO_ROOT  # noqa: E402
 from support.devices import SLEEP_CYCLES, sync  # noqa: E402
 from support.vllm_engine import Engine, write_model_config  # noqa: E402
 
@@ -407,3 +411,13 @@ def test_gpu_connector_loop(model_dir):
     engine.run()
     check_clean(engine)
     assert engine.checked_blocks >= 2 * 5
+
+
+@pytest.mark.slow
+def test_cpu_example_runs():
+    """examples/vllm_offload_cpu.py, as docs/vllm.md tells to run it."""
+    script = os.path.join(REPO_ROOT, "examples", "vllm_offload_cpu.py")
+    run = subprocess.run([sys.executable, script], env=dict(os.environ, PYTHONPATH=REPO_ROOT), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "6 blocks loaded into GPU blocks" in run.stdout and "bit-exact" in run.stdout, run.stdout

@@ -460,9 +460,11 @@ def page_format(config, page_bytes):
     if vllm_config is None or vllm_config.model_config is None:
         return None, "no vLLM config in reach"
     model = vllm_config.model_config
-    dtype = cache_dtype(config.model.dtype)
+    # 0.26 passes the cache dtype setting, "auto" meaning the model's dtype.
+    name = str(model.dtype).removeprefix("torch.") if config.model.dtype == "auto" else config.model.dtype
+    dtype = cache_dtype(name)
     if dtype is None:
-        return None, f"cache dtype {config.model.dtype!r} has no torch counterpart"
+        return None, f"cache dtype {name!r} has no torch counterpart"
     tokens = {group.tokens_per_block for group in config.groups}
     if len(tokens) != 1:
         return None, f"groups of {sorted(tokens)} tokens a block"

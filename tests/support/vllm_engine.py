@@ -34,7 +34,13 @@ from vllm.forward_context import ForwardContext  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -106,11 +112,19 @@ class Engine:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=self.heads, head_size=head_dim,
                                  dtype=torch.bfloat16)
-        # groups > 1: the layers split into groups of their own tensors, as a hybrid model's.
+        # groups > 1: the layers split into groups of their own tensors, as a hybrid model's:
+        # full attention, then sliding windows longer than any request here.
         per_group = [names[g::groups] for g in range(groups)]
+        window = SlidingWindowSpec(block_size=block_size, num_kv_heads=self.heads, head_size=head_dim,
+                                   dtype=torch.bfloat16, sliding_window=4096)
+        specs = [spec] + [window] * (groups - 1)
         self.layer_of = {name: i for i, name in enumerate(names)}
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(n, spec) for n in per_group])
+        # vLLM 0.26 counts a worker's bytes per block from its tensors (one per layer);
+        # 0.33 from the groups' specs when it is given none.
+        tensors = [] if not kvbm_vllm.VLLM_VERSION.startswith("0.26") else [
+            KVCacheTensor(size=spec.page_size_bytes * num_blocks, shared_by=[name]) for name in names]
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                                        kv_cache_groups=[KVCacheGroupSpec(n, g) for n, g in zip(per_group, specs)])
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=block_size, log_stats=True)
