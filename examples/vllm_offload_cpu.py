@@ -61,7 +61,7 @@ config = VllmConfig(
                                         kv_connector_extra_config={
                                             "spec_name": "KvbmOffloadingSpec",
                                             "spec_module_path": "kvbm_ext.integrations.vllm",
-                                            "cpu_bytes_to_use": 64 << 20}))
+                                            "kvbm_num_slots": 256}))
 config.cache_config.num_gpu_blocks = GPU_BLOCKS
 names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 kv_cache_config = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
