@@ -42,7 +42,6 @@ import time
 import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from importlib import metadata
 
 import numpy as np
 import torch
@@ -79,7 +78,9 @@ def check_vllm():
     """The installed vLLM's version.  Raises ImportError naming the first class or member
     of vllm.v1.kv_offload.base this module uses that it lacks; warns on a version other
     than TESTED_VERSIONS."""
-    version = metadata.version("vllm")
+    import vllm
+
+    version = vllm.__version__
     try:
         from vllm.v1.kv_offload import base
     except ImportError as error:
