@@ -418,7 +418,8 @@ def test_gpu_connector_loop(model_dir):
 def test_cpu_example_runs():
     """examples/vllm_offload_cpu.py, as docs/vllm.md tells to run it."""
     script = os.path.join(REPO_ROOT, "examples", "vllm_offload_cpu.py")
-    run = subprocess.run([sys.executable, script], env=dict(os.environ, PYTHONPATH=REPO_ROOT), capture_output=True,
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, script], env=dict(os.environ, PYTHONPATH=path), capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "6 blocks loaded into GPU blocks" in run.stdout and "bit-exact" in run.stdout, run.stdout

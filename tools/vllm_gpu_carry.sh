@@ -9,6 +9,8 @@
 #                          tools/vllm_ops_standin.py as vllm/_C_stable_libtorch.py
 # DIR/wheels/              the packages vLLM imports that the GPU machine's Python lacks,
 #                          cp312 manylinux wheels, installed there with --no-deps
+# DIR/vllm-cache/          vLLM's model-info cache of LlamaForCausalLM (made here: on CUDA vLLM
+#                          would inspect it by importing its compiled flash-attention library)
 # DIR/run-gpu-tests.sh     what runs there: bash DIR/run-gpu-tests.sh [SRC] [OUT]
 # About 27 MiB.  On the GPU machine:  bash .carry-vllm/run-gpu-tests.sh . "$OUT"
 set -euo pipefail
@@ -34,5 +36,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.13.4 \
     pydantic-core==2.46.4 pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 truststore==0.10.5 \
     typing-inspection==0.4.2 xgrammar==0.2.8
+# vLLM's model-info cache for the tests' Llama config, made here on the CPU with the same
+# vLLM files (VLLM_PYTHON: a Python with vLLM's dependencies, e.g. the venv of
+# tests/requirements-vllm.txt).
+rm -rf "$DIR/vllm-cache" && mkdir -p "$WORK/model"
+printf '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_attention_heads": 8,
+  "num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 1024}' > "$WORK/model/config.json"
+(cd "$WORK" && PYTHONPATH="$WORK/unpacked" VLLM_CACHE_ROOT="$DIR/vllm-cache" HF_HUB_OFFLINE=1 "${VLLM_PYTHON:-python3}" -c \
+    "from vllm.config import ModelConfig; ModelConfig(model='$WORK/model', skip_tokenizer_init=True)" > /dev/null)
 cp "$ROOT/tools/vllm_gpu_tests.sh" "$DIR/run-gpu-tests.sh"
 du -sh "$DIR"

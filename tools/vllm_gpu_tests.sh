@@ -19,7 +19,11 @@ SITE=/tmp/kvbm-vllm-site
 rm -rf "$SITE" && mkdir -p "$SITE"
 python3 -m pip install -q --no-index --no-deps --target "$SITE" "$CARRY"/wheels/*.whl
 python3 -m zipfile -e "$CARRY/vllm-0.26.0-py.zip" "$SITE"
-export PYTHONPATH="$SITE:$SRC" HF_HUB_OFFLINE=1
+# vLLM inspects a model's architecture by importing its module in a subprocess, which on
+# CUDA needs the compiled flash-attention library; its model-info cache, made where the
+# folder was made, answers instead.
+rm -rf /tmp/kvbm-vllm-cache && cp -r "$CARRY/vllm-cache" /tmp/kvbm-vllm-cache
+export PYTHONPATH="$SITE:$SRC" HF_HUB_OFFLINE=1 VLLM_CACHE_ROOT=/tmp/kvbm-vllm-cache
 
 cd "$SRC"
 CUDA_ARCHS=90 python3 setup.py -q build_ext --inplace > /tmp/kvbm-build.log 2>&1 || { tail -30 /tmp/kvbm-build.log; exit 1; }
