@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,  # noqa: E402
                          VllmConfig, set_current_vllm_config)
@@ -37,7 +38,7 @@ from vllm.forward_context import ForwardContext  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -64,9 +65,12 @@ config = VllmConfig(
                                             "kvbm_num_slots": 256}))
 config.cache_config.num_gpu_blocks = GPU_BLOCKS
 names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-kv_cache_config = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-    KVCacheGroupSpec(names, FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
-                                              dtype=torch.bfloat16))])
+spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+# vLLM 0.26's worker finds each layer's tensor in kv_cache_tensors; 0.33 needs none listed here.
+tensors = ([KVCacheTensor(size=spec.page_size_bytes * GPU_BLOCKS, shared_by=[name]) for name in names]
+           if vllm.__version__.startswith("0.26") else [])
+kv_cache_config = KVCacheConfig(num_blocks=GPU_BLOCKS, kv_cache_tensors=tensors,
+                                kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BLOCK,
                       structured_output_manager=StructuredOutputManager(config))
 # The worker process builds its connector inside vLLM's config context, where the spec

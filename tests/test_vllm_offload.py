@@ -395,7 +395,7 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
     worker.wait({1})
     assert [r.job_id for r in worker.get_finished()] == [1]
     for t, new in enumerate(fresh):
-        want = new.unflatten(-1, (2, -1)).transpose(0, 1).view(torch.int16).cpu()
+        want = new.unflatten(-1, (2, -1)).transpose(1, 2).view(torch.int16).cpu()      # [nh, 2, nt, hd]
         assert torch.equal(worker.tier.pool[2, :, t].view(torch.int16), want)
 
 
@@ -403,7 +403,7 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
 def test_gpu_connector_loop(model_dir):
     """The Scheduler and connector loop with CUDA caches: store, eviction, load, bit-exact."""
     rng = np.random.default_rng(3)
-    engine = Engine(model_dir, num_blocks=32, extra={"kvbm_num_slots": 24}, device="cuda")
+    engine = Engine(model_dir, num_blocks=32, extra={"kvbm_num_slots": 160}, device="cuda")
     shared = prompt(rng, 100)
     engine.add_request(shared + [5], max_tokens=2)
     engine.run()

@@ -476,7 +476,12 @@ def page_format(config, page_bytes):
             return (dtype, True, 1, nt, 1, hd), None
         return None, f"MLA page of {page_bytes} bytes is not [{nt}, {hd}] {dtype}"
     nh = model.get_num_kv_heads(vllm_config.parallel_config)
-    layout = getattr(config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout or "HND"
+    layout = getattr(config, "kv_cache_layout", None) or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if layout is None:
+        # Not resolved in the config (0.26 resolves it at run time): the layout this connector
+        # makes vLLM use.
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        layout = OffloadingConnector.get_required_kvcache_layout(vllm_config)
     layout = getattr(layout, "name", layout)
     if layout not in HEADS_FIRST + TOKENS_FIRST:
         return None, f"KV cache layout {layout!r} is not one of {HEADS_FIRST + TOKENS_FIRST}"

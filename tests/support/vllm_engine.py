@@ -96,13 +96,16 @@ class Engine:
         self.tp, self.heads = tp, num_kv_heads // tp
         model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-        cache.kv_cache_layout = "HND" if kvbm_vllm.VLLM_VERSION.startswith("0.26") else "LBHNC"
+        if hasattr(cache, "kv_cache_layout"):
+            # 0.33: the engine core resolves it before the connectors are made (0.26 at run time).
+            cache.kv_cache_layout = "LBHNC"
         extra = {"spec_name": "KvbmOffloadingSpec", "spec_module_path": "kvbm_ext.integrations.vllm",
                  "kvbm_num_slots": 16, **(extra or {})}
         kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         self.config = VllmConfig(
             model_config=model, cache_config=cache, device_config=DeviceConfig("cpu"),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            # "mp" named: left to choose, vLLM refuses more TP ranks than GPUs on a CUDA machine.
+            parallel_config=ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None),
             scheduler_config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_batched_tokens,
                                              max_model_len=4096, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
