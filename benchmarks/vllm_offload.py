@@ -8,9 +8,9 @@ CanonicalKVCaches over caches shaped as vLLM allocates them with the OffloadingC
 tier of universal blocks.  For jobs of --nbs blocks (default 1, 8, 64), store (GPU to
 tier) and load (tier to GPU), it measures:
 
-  worker    the GPU time of one job (events on the worker's stream around submit_*), its
-            GB/s, and the host time of submit_* and of the get_finished poll that reports
-            it;
+  worker    the GPU time of one job (events on the worker's stream around submit_*, behind
+            a GPU sleep that covers the submission), its GB/s, and the host time of
+            submit_* and of the get_finished poll that reports it;
   memcpy    one copy of the same bytes between a device buffer and a pinned buffer, the
             same direction, timed in the same round: the rate the bytes can cross PCIe;
   loop      a torch copy_ per block and layer between the cache and a pinned pool of
@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from harness import HD, NH, NT, REPO_ROOT, Tee, int_list, output_dir, run_stem
+from harness import HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem
 
 MODELS = {"8b": ("Llama-3.1-8B", 32), "70b": ("Llama-3.1-70B", 80)}
 COLUMNS = ["gpu_name", "date", "model", "nl", "direction", "nb", "bytes", "worker_us", "memcpy_us", "loop_us",
@@ -81,6 +81,8 @@ class Case:
             base.CanonicalKVCaches(tensors=tensors, group_data_refs=refs), tier=integration.PinnedTier(),
             num_slots=self.slots, blocks_per_chunk=1, page=(torch.bfloat16, True, NH, NT, 2, HD))
         self.integration, self.base = integration, base
+        # 1 ms of GPU sleep: longer than any submission's host time.
+        self.sleep_cycles = int(1000 * calibrate_sleep_cycles_per_us()) if device.type == "cuda" else 0
         self.job_id = 0
         pinned = device.type == "cuda"
         # The loop's pool: vLLM's own pages, per block and layer.
@@ -109,12 +111,16 @@ class Case:
         return jobs.stream
 
     def worker_job(self, direction, nb):
-        """(GPU us of one job, host us of submit, host us of the poll that reported it)."""
+        """(GPU us of one job, host us of submit, host us of the poll that reported it).
+        A GPU sleep ahead of the start event covers the submission's host time, so the
+        events bracket the job's GPU work alone."""
         self.sync()
         stream = self.stream(direction)
         start = end = None
         if stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(self.sleep_cycles)
             start.record(stream)
         began = time.perf_counter()
         job = self.submit(direction, nb)
@@ -141,6 +147,7 @@ class Case:
             return (time.perf_counter() - began) * 1e6
         self.sync()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(self.sleep_cycles)
         start.record()
         (host.copy_(dev, non_blocking=True) if direction == "store" else dev.copy_(host, non_blocking=True))
         end.record()
