@@ -391,7 +391,10 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
         assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), integration.KvbmLoadStoreSpec([2]))
         elapsed = time.perf_counter() - started
         assert worker.get_finished() == [], "a store was reported while the compute stream still wrote its KV"
+        (handle,) = worker.store_jobs.jobs[0].handles
+        assert not handle.done() and handle.wait(timeout=0.001) is False
     assert elapsed < 0.05, f"submit_store blocked the host for {elapsed * 1e3:.1f} ms"
+    assert handle.wait(timeout=30) is True and handle.error is None
     worker.wait({1})
     assert [r.job_id for r in worker.get_finished()] == [1]
     for t, new in enumerate(fresh):

@@ -317,9 +317,10 @@ class DoneHandle(TransferHandle):
 class Tier:
     """Where offloaded chunks live, in slots of `blocks_per_chunk` GPU blocks.
 
-    A tier is attached once to the worker's caches (`attach(groups)`, one GroupCaches per
-    KV cache group: the PagedKVCache over vLLM's tensors of the group and what the tier
-    needs to hold the same blocks) and then moves blocks by id:
+    A tier is attached once to the worker's caches (`attach(groups, num_slots,
+    blocks_per_chunk)`, one GroupCaches per KV cache group: the PagedKVCache over vLLM's
+    tensors of the group and what the tier needs to hold the same blocks) and then moves
+    blocks by id:
     `store(group, src_ids, slot_block_ids, stream)` copies GPU blocks `src_ids` of the
     group into the tier's blocks `slot_block_ids` (slot * blocks_per_chunk + j),
     `load(group, slot_block_ids, dst_ids, stream)` the reverse; each returns a
@@ -559,7 +560,6 @@ class KvbmOffloadingWorker(OffloadingWorker):
             streams = [None] * 3
         self.store_jobs, self.load_jobs, self.expedited_jobs = (_Direction(s) for s in streams)
         tier.attach(self.groups, num_slots, blocks_per_chunk)
-        self._failed = []
 
     def submit_store(self, job_id, src_spec, dst_spec):
         return self._submit(self.store_jobs, job_id, src_spec, dst_spec.block_ids, store=True)
