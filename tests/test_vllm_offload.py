@@ -241,6 +241,7 @@ def test_worker_reports_failures(gen, caplog):
     with caplog.at_level(logging.ERROR, logger="kvbm_ext"):
         assert not worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), integration.KvbmLoadStoreSpec([0]))
         assert worker.submit_load(2, integration.KvbmLoadStoreSpec([0]), GPULoadStoreSpec([1], [1], [0]))
+        worker.wait({2})            # the failure is kept for get_finished, not raised here
         assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, False)]
     assert "store job 1 was not submitted" in caplog.text and "job 2 failed: read error" in caplog.text
     # A spec whose sizes do not add up is refused, naming the job.
@@ -392,9 +393,12 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
         elapsed = time.perf_counter() - started
         assert worker.get_finished() == [], "a store was reported while the compute stream still wrote its KV"
         (handle,) = worker.store_jobs.jobs[0].handles
-        assert not handle.done() and handle.wait(timeout=0.001) is False
+        assert not handle.done()
+        with pytest.raises(TimeoutError, match="not finished within 0.001 s"):
+            handle.wait(timeout=0.001)
     assert elapsed < 0.05, f"submit_store blocked the host for {elapsed * 1e3:.1f} ms"
-    assert handle.wait(timeout=30) is True and handle.error is None
+    handle.wait(timeout=30)
+    assert handle.done() and handle.error is None
     worker.wait({1})
     assert [r.job_id for r in worker.get_finished()] == [1]
     for t, new in enumerate(fresh):

@@ -255,9 +255,12 @@ class KvbmOffloadingManager(OffloadingManager):
 
 
 class TransferHandle:
-    """One tier transfer in flight.  `done()` never blocks; `wait(timeout=None)` blocks
-    the host until the transfer ends (True) or the timeout passes (False); `error` is
-    the exception that failed it, else None, read once done() is True."""
+    """One tier transfer in flight, with the interface of kvbm_ext._driver.Handle (a tier
+    whose far side the host drives, disk or a NIXL peer, returns the driver's handles as
+    they are): `done()` says whether it ended, never blocks and never raises;
+    `wait(timeout=None)` blocks the host until it ends and raises its error, or
+    TimeoutError when `timeout` seconds pass first (the transfer goes on); `error` is
+    the exception that failed it, else None."""
 
     __slots__ = ("error",)
 
@@ -272,7 +275,7 @@ class TransferHandle:
 
 
 class EventHandle(TransferHandle):
-    """A transfer enqueued on a CUDA stream, finished when `event` has."""
+    """A transfer enqueued on a CUDA stream, ended when `event` has."""
 
     __slots__ = ("event",)
 
@@ -293,13 +296,14 @@ class EventHandle(TransferHandle):
                 self.event.synchronize()
             except RuntimeError as error:
                 self.error = error
-            return True
-        deadline = time.monotonic() + timeout
-        while not self.done():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(20e-6)
-        return True
+        else:
+            deadline = time.monotonic() + timeout
+            while not self.done():
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"CUDA transfer: not finished within {timeout} s (it goes on)")
+                time.sleep(20e-6)
+        if self.error is not None:
+            raise self.error
 
 
 class DoneHandle(TransferHandle):
@@ -311,7 +315,8 @@ class DoneHandle(TransferHandle):
         return True
 
     def wait(self, timeout=None):
-        return True
+        if self.error is not None:
+            raise self.error
 
 
 class Tier:
@@ -624,16 +629,24 @@ class KvbmOffloadingWorker(OffloadingWorker):
         for direction in (self.store_jobs, self.load_jobs, self.expedited_jobs):
             for job in direction.jobs:
                 if job.job_id in job_ids:
-                    for handle in job.handles:
-                        handle.wait()
+                    _wait_all(job.handles)
 
     def shutdown(self):
         for direction in (self.store_jobs, self.load_jobs, self.expedited_jobs):
             for job in direction.jobs:
-                for handle in job.handles:
-                    handle.wait()
+                _wait_all(job.handles)
             direction.jobs.clear()
         self.tier.close()
+
+
+def _wait_all(handles):
+    """Blocks until every handle has ended.  A failed one keeps its error in `error`, which
+    get_finished reports as the job's failure."""
+    for handle in handles:
+        try:
+            handle.wait()
+        except Exception:       # kept in handle.error: get_finished reports the job as failed
+            pass
 
 
 # ----------------------------------------------------------------------------------
