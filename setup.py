@@ -8,8 +8,10 @@ Environment:
   KVBM_REQUIRE_CUDA=1 fail instead of building without CUDA when nvcc is missing.
 
 A rebuild always reflects the current toolkit and targets: the build records
-them (with the compiler flags from the environment) per output file, and
-recompiles everything when they change; header edits rebuild too.
+them (with the compiler flags from the environment) beside the objects, and
+recompiles everything when they change; header edits rebuild too.  Objects
+live in the tree's build/ whatever command builds (pip's editable and wheel
+builds included), so reinstalling an unchanged tree only relinks.
 
 Importing this file (the tests do) defines the helpers and does not build.
 """
@@ -20,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import setuptools
@@ -29,12 +32,12 @@ from setuptools.command.build_ext import build_ext
 VERSION = "0.4.0"
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "80;86;89;90"
-C_SOURCES = ["address_list.c", "args.c", "array.c", "array_read.c", "convert.c", "convert_run.c", "copy.c",
-             "cpu_copy.c", "debug.c", "dlpack_read.c", "errors.c", "host_args.c", "host_buffer.c", "host_dlpack.c",
-             "host_new.c", "host_pool.c", "interface_read.c", "module.c", "options.c", "overlap.c", "paged_alias.c",
-             "paged_cache.c", "paged_call.c", "paged_layers.c", "paged_layout.c", "paged_run.c", "paged_select.c",
-             "paged_type.c", "pieces.c", "protocols.c", "route.c", "staging_api.c", "stream.c", "target.c",
-             "to_cache.c", "to_cache_run.c", "torch.c"]
+C_SOURCES = ["address_list.c", "args.c", "array.c", "array_read.c", "checksum.c", "convert.c", "convert_run.c",
+             "copy.c", "cpu_copy.c", "crc32c.c", "debug.c", "dlpack_read.c", "errors.c", "host_args.c",
+             "host_buffer.c", "host_dlpack.c", "host_new.c", "host_pool.c", "interface_read.c", "module.c",
+             "options.c", "overlap.c", "paged_alias.c", "paged_cache.c", "paged_call.c", "paged_layers.c",
+             "paged_layout.c", "paged_run.c", "paged_select.c", "paged_type.c", "pieces.c", "protocols.c", "route.c",
+             "staging_api.c", "stream.c", "target.c", "to_cache.c", "to_cache_run.c", "torch.c"]
 # csrc/gpu_stub.c replaces them without nvcc
 CUDA_C_SOURCES = ["gpu_batch.c", "gpu_copies.c", "gpu_devices.c", "gpu_host.c", "gpu_launch.c", "gpu_place.c",
                   "gpu_ranges.c", "gpu_ring.c", "gpu_staging.c", "gpu_to_cache.c", "move_kernels.c", "moves.c",
@@ -184,41 +187,44 @@ class BuildExt(build_ext):
         else:
             config = cuda_config(nvcc)
         config["flags"] = {name: os.environ.get(name, "") for name in FLAG_VARIABLES}
-        self.rebuild_if_changed(ext, config)
+        self.rebuild_if_changed(config)
         if nvcc is None:
             ext.sources.append("csrc/gpu_stub.c")
         else:
             self.add_cuda(ext, config)
         super().build_extensions()
-        self.record(ext, config)
+        self.record(config)
+
+    def finalize_options(self):
+        super().finalize_options()
+        # pip's editable and wheel builds compile into a new temporary directory each time:
+        # the tree's own build/ keeps the objects, so an unchanged tree relinks instead of
+        # recompiling every kernel, whichever command built it last.
+        kept = ROOT / "build" / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+        if Path(self.build_temp).resolve().parent != kept.parent.resolve():
+            self.build_temp = str(kept)
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1     # the C sources compile side by side
 
     def record_path(self):
         return Path(self.build_temp) / RECORD_NAME
 
-    def records(self):
-        try:
-            return json.loads(self.record_path().read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def output_key(self, ext):
-        return str(Path(self.get_ext_fullpath(ext.name)).resolve())
-
-    def rebuild_if_changed(self, ext, config):
+    def rebuild_if_changed(self, config):
         """Force a full rebuild (CUDA objects, C objects, link) when the configuration the
-        extension was last built with differs: another nvcc, other targets, CUDA or not, other
-        flags.  File times cannot tell.  Recorded per output file, since --inplace and wheel
-        builds share build_temp."""
-        if self.records().get(self.output_key(ext)) != config:
+        objects were last built with differs: another nvcc, other targets, CUDA or not, other
+        flags.  File times cannot tell."""
+        try:
+            built = json.loads(self.record_path().read_text())
+        except (OSError, ValueError):
+            built = None
+        if built != config:
             self.force = True
             if self.compiler is not None:
                 self.compiler.force = True
 
-    def record(self, ext, config):
-        records = self.records()
-        records[self.output_key(ext)] = config
+    def record(self, config):
         self.record_path().parent.mkdir(parents=True, exist_ok=True)
-        self.record_path().write_text(json.dumps(records, indent=1, sort_keys=True))
+        self.record_path().write_text(json.dumps(config, indent=1, sort_keys=True))
 
     def add_cuda(self, ext, config):
         """Compiles the out-of-date CUDA objects and adds them, the CUDA variant of the GPU

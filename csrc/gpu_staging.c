@@ -6,7 +6,8 @@
 
 int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
 {
-    Py_BEGIN_ALLOW_THREADS PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(gpu->lock, WAIT_LOCK);
     if (bytes >= 0)
         gpu->staging_bytes = (size_t)bytes;
     if (lanes > 0)
@@ -21,7 +22,8 @@ int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
         kv_gpu_restore_device(previous);
     }
     PyThread_release_lock(gpu->lock);
-    Py_END_ALLOW_THREADS return 0;
+    Py_END_ALLOW_THREADS
+    return 0;
 }
 
 /* Every kernel of the extension loaded on the current device. */

@@ -56,8 +56,10 @@ static int let_go(kv_host_buffer *self, char *why, size_t why_size)
         return 0;
     self->pool = NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = kv_host_pool_release(pool, why, why_size);
-    Py_END_ALLOW_THREADS return rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kv_host_pool_release(pool, why, why_size);
+    Py_END_ALLOW_THREADS
+    return rc;
 }
 
 /* For the paths that cannot raise (dealloc, a released view): the failure

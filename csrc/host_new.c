@@ -314,8 +314,11 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     a.huge = (kv_huge_pages)r.huge;
     a.place = &place;
     a.threads = (int)r.threads;
-    Py_BEGIN_ALLOW_THREADS allocate(&a);
-    Py_END_ALLOW_THREADS if (a.outcome != KV_ALLOCATED) return raise_failure(&r, &a);
+    Py_BEGIN_ALLOW_THREADS
+    allocate(&a);
+    Py_END_ALLOW_THREADS
+    if (a.outcome != KV_ALLOCATED)
+        return raise_failure(&r, &a);
     const kv_state *state = PyModule_GetState(module);
     kv_host_buffer *self = kv_host_buffer_new((PyTypeObject *)state->host_buffer_type, a.pool);
     if (self == NULL) {

@@ -20,7 +20,8 @@ Raw batched copies between device and pinned host memory: vectorized_copy
 
 pinned_empty makes the host tier's memory: a HostBuffer of pinned memory,
 touched by parallel threads, placed near the GPU, usable by every function
-here and by torch and NumPy without a copy.
+here and by torch and NumPy without a copy; crc32c sums a host array's bytes
+(the checksum a tier stores with each block).
 
 Resharder (and reshard) moves blocks between engines of different tensor /
 pipeline parallel sizes over torch.distributed, or over NIXL between engines that
@@ -37,6 +38,7 @@ try:
         block_to_operational,
         block_to_universal,
         build_info,
+        crc32c,
         cuda_devices,
         is_memcpy_batch_available,
         is_using_stubs,
@@ -75,6 +77,7 @@ __all__ = [
     "block_to_operational",
     "block_to_universal",
     "build_info",
+    "crc32c",
     "cuda_devices",
     "is_memcpy_batch_available",
     "is_using_stubs",

@@ -182,6 +182,28 @@ def test_rebuild_follows_cuda_archs_and_nvcc(tmp_path):
     assert built_archs(tmp_path) == "[]"
 
 
+@pytest.mark.build
+@requires_nvcc
+def test_a_second_editable_build_of_an_unchanged_tree_compiles_no_kernel(tmp_path):
+    """pip install -e builds in a new temporary directory each time (PEP 660's
+    build_editable, called here without installing anything); the objects stay in the
+    tree's build/, so the second build runs no nvcc."""
+    copy_sources(tmp_path)
+    environment = dict(os.environ, CUDA_ARCHS="90")
+    environment.pop("PYTHONPATH", None)
+    code = "import sys; from setuptools import build_meta; build_meta.build_editable(sys.argv[1])"
+
+    def editable():
+        run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=tmp_path, env=environment,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return run.stdout + run.stderr
+
+    assert "nvcc -c" in editable()
+    again = editable()
+    assert "nvcc -c" not in again and "kvbm_ext: building with CUDA" in again, again[-3000:]
+
+
 # --------------------------------------------------------------------------
 # The sdist holds what building and testing need.
 # --------------------------------------------------------------------------

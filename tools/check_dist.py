@@ -32,7 +32,8 @@ NOT_SHIPPED = (".ci/", ".clang-format", ".gitignore", "benchmarks/results/")
 BUILT = (".so", ".o", ".pyc", ".pyd")
 WHEEL_FILES = ("kvbm_ext/__init__.py", "kvbm_ext/__init__.pyi", "kvbm_ext/py.typed", "kvbm_ext/__main__.py",
                "kvbm_ext/_debug.py", "kvbm_ext/_no_gpu.py", "kvbm_ext/compat/__init__.py", "kvbm_ext/compat/dynamo.py",
-               "kvbm_ext/integrations/__init__.py", "kvbm_ext/integrations/transformers.py")
+               "kvbm_ext/integrations/__init__.py", "kvbm_ext/integrations/transformers.py",
+               "kvbm_ext/integrations/vllm.py")
 # Run in the fresh venv, from outside the source tree: the installed package, not the checkout.
 IMPORT_CHECK = """
 import os, sys, sysconfig, kvbm_ext

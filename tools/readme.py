@@ -42,6 +42,7 @@ API_GROUPS = (
     ("Raw batched copies: address lists, sizes in bytes", ("vectorized_copy", "memcpy_batch",
                                                           "is_memcpy_batch_available")),
     ("The build and the devices", ("build_info", "cuda_devices", "is_using_stubs", "__version__")),
+    ("Checksums of host bytes", ("crc32c",)),
     ("Resharding between engines (docs/resharding.md)",
      ("EngineLayout", "plan_reshard", "Resharder", "reshard", "ReshardStats", "ReshardHandle", "ReshardTransfer",
       "Transport", "TorchTransport")),

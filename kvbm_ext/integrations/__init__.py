@@ -5,4 +5,6 @@ used, and its engine is an optional extra of kvbm_ext, never a dependency:
                                         offloads and restores through kvbm_ext (extra
                                         [transformers]; without it, the import raises
                                         ImportError naming it)
+  kvbm_ext.integrations.vllm           an OffloadingSpec for vLLM's OffloadingConnector
+                                        (extra [vllm])
 """
