@@ -69,6 +69,7 @@ class NixlCall:
         self._posted = [0] * len(call.sends)
         self._done: list[set[int]] = [set() for _ in call.sends]
         self._failed: dict[int, str] = {}       # peer -> what this rank saw
+        self._cause: BaseException | None = None    # the NIXL error behind the first failure, if any
         self._writes: bool | None = None
         self._errors = transport._errors
 
@@ -252,7 +253,7 @@ class NixlCall:
         if peer not in self._failed:
             self._failed[peer] = what
             self.call.lost(peer)
-            if error is not None:
+            if error is not None and self._cause is None:
                 self._cause = error
 
     def _waiting(self) -> list[int]:
@@ -278,7 +279,7 @@ class NixlCall:
         peers = [(rank, self.t._peers[rank].name if rank in self.t._peers else "?") for rank in self._failed]
         seen = "; ".join(f"rank {rank}: {what}" for rank, what in sorted(self._failed.items()))
         error = PeerError(peers, seen)
-        error.__cause__ = getattr(self, "_cause", None)
+        error.__cause__ = self._cause
         return error
 
     def _finish(self) -> None:
