@@ -1,10 +1,10 @@
 #!/bin/bash
-# Issues 31 and 32 on two GPUs (no network), in order of need: the NIXL and NCCL reshard
-# tests on two GPUs, the disk tier's GPU tests, then the reshard benchmark (both transports,
-# nb 64 then 8) and a short disk benchmark, each cut to the time left.  Files go straight to
-# $OUT (at most 8), so what finished comes back even if the run is cut.  Carry the slimmed
-# NIXL wheel as .whl/nixl/ (python3 ../shared/tools/slim_wheel.py ... --drop nixl_ep_cu13) and
-# run from the repository root:  BUDGET=SECONDS bash tools/gpu_nixl_disk.sh
+# The NIXL transport and the disk tier on two GPUs (no network), in order of need: the NIXL
+# and NCCL reshard tests on two GPUs, the disk tier's GPU tests, then the reshard benchmark
+# (both transports, nb 64 then 8) and a short disk benchmark, each cut to the time left.
+# Files go straight to $OUT (at most 8), so what finished comes back even if the run is cut.
+# Carry the slimmed NIXL wheel as .whl/nixl/ (python3 ../shared/tools/slim_wheel.py ... --drop
+# nixl_ep_cu13) and run from the repository root:  BUDGET=SECONDS bash tools/gpu_nixl_disk.sh
 export PYTHONUNBUFFERED=1
 T0=$SECONDS; BUDGET=${BUDGET:-240}
 step() { echo "$1 rc=$2 at $((SECONDS-T0)) s" | tee -a $OUT/steps.txt; }
