@@ -42,6 +42,22 @@ def spin(a, h):
             raise RuntimeError("ERR")
 
 
+
+def time_path(a, make, reps, n, first):
+    """Host time of each stage of `reps` transfers, handle i % n made by make(i): make (or
+    initialize), post, wait until DONE, release, and their total."""
+    ph = {first: [], "post": [], "wait": [], "rel": [], "tot": []}
+    for r in range(reps):
+        c0 = time.perf_counter()
+        h = make(r % n)
+        c1 = time.perf_counter(); a.transfer(h)
+        c2 = time.perf_counter(); spin(a, h)
+        c3 = time.perf_counter(); a.release_xfer_handle(h)
+        c4 = time.perf_counter()
+        for k, v in zip(ph, (c1 - c0, c2 - c1, c3 - c2, c4 - c3, c4 - c0)):
+            ph[k].append(v)
+    return ph
+
 def main(reps):
     st = store_host()
     child = spawn_child(__file__, st.port)
@@ -68,35 +84,14 @@ def main(reps):
         lh = a.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM")
         rh = a.prep_xfer_dlist("B", rrows, "DRAM")
         for op in ("WRITE", "READ"):
-            # init path
-            ph = {"init": [], "post": [], "wait": [], "rel": [], "tot": []}
-            for r in range(reps):
-                i = r % n
-                c0 = time.perf_counter()
-                h = a.initialize_xfer(op, a.get_xfer_descs([lrows[i]], "DRAM"),
-                                      a.get_xfer_descs([rrows[i]], "DRAM"), "B")
-                c1 = time.perf_counter(); a.transfer(h)
-                c2 = time.perf_counter(); spin(a, h)
-                c3 = time.perf_counter(); a.release_xfer_handle(h)
-                c4 = time.perf_counter()
-                for k, v in zip(ph, (c1 - c0, c2 - c1, c3 - c2, c4 - c3, c4 - c0)):
-                    ph[k].append(v)
-            print(f"{op} {size>>10:5d} KiB init   : " +
-                  " ".join(f"{k}={med_us(v):7.1f}" for k, v in ph.items()) + " us (median)")
-            # prepped path
-            ph = {"make": [], "post": [], "wait": [], "rel": [], "tot": []}
-            for r in range(reps):
-                i = r % n
-                c0 = time.perf_counter()
-                h = a.make_prepped_xfer(op, lh, [i], rh, [i])
-                c1 = time.perf_counter(); a.transfer(h)
-                c2 = time.perf_counter(); spin(a, h)
-                c3 = time.perf_counter(); a.release_xfer_handle(h)
-                c4 = time.perf_counter()
-                for k, v in zip(ph, (c1 - c0, c2 - c1, c3 - c2, c4 - c3, c4 - c0)):
-                    ph[k].append(v)
-            print(f"{op} {size>>10:5d} KiB prepped: " +
-                  " ".join(f"{k}={med_us(v):7.1f}" for k, v in ph.items()) + " us (median)")
+            # init path, then prepped path
+            paths = (("init   ", "init", lambda i: a.initialize_xfer(op, a.get_xfer_descs([lrows[i]], "DRAM"),
+                                                                      a.get_xfer_descs([rrows[i]], "DRAM"), "B")),
+                     ("prepped", "make", lambda i: a.make_prepped_xfer(op, lh, [i], rh, [i])))
+            for label, first, make in paths:
+                ph = time_path(a, make, reps, n, first)
+                print(f"{op} {size>>10:5d} KiB {label}: " +
+                      " ".join(f"{k}={med_us(v):7.1f}" for k, v in ph.items()) + " us (median)")
             # repost path: one handle per block, made once, cycled (same memory as above)
             hs = [a.make_prepped_xfer(op, lh, [i], rh, [i]) for i in range(n)]
             for notif in (b"", b"n"):
