@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import zlib
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 
 import kvbm_ext
 from kvbm_ext import EngineLayout, Resharder, plan_reshard
+from support.ranks import run_case
 from kvbm_ext._driver import Handle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -384,15 +384,7 @@ def _gloo_worker(rank, store_path, out_dir):
                             timeout=datetime.timedelta(seconds=60))
     results = {}
     for name in GLOO_CASES:
-        start = time.monotonic()
-        try:
-            results[name] = {"ok": True, **_gloo_case(rank, name)}
-        except Exception:  # noqa: BLE001 - reported to the parent
-            results[name] = {"ok": False, "traceback": traceback.format_exc()}
-        results[name]["seconds"] = time.monotonic() - start
-        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
-            json.dump(results, f)
-        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+        run_case(results, name, lambda: _gloo_case(rank, name), os.path.join(out_dir, f"rank{rank}.json"))
         if name != "check=False on one rank":
             dist.barrier()
     # The group has operations pending that no peer will complete (the timeout case):

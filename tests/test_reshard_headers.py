@@ -29,7 +29,6 @@ import datetime
 import json
 import os
 import time
-import traceback
 import zlib
 from collections.abc import Sequence
 
@@ -41,6 +40,7 @@ import torch.multiprocessing as mp
 import kvbm_ext
 from kvbm_ext import EngineLayout, Resharder
 from kvbm_ext._driver import Handle
+from support.ranks import run_case
 
 
 def L(tp, pp=1, ranks=None, layer_ranges=None):
@@ -443,16 +443,8 @@ def _gloo_worker(rank, store_path, out_dir, names):
                   (("pp", PP), ("pp call", PP), ("pp twin", PP), ("pp uneven", PP_UNEVEN), ("swap", SWAP))}
     results = {}
     for name in names:
-        kind = GLOO_CASES[name][0]
-        start = time.monotonic()
-        try:
-            results[name] = {"ok": True, **RUNNERS[kind](rank, name, resharders)}
-        except Exception:  # noqa: BLE001 - reported to the parent
-            results[name] = {"ok": False, "traceback": traceback.format_exc()}
-        results[name]["seconds"] = time.monotonic() - start
-        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
-            json.dump(results, f)
-        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+        run = RUNNERS[GLOO_CASES[name][0]]
+        run_case(results, name, lambda: run(rank, name, resharders), os.path.join(out_dir, f"rank{rank}.json"))
         dist.barrier()
     dist.destroy_process_group()
 

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import zlib
 from datetime import timedelta
 
@@ -28,6 +27,7 @@ import torch
 
 from support import REPO_ROOT
 from support.engines import ENGINES, Dims
+from support.ranks import run_case
 from support.references import as_int
 
 ENGINE = {"vllm": "vllm_packed_memory", "sglang": "sglang_mha", "universal": "universal_pool"}
@@ -175,11 +175,6 @@ class Rank:
                 raise TimeoutError(f"barrier {name}")
             time.sleep(0.01)
 
-    def save(self):
-        with open(self.path + ".tmp", "w") as f:
-            json.dump(self.results, f)
-        os.replace(self.path + ".tmp", self.path)
-
     def run(self, steps):
         for name in steps:
             if name.startswith("wait:"):       # a key another rank sets (mark:)
@@ -190,14 +185,8 @@ class Rank:
                 continue
             if not name.endswith("!"):         # "!": no barrier (a rank that starts late, or alone)
                 self.barrier(name)
-            start = time.monotonic()
-            try:
-                result = {"ok": True, **STEPS[name.split("#")[0]](self, name.rstrip("!"))}
-            except Exception:
-                result = {"ok": False, "traceback": traceback.format_exc()}
-            result["seconds"] = time.monotonic() - start
-            self.results[name.rstrip("!")] = result
-            self.save()
+            step = STEPS[name.split("#")[0]]
+            run_case(self.results, name.rstrip("!"), lambda: step(self, name.rstrip("!")), self.path)
 
 
 def call(resharder, src, src_ids, dst, dst_ids, **kwargs):
