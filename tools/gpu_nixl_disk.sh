@@ -1,7 +1,8 @@
 #!/bin/bash
 # The NIXL transport and the disk tier on two GPUs (no network), in order of need: the NIXL
 # and NCCL reshard tests on two GPUs, the disk tier's GPU tests, then the reshard benchmark
-# (both transports, nb 64 then 8) and a short disk benchmark, each cut to the time left.
+# (both transports, nb 64 then 8), the disk benchmark and the aliasing checks' GPU tests,
+# each cut to the time left.
 # Files go straight to $OUT (at most 8), so what finished comes back even if the run is cut.
 # Carry the slimmed NIXL wheel as .whl/nixl/ (python3 ../shared/tools/slim_wheel.py ... --drop
 # nixl_ep_cu13) and run from the repository root:  BUDGET=SECONDS bash tools/gpu_nixl_disk.sh
@@ -20,6 +21,9 @@ timeout $(left 60) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_dis
 step tests-disk $?; tail -2 $OUT/tests-disk.log
 timeout $(left 80) python3 benchmarks/reshard.py --device cuda --nb 64,8 --calls 5 --repeats 3 --fragment-calls 1 --out /tmp/rs > $OUT/bench-reshard.log 2>&1
 step bench-reshard $?; cp /tmp/rs/*.csv $OUT/ 2>/dev/null; sed -n '/^targets/,$p' $OUT/bench-reshard.log | grep -v "^log:\|^CSV" | head -30
-timeout $(left 60) python3 benchmarks/disk.py --blocks 64 --reps 2 --gemms 50 --out /tmp/dk > $OUT/bench-disk.log 2>&1
+timeout $(left 120) python3 benchmarks/disk.py --blocks ${DISK_BLOCKS:-64,512} --reps 2 --gemms 50 --out /tmp/dk > $OUT/bench-disk.log 2>&1
 step bench-disk $?; grep -E "PASS|MISS|^store|^load" $OUT/bench-disk.log | head -12
-rm -f /tmp/kvbm-disk-bench-*
+rm -f /tmp/kvbm-disk-bench-*; cp /tmp/dk/*.csv $OUT/ 2>/dev/null
+# The aliasing and moved-storage checks of every writing path, in the GPU build.
+timeout $(left 90) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cache_sharing.py tests/test_paged_aliasing.py tests/test_paged_resize.py > $OUT/tests-aliasing.log 2>&1
+step tests-aliasing $?; tail -2 $OUT/tests-aliasing.log
