@@ -14,7 +14,7 @@ left() { local s=$(( BUDGET - (SECONDS - T0) )); [ $s -lt $1 ] && echo $(( s > 5
 ( CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1; step build $? ) &
 wait
 export PYTHONPATH=/tmp/nixl-site
-{ nvidia-smi -L; python3 -c "import torch, nixl_cu13, kvbm_ext; print(torch.__version__, kvbm_ext.build_info())"; df -h /tmp | tail -1; } > $OUT/env.txt 2>&1
+{ nvidia-smi -L; python3 -c "import torch, nixl_cu13, kvbm_ext; print(torch.__version__, kvbm_ext.build_info())"; df -h /tmp | tail -1; } >> $OUT/steps.txt 2>&1
 timeout $(left 100) python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_reshard_nixl.py tests/test_reshard.py > $OUT/tests-reshard.log 2>&1
 step tests-reshard $?; tail -2 $OUT/tests-reshard.log
 timeout $(left 60) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_disk_gpu.py > $OUT/tests-disk.log 2>&1
@@ -27,3 +27,4 @@ rm -f /tmp/kvbm-disk-bench-*; cp /tmp/dk/*.csv $OUT/ 2>/dev/null
 # The aliasing and moved-storage checks of every writing path, in the GPU build.
 timeout $(left 90) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cache_sharing.py tests/test_paged_aliasing.py tests/test_paged_resize.py > $OUT/tests-aliasing.log 2>&1
 step tests-aliasing $?; tail -2 $OUT/tests-aliasing.log
+(cd $OUT && tar czf csv.tgz *.csv && rm -f *.csv) 2>/dev/null
