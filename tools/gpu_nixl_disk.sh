@@ -3,7 +3,8 @@
 # and NCCL reshard tests on two GPUs, the disk tier's GPU tests, then the reshard benchmark
 # (both transports, nb 64 then 8), the disk benchmark and the aliasing checks' GPU tests,
 # each cut to the time left.
-# Files go straight to $OUT (at most 8), so what finished comes back even if the run is cut.
+# Logs go straight to $OUT (at most 8 files come back), so what finished comes back even if the
+# run is cut; the benchmarks' CSV and PNG files come in results.tgz at the end.
 # Carry the slimmed NIXL wheel as .whl/nixl/ (python3 ../shared/tools/slim_wheel.py ... --drop
 # nixl_ep_cu13) and run from the repository root:  BUDGET=SECONDS bash tools/gpu_nixl_disk.sh
 export PYTHONUNBUFFERED=1
@@ -20,11 +21,11 @@ step tests-reshard $?; tail -2 $OUT/tests-reshard.log
 timeout $(left 60) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_disk_gpu.py > $OUT/tests-disk.log 2>&1
 step tests-disk $?; tail -2 $OUT/tests-disk.log
 timeout $(left 80) python3 benchmarks/reshard.py --device cuda --nb 64,8 --calls 5 --repeats 3 --fragment-calls 1 --out /tmp/rs > $OUT/bench-reshard.log 2>&1
-step bench-reshard $?; cp /tmp/rs/*.csv $OUT/ 2>/dev/null; sed -n '/^targets/,$p' $OUT/bench-reshard.log | grep -v "^log:\|^CSV" | head -30
+step bench-reshard $?; sed -n '/^targets/,$p' $OUT/bench-reshard.log | grep -v "^log:\|^CSV" | head -30
 timeout $(left 120) python3 benchmarks/disk.py --blocks ${DISK_BLOCKS:-64,512} --reps 2 --gemms 50 --out /tmp/dk > $OUT/bench-disk.log 2>&1
 step bench-disk $?; grep -E "PASS|MISS|^store|^load" $OUT/bench-disk.log | head -12
-rm -f /tmp/kvbm-disk-bench-*; cp /tmp/dk/*.csv $OUT/ 2>/dev/null
+rm -f /tmp/kvbm-disk-bench-*
 # The aliasing and moved-storage checks of every writing path, in the GPU build.
 timeout $(left 90) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_cache_sharing.py tests/test_paged_aliasing.py tests/test_paged_resize.py > $OUT/tests-aliasing.log 2>&1
 step tests-aliasing $?; tail -2 $OUT/tests-aliasing.log
-(cd $OUT && tar czf csv.tgz *.csv && rm -f *.csv) 2>/dev/null
+tar czf $OUT/results.tgz -C /tmp rs dk 2>/dev/null
