@@ -16,7 +16,7 @@ left() { local s=$(( BUDGET - (SECONDS - T0) )); [ $s -lt $1 ] && echo $(( s > 5
 wait
 export PYTHONPATH=/tmp/nixl-site
 { nvidia-smi -L; python3 -c "import torch, nixl_cu13, kvbm_ext; print(torch.__version__, kvbm_ext.build_info())"; df -h /tmp | tail -1; } >> $OUT/steps.txt 2>&1
-timeout $(left 100) python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_reshard_nixl.py tests/test_reshard.py > $OUT/tests-reshard.log 2>&1
+timeout $(left 170) python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_reshard_nixl.py tests/test_reshard.py > $OUT/tests-reshard.log 2>&1
 step tests-reshard $?; tail -2 $OUT/tests-reshard.log
 timeout $(left 60) python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_disk_gpu.py > $OUT/tests-disk.log 2>&1
 step tests-disk $?; tail -2 $OUT/tests-disk.log
