@@ -220,11 +220,12 @@ def measure_source(run, pool, source, sources, n, dd_path, checksums=True, durab
                 verified=verified if kind == "load" else "",
                 note="stream free before the file was written" if kind == "store" and frees and all(
                     ok for _, ok in frees) else "")
-        rows[kind] = (gbs(nbytes, median), ref_gbs, pct, free_s, frees)
+        rows[kind] = (gbs(nbytes, median), ref_gbs, pct, free_s, frees if kind == "store" else [])
         what = f"{kind:5s} {source:6s} {n:4d} blocks ({nbytes / 1e6:.0f} MB), checksums {'on ' if checksums else 'off'}" \
                f"{', durable' if durable else ''}: {gbs(nbytes, median):6.2f} GB/s"
         if ref_gbs:
-            what += f"  ({ref_kind} {ref_gbs:.2f} GB/s: {pct:.0f} %)"
+            spread = "-".join(f"{gbs(nbytes, t):.2f}" for t in (max(ref), min(ref)))
+            what += f"  ({ref_kind} {ref_gbs:.2f} GB/s, {spread} over {len(ref)}: {pct:.0f} %)"
         if free_s is not None:
             what += f"; caller's stream free after {free_s * 1e3:.1f} ms"
         if kind == "load":
