@@ -1,0 +1,92 @@
+"""Where a Resharder call's host time goes: benchmarks/reshard.py's ranks and caches
+(Llama-3.1-70B blocks on two GPUs, or small host caches on the CPU), one direction and nb,
+rank 0's back-to-back calls under cProfile after a warm-up.  Prints the wall time a call,
+then the functions by their own time and by cumulative time, per call.
+
+    python3 benchmarks/probes/reshard_host_profile.py [--transport nccl|nixl] [--direction 1to2]
+        [--nb 64] [--check] [--calls 50] [--device auto|cuda|cpu]
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import reshard as bench  # noqa: E402
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transport", default="nccl", choices=["nccl", "nixl"])
+    parser.add_argument("--direction", default="1to2", choices=sorted(bench.DIRECTIONS))
+    parser.add_argument("--nb", type=int, default=64)
+    parser.add_argument("--check", action="store_true", help="check=True (default: check=False)")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    mine = parser.parse_args()
+    args = bench.parse_args(["--device", mine.device, "--transport", mine.transport])
+    return mine, args
+
+
+def child(rank, mine, args, folder):
+    me = bench.Rank(rank, args, folder)
+    src, dst = bench.DIRECTIONS[mine.direction]
+    resharder = bench.kvbm_ext.Resharder(bench.NH, args.layers, src, dst,
+                                         transport=me.nixl if mine.transport == "nixl" else None)
+    caches = []
+    for layout in (src, dst):
+        position = layout.position_of(rank)
+        nh = len(layout.heads_of(position[1], bench.NH)) if position is not None else 0
+        caches.append(None if position is None else bench.kvbm_ext.PagedKVCache(
+            [bench.random_bits((bench.NO, 2 * mine.nb, args.nt, nh, bench.HD), me.device)
+             for _ in range(args.layers)], bench.DIMS))
+    ids = torch.arange(mine.nb, device=me.device)
+    arguments = (caches[0], None if caches[0] is None else ids, caches[1], None if caches[1] is None else ids)
+
+    def calls(count):
+        for _ in range(count):
+            resharder(*arguments, check=mine.check, timeout=bench.TIMEOUT)
+
+    calls(5)
+    dist.barrier()
+    me.sync()
+    profile = cProfile.Profile() if rank == 0 else None
+    start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    calls(mine.calls)
+    if profile is not None:
+        profile.disable()
+    wall = time.perf_counter() - start
+    me.sync()
+    dist.barrier()
+    if rank == 0:
+        print(f"{mine.transport} {mine.direction} nb={mine.nb} check={mine.check} on {me.device}: "
+              f"{wall / mine.calls * 1e6:.0f} us a call (profiled), {mine.calls} calls")
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            stats = pstats.Stats(profile, stream=text)
+            stats.sort_stats(order).print_stats(22)
+            print(f"--- by {order} (seconds over {mine.calls} calls)")
+            lines = text.getvalue().splitlines()
+            first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+            print("\n".join(line for line in lines[first:] if line.strip()))
+    dist.destroy_process_group()
+
+
+def main():
+    mine, args = parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(child, args=(mine, args, folder), nprocs=bench.WORLD, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
