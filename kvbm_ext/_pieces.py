@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 if TYPE_CHECKING:
     import torch
 
-# A message of at most this many bytes travels whole: each piece costs a post (and over
-# NIXL a notification), which a small message does not win back.
-SINGLE_PIECE_BYTES = 1 << 20
+# A message of at most this many bytes travels whole: each piece costs the host a pack, a
+# post and an event (over NIXL a notification too), and while a call's host work outlasts
+# its GPU work, overlapping the GPU work wins nothing back (benchmarks/README.md, "Pieces").
+SINGLE_PIECE_BYTES = 256 << 20
 # The middle pieces' size: the receiver unpacks one while the next crosses, so a middle
 # piece must unpack faster than the last piece crosses (unpacking runs at device-memory
 # speed, crossing at link speed); and at most MAX_MIDDLE of them, which bounds the posts

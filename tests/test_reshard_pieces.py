@@ -39,8 +39,10 @@ def test_pieces_cover_every_block_once_in_order(nb, block_bytes):
 
 
 def test_pieces_of_the_llama_70b_profile():
-    assert cut(64, LLAMA_70B_HALF) == ((0, 4), (4, 32), (32, 60), (60, 64))
-    assert cut(8, LLAMA_70B_HALF) == ((0, 1), (1, 7), (7, 8))
+    # Whole up to 64 blocks (168 MB), where a call is bound by its host work; cut from 256.
+    assert cut(64, LLAMA_70B_HALF) == ((0, 64),)
+    assert cut(8, LLAMA_70B_HALF) == ((0, 8),)
+    assert cut(256, LLAMA_70B_HALF) == ((0, 16), (16, 128), (128, 240), (240, 256))
     assert cut(0, LLAMA_70B_HALF) == ()
 
 
@@ -83,13 +85,19 @@ class Scripted:
         return handle
 
 
+@pytest.fixture
+def cut_small(monkeypatch):
+    """Messages of this module's few MiB cut into pieces, as a large message is."""
+    monkeypatch.setattr(kvbm_ext._pieces, "SINGLE_PIECE_BYTES", 1 << 20)
+
+
 def _receiver(seed):
     gen = torch.Generator().manual_seed(seed)
     dst = [torch.randint(-999, 999, (NO, 2 * NB, NT, NH, HD), generator=gen).to(torch.float32) for _ in range(NL)]
     return dst, kvbm_ext.PagedKVCache(dst, "kbthd")
 
 
-def test_pieces_unpacked_in_any_order_land_on_their_blocks():
+def test_pieces_unpacked_in_any_order_land_on_their_blocks(cut_small):
     dst, cache = _receiver(1)
     nbytes = NB * NH * NL * NO * NT * HD * 4
     gen = torch.Generator().manual_seed(2)
@@ -115,7 +123,7 @@ def test_an_unpack_before_every_header_was_compared_is_stopped():
     assert all(torch.equal(d, b) for d, b in zip(dst, before))
 
 
-def test_debug_lines_name_each_message_s_pieces(monkeypatch, caplog):
+def test_debug_lines_name_each_message_s_pieces(cut_small, monkeypatch, caplog):
     dst, cache = _receiver(4)
     transport = Scripted(torch.zeros(NB * NH * NL * NO * NT * HD * 4, dtype=torch.uint8))
     resharder = Resharder(NH, NL, EngineLayout(1), EngineLayout(1, ranks=[1]), transport=transport)

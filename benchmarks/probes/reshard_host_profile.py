@@ -1,10 +1,12 @@
 """Where a Resharder call's host time goes: benchmarks/reshard.py's ranks and caches
 (Llama-3.1-70B blocks on two GPUs, or small host caches on the CPU), one direction and nb,
-rank 0's back-to-back calls under cProfile after a warm-up.  Prints the wall time a call,
-then the functions by their own time and by cumulative time, per call.
+rank 0's back-to-back calls timed after a warm-up (host time a call, and the calls' GPU
+time on rank 0's stream), then under cProfile: the functions by their own time and by
+cumulative time.  --whole sends each message as one piece (kvbm_ext._pieces.cut patched in
+both ranks), to price the pieces.
 
     python3 benchmarks/probes/reshard_host_profile.py [--transport nccl|nixl] [--direction 1to2]
-        [--nb 64] [--check] [--calls 50] [--device auto|cuda|cpu]
+        [--nb 64] [--check] [--whole] [--calls 50] [--device auto|cuda|cpu]
 """
 import argparse
 import cProfile
@@ -29,6 +31,7 @@ def parse_args():
     parser.add_argument("--direction", default="1to2", choices=sorted(bench.DIRECTIONS))
     parser.add_argument("--nb", type=int, default=64)
     parser.add_argument("--check", action="store_true", help="check=True (default: check=False)")
+    parser.add_argument("--whole", action="store_true", help="every message as one piece")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     mine = parser.parse_args()
@@ -37,6 +40,10 @@ def parse_args():
 
 
 def child(rank, mine, args, folder):
+    if mine.whole:
+        from kvbm_ext import _pieces
+
+        _pieces.cut = lambda nb, block_bytes: ((0, nb),) if nb > 0 else ()
     me = bench.Rank(rank, args, folder)
     src, dst = bench.DIRECTIONS[mine.direction]
     resharder = bench.kvbm_ext.Resharder(bench.NH, args.layers, src, dst,
@@ -58,6 +65,12 @@ def child(rank, mine, args, folder):
     calls(5)
     dist.barrier()
     me.sync()
+    start = time.perf_counter()
+    calls(mine.calls)
+    host = time.perf_counter() - start
+    me.sync()
+    total = time.perf_counter() - start
+    dist.barrier()
     profile = cProfile.Profile() if rank == 0 else None
     start = time.perf_counter()
     if profile is not None:
@@ -69,8 +82,9 @@ def child(rank, mine, args, folder):
     me.sync()
     dist.barrier()
     if rank == 0:
-        print(f"{mine.transport} {mine.direction} nb={mine.nb} check={mine.check} on {me.device}: "
-              f"{wall / mine.calls * 1e6:.0f} us a call (profiled), {mine.calls} calls")
+        print(f"{mine.transport} {mine.direction} nb={mine.nb} check={mine.check} whole={mine.whole} on {me.device}, "
+              f"{mine.calls} calls: host {host / mine.calls * 1e6:.0f} us a call, until done {total / mine.calls * 1e6:.0f}"
+              f" us a call; profiled: {wall / mine.calls * 1e6:.0f} us a call")
         for order in ("tottime", "cumulative"):
             text = io.StringIO()
             stats = pstats.Stats(profile, stream=text)

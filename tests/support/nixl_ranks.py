@@ -427,6 +427,10 @@ STEPS = {"moves": moves, "mismatch": mismatch, "hostile": hostile, "silent": sil
 
 def main():
     config = json.loads(sys.argv[1])
+    # These messages are a few MiB: cut them as a large message is, so that pieces cross.
+    from kvbm_ext import _pieces
+
+    _pieces.SINGLE_PIECE_BYTES = 1 << 20
     me = Rank(config)
     me.run(config["steps"])
     if me.store is not None:
