@@ -16,7 +16,6 @@ transformers' offloading manager (5.17's per-layer pools, 5.24's sector pool) ru
 tests.  Without transformers, the import and entry checks are tested; the rest is skipped.
 """
 
-import os
 import random
 import sys
 import types
@@ -26,7 +25,6 @@ import pytest
 import torch
 
 import kvbm_ext.integrations
-from support import REPO_ROOT
 from support.asserts import assert_bitwise_equal, poison_
 
 try:
@@ -400,17 +398,6 @@ def test_a_cache_of_two_attention_kinds_is_refused():
     with pytest.raises(RuntimeError, match=r"the cache has 2 allocators \(sliding_attention, full_attention\), "
                                            "expected 1"):
         integration.describe_sector_cache(cache)
-
-
-@needs_transformers
-def test_doc_example_runs(monkeypatch):
-    """docs/transformers.md's example, as written."""
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
-    import readme
-    sys.path.pop(0)
-    path = os.path.join(REPO_ROOT, "docs", "transformers.md")
-    code = readme.examples(readme.read(path))["transformers"]
-    exec(compile(code, path, "exec"), {"__name__": "docs_transformers_example"})
 
 
 # ----------------------------------------------------------------------------- without transformers
