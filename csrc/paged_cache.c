@@ -336,8 +336,8 @@ static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
     self->device = first->place == KV_DEVICE ? first->device_id : -1;
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
-    if (read_geometry(self, &layout, block_size) < 0 || find_counters(self, &state->protocols) < 0
-        || build_tables(self) < 0 || kv_paged_find_aliasing(self) < 0)
+    if (read_geometry(self, &layout, block_size) < 0 || kv_paged_name_types(self, &state->protocols) < 0
+        || find_counters(self, &state->protocols) < 0 || build_tables(self) < 0 || kv_paged_find_aliasing(self) < 0)
         return -1;
     return kv_paged_guard_layers(self, &state->protocols);
 }
@@ -369,6 +369,8 @@ int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->layers);
     Py_VISIT(self->dims);
+    Py_VISIT(self->dtype_object);
+    Py_VISIT(self->device_object);
     Py_VISIT(self->counters);
     Py_VISIT(self->distinct_counters);
     Py_VISIT(self->guards);
@@ -385,6 +387,8 @@ int kv_paged_clear(kv_paged_cache *self)
     self->narrays = 0;
     Py_CLEAR(self->layers);
     Py_CLEAR(self->dims);
+    Py_CLEAR(self->dtype_object);
+    Py_CLEAR(self->device_object);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->distinct_counters);
     Py_CLEAR(self->guards);

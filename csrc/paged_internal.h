@@ -24,7 +24,10 @@ typedef struct {
 typedef struct {
     PyObject_HEAD PyObject *layers; /* the arrays as given (a tuple of (K, V) tuples for kv_pairs) */
     PyObject *dims;                 /* the layout string, normalized */
-    kv_array *arrays;               /* borrowed for the cache's life */
+    /* dtype and device as the framework of the first array names them,
+     * made once at construction (kv_paged_name_types). */
+    PyObject *dtype_object, *device_object;
+    kv_array *arrays; /* borrowed for the cache's life */
     Py_ssize_t narrays;
     int kv_pairs; /* K and V are separate arrays: array 2l is layer l's K, 2l + 1 its V */
     /* Whose version counters from_* bumps (kv_torch_counter_owner): per
@@ -88,6 +91,16 @@ PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs);
 int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg);
 int kv_paged_clear(kv_paged_cache *self);
 void kv_paged_dealloc(kv_paged_cache *self);
+
+/* paged_type.c: self->dtype_object and self->device_object from the
+ * cache's element type and device (set before): for a torch tensor (the
+ * first array), torch's dtype and a torch.device; for a NumPy array,
+ * numpy.dtype where NumPy has the type, and the device's name; else the
+ * names.  Made from what the array's protocol reported, never from the
+ * array's own dtype or device attributes, and with a framework the caller
+ * has imported (none is imported here).  Returns 0, or -1 with an
+ * exception. */
+int kv_paged_name_types(kv_paged_cache *self, kv_protocols *protocols);
 
 /* What distinguishes the four methods. */
 typedef struct {

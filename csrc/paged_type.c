@@ -131,7 +131,7 @@ PyDoc_STRVAR(to_cache_doc,
              "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, "
              "pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
              "Copy blocks src_ids[b] of this cache into blocks dst_ids[b] of dst, another\n"
-             "PagedKVCache of the same num_outer, tokens_per_block, head_dim and dtype, in\n"
+             "PagedKVCache of the same num_outer, block_size, head_dim and dtype, in\n"
              "whatever layout each has:\n"
              "dst row (dst_ids[b], l + layer_offset, o, t, head_offset + j) = row (src_ids[b], l, o, t, heads[j])\n"
              "for every layer l in `layers` and every j < len(heads), as to_universal numbers\n"
@@ -178,20 +178,131 @@ static PyObject *get_int(kv_paged_cache *self, void *offset)
     return PyLong_FromLongLong(*(const int64_t *)((const char *)self + (size_t)offset));
 }
 
+/* The element type's name, e.g. "bfloat16", and the device's, "cuda:N"
+ * or "cpu" (new references). */
+static PyObject *dtype_name(const kv_paged_cache *self)
+{
+    char name[48];
+    return PyUnicode_FromString(kv_dtype_name(self->dtype, name, sizeof name));
+}
+
+static PyObject *device_name(const kv_paged_cache *self)
+{
+    return self->device >= 0 ? PyUnicode_FromFormat("cuda:%d", self->device) : PyUnicode_FromString("cpu");
+}
+
+/* attr of obj, or NULL: *absent when it has none (AttributeError cleared),
+ * else an exception. */
+static PyObject *optional_attr(PyObject *obj, PyObject *attr, int *absent)
+{
+    PyObject *value = PyObject_GetAttr(obj, attr);
+    *absent = value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError);
+    if (*absent)
+        PyErr_Clear();
+    return value;
+}
+
+/* The framework object replacing `*slot` (a name) when it is an instance
+ * of `type`: 0 with *slot replaced or left (value NULL and an AttributeError
+ * or TypeError, cleared: the framework has no such dtype), or -1. */
+static int take(PyObject **slot, PyObject *value, PyObject *type)
+{
+    if (value == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    if (PyType_Check(type) && PyObject_TypeCheck(value, (PyTypeObject *)type))
+        Py_SETREF(*slot, value);
+    else
+        Py_DECREF(value);
+    return 0;
+}
+
+/* torch's names: torch.<dtype name> (torch.bfloat16) and torch.device. */
+static int torch_types(kv_paged_cache *self, kv_protocols *p, PyObject *torch)
+{
+    int absent;
+    PyObject *dtype_type = optional_attr(torch, p->names[KV_NAME_DTYPE], &absent);
+    if (dtype_type == NULL)
+        return absent ? 0 : -1;
+    PyObject *device_type = optional_attr(torch, p->names[KV_NAME_DEVICE], &absent);
+    int rc = device_type == NULL ? (absent ? 0 : -1)
+                                 : take(&self->dtype_object, PyObject_GetAttr(torch, self->dtype_object), dtype_type);
+    if (rc == 0 && device_type != NULL) {
+        PyObject *device = self->device >= 0 ? PyObject_CallFunction(device_type, "si", "cuda", self->device)
+                                             : PyObject_CallFunction(device_type, "s", "cpu");
+        rc = device == NULL ? -1 : take(&self->device_object, device, device_type);
+    }
+    Py_DECREF(dtype_type);
+    Py_XDECREF(device_type);
+    return rc;
+}
+
+/* NumPy's name of the element type, numpy.dtype(name), where NumPy has it
+ * ("raw2", "bfloat16" and the float8 types, which it has not, stay names);
+ * the device stays "cpu", as NumPy's own ndarray.device says. */
+static int numpy_types(kv_paged_cache *self, kv_protocols *p, PyObject *numpy, PyObject *first)
+{
+    int absent;
+    PyObject *ndarray = optional_attr(numpy, p->names[KV_NAME_NDARRAY], &absent);
+    if (ndarray == NULL)
+        return absent ? 0 : -1;
+    int rc = 0;
+    /* The type itself, not isinstance(): __class__ is the object's to say. */
+    if (PyType_Check(ndarray) && PyType_IsSubtype(Py_TYPE(first), (PyTypeObject *)ndarray)) {
+        PyObject *dtype_type = optional_attr(numpy, p->names[KV_NAME_DTYPE], &absent);
+        rc = dtype_type == NULL
+                 ? (absent ? 0 : -1)
+                 : take(&self->dtype_object, PyObject_CallOneArg(dtype_type, self->dtype_object), dtype_type);
+        Py_XDECREF(dtype_type);
+    }
+    Py_DECREF(ndarray);
+    return rc;
+}
+
+int kv_paged_name_types(kv_paged_cache *self, kv_protocols *p)
+{
+    if ((self->dtype_object = dtype_name(self)) == NULL || (self->device_object = device_name(self)) == NULL)
+        return -1;
+    PyObject *first = kv_paged_layer(self, 0);
+    kv_type_facts facts = kv_type_facts_of(p, Py_TYPE(first));
+    const int is_torch = facts.is_neg != NULL; /* a torch.Tensor, torch imported */
+    kv_type_facts_release(&facts);
+    PyObject *module = PyImport_GetModule(p->names[is_torch ? KV_NAME_TORCH : KV_NAME_NUMPY]);
+    if (module == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    const int rc = is_torch ? torch_types(self, p, module) : numpy_types(self, p, module, first);
+    Py_DECREF(module);
+    return rc;
+}
+
 static PyObject *get_dtype(kv_paged_cache *self, void *unused)
 {
     (void)unused;
-    char name[48];
-    return PyUnicode_FromString(kv_dtype_name(self->dtype, name, sizeof name));
+    return self->dtype_object != NULL ? Py_NewRef(self->dtype_object) : dtype_name(self);
 }
 
 static PyObject *get_device(kv_paged_cache *self, void *unused)
 {
     (void)unused;
-    return self->device >= 0 ? PyUnicode_FromFormat("cuda:%d", self->device) : PyUnicode_FromString("cpu");
+    return self->device_object != NULL ? Py_NewRef(self->device_object) : device_name(self);
 }
 
-static PyObject *get_dims(kv_paged_cache *self, void *unused)
+static PyObject *get_dtype_name(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return dtype_name(self);
+}
+
+static PyObject *get_device_name(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return device_name(self);
+}
+
+static PyObject *get_layout(kv_paged_cache *self, void *unused)
 {
     (void)unused;
     return Py_NewRef(self->dims);
@@ -203,34 +314,65 @@ static PyObject *get_layers(kv_paged_cache *self, void *unused)
     return Py_NewRef(self->layers);
 }
 
+/* The names kept for one release: a DeprecationWarning naming the new one. */
+static int deprecated(const char *alias, const char *name)
+{
+    return PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "PagedKVCache.%s is deprecated, read PagedKVCache.%s", alias,
+                            name);
+}
+
+static PyObject *get_tokens_per_block(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return deprecated("tokens_per_block", "block_size") < 0 ? NULL : PyLong_FromLongLong(self->nt);
+}
+
+static PyObject *get_dims(kv_paged_cache *self, void *unused)
+{
+    (void)unused;
+    return deprecated("dims", "layout") < 0 ? NULL : Py_NewRef(self->dims);
+}
+
 static PyGetSetDef paged_getset[] = {
+    {"layout", (getter)get_layout, NULL, "the layout given at construction, in lower case", NULL},
+    {"block_size", (getter)get_int, NULL,
+     "nt: tokens per block (block_size= as given, or the size of the layout's 't')", INT_MEMBER(nt)},
     {"num_layers", (getter)get_int, NULL, "nl: layers in the cache", INT_MEMBER(nl)},
     {"num_blocks", (getter)get_int, NULL, "blocks per layer (valid ids: 0 .. num_blocks - 1)", INT_MEMBER(num_blocks)},
     {"num_heads", (getter)get_int, NULL, "nh: KV heads (1 without an 'h' in the layout)", INT_MEMBER(nh)},
-    {"tokens_per_block", (getter)get_int, NULL, "nt: tokens per block", INT_MEMBER(nt)},
     {"head_dim", (getter)get_int, NULL, "hd: elements per head and token", INT_MEMBER(hd)},
     {"num_outer", (getter)get_int, NULL, "no: 2 for K and V (a 'k' in the layout, or (K, V) pairs), else 1",
      INT_MEMBER(no)},
     {"itemsize", (getter)get_int, NULL, "bytes per element", INT_MEMBER(itemsize)},
-    {"dtype", (getter)get_dtype, NULL, "element type, e.g. 'bfloat16'", NULL},
-    {"device", (getter)get_device, NULL, "'cuda:N', or 'cpu' for a cache in host memory", NULL},
-    {"dims", (getter)get_dims, NULL, "the layout given at construction, in lower case", NULL},
+    {"dtype", (getter)get_dtype, NULL,
+     "element type, as the framework of the arrays names it: a torch.dtype for torch tensors, a numpy.dtype for "
+     "NumPy arrays (where NumPy has the type), else dtype_name",
+     NULL},
+    {"device", (getter)get_device, NULL,
+     "where the arrays are: a torch.device for torch tensors, else device_name ('cuda:N' or 'cpu')", NULL},
+    {"dtype_name", (getter)get_dtype_name, NULL, "the element type's name, e.g. 'bfloat16'", NULL},
+    {"device_name", (getter)get_device_name, NULL, "'cuda:N', or 'cpu' for a cache in host memory", NULL},
     {"layers", (getter)get_layers, NULL, "the arrays given at construction (the cache keeps them alive)", NULL},
+    {"tokens_per_block", (getter)get_tokens_per_block, NULL,
+     "deprecated alias of block_size, kept for one release (DeprecationWarning)", NULL},
+    {"dims", (getter)get_dims, NULL, "deprecated alias of layout, kept for one release (DeprecationWarning)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* Every value shown as repr() of its attribute, under the attribute's name
+ * (the constructor's for layout and block_size). */
 static PyObject *paged_repr(kv_paged_cache *self)
 {
-    char dtype[48];
-    PyObject *device = get_device(self, NULL);
-    PyObject *repr =
-        device == NULL
-            ? NULL
-            : PyUnicode_FromFormat("PagedKVCache(layout=%R, num_layers=%lld, num_blocks=%lld, num_outer=%lld, "
-                                   "num_heads=%lld, tokens_per_block=%lld, head_dim=%lld, dtype='%s', device='%U')",
-                                   self->dims, (long long)self->nl, (long long)self->num_blocks, (long long)self->no,
-                                   (long long)self->nh, (long long)self->nt, (long long)self->hd,
-                                   kv_dtype_name(self->dtype, dtype, sizeof dtype), device);
+    PyObject *dtype = get_dtype(self, NULL);
+    PyObject *device = dtype == NULL ? NULL : get_device(self, NULL);
+    PyObject *repr = device == NULL ? NULL
+                                    : PyUnicode_FromFormat("PagedKVCache(layout=%R, block_size=%lld, num_layers=%lld, "
+                                                           "num_blocks=%lld, num_outer=%lld, num_heads=%lld, "
+                                                           "head_dim=%lld, dtype=%R, device=%R)",
+                                                           self->dims, (long long)self->nt, (long long)self->nl,
+                                                           (long long)self->num_blocks, (long long)self->no,
+                                                           (long long)self->nh, (long long)self->hd, dtype, device);
+    Py_XDECREF(dtype);
     Py_XDECREF(device);
     return repr;
 }
@@ -253,6 +395,19 @@ PyDoc_STRVAR(paged_doc, "PagedKVCache(layers, layout, *, block_size=None)\n--\n\
                         "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
                         "    transformers, K and V pairs, with block_size=).\n"
                         "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
+                        "Attributes: layout and block_size read back as the constructor takes them\n"
+                        "(layout in lower case; block_size the tokens of a block, given or the size of\n"
+                        "'t'); num_layers, num_blocks, num_heads, head_dim, num_outer, itemsize, layers.\n"
+                        "dtype and device as the framework of the first array (layers[0], or its K) has\n"
+                        "them: a torch.dtype and a torch.device for torch tensors (torch.empty(n,\n"
+                        "dtype=cache.dtype, device=cache.device)), a numpy.dtype (where NumPy has the\n"
+                        "type) and \"cpu\" for NumPy arrays, else dtype_name and device_name.  Those two\n"
+                        "are always the names, e.g. \"bfloat16\" and \"cuda:0\" (what dtype and device\n"
+                        "were before; str(cache.device) gives it for torch too, str(cache.dtype) does\n"
+                        "not).  All are made once, at construction, from what the arrays' protocol\n"
+                        "reported, never from the arrays' own dtype or device attributes.\n"
+                        "tokens_per_block and dims, the old names of block_size and layout, are kept for\n"
+                        "one release (DeprecationWarning).\n\n"
                         "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
                         "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
                         "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"

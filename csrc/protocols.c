@@ -25,6 +25,9 @@ static const char *const NAME_TEXT[KV_NAME_COUNT] = {
     [KV_NAME_STREAM] = "stream",
     [KV_NAME_TORCH] = "torch",
     [KV_NAME_TENSOR] = "Tensor",
+    [KV_NAME_NUMPY] = "numpy",
+    [KV_NAME_NDARRAY] = "ndarray",
+    [KV_NAME_DTYPE] = "dtype",
 };
 
 int kv_protocols_init(kv_protocols *p)

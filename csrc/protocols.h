@@ -28,6 +28,9 @@ enum {
     KV_NAME_STREAM,
     KV_NAME_TORCH,
     KV_NAME_TENSOR,
+    KV_NAME_NUMPY,
+    KV_NAME_NDARRAY,
+    KV_NAME_DTYPE,
     KV_NAME_COUNT
 };
 

@@ -15,13 +15,13 @@ static int check_dst(const kv_to_cache_call *call, PyObject *dst)
     if (Py_TYPE(dst) != Py_TYPE(src))
         return kv_error(PyExc_TypeError, "dst: expected a kvbm_ext.PagedKVCache, got %s", Py_TYPE(dst)->tp_name);
     const kv_paged_cache *d = (const kv_paged_cache *)dst;
-    const char *const names[] = {"num_outer", "tokens_per_block", "head_dim"};
+    const char *const names[] = {"num_outer", "block_size", "head_dim"};
     const int64_t ours[] = {src->no, src->nt, src->hd}, theirs[] = {d->no, d->nt, d->hd};
     for (int i = 0; i < 3; i++)
         if (ours[i] != theirs[i])
             return kv_error(PyExc_ValueError,
                             "dst: %s %lld differs from this cache's %lld; blocks move between "
-                            "caches of one num_outer, tokens_per_block, head_dim and dtype",
+                            "caches of one num_outer, block_size, head_dim and dtype",
                             names[i], (long long)theirs[i], (long long)ours[i]);
     if (d->dtype.code != src->dtype.code || d->dtype.bits != src->dtype.bits) {
         char got[48], want[48];

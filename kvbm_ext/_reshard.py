@@ -682,7 +682,7 @@ class Resharder:
                         messages.append(_pieces.Message(route.peer, None, (), route.slot))
                     continue
                 t = route.transfer
-                shape = (nb, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
+                shape = (nb, len(t.heads), len(t.layers), cache.num_outer, cache.block_size, cache.head_dim)
                 used, view, blocks, pieces, piece_views, chunks = route.views(buffers[route.slot], shape, dtype)
                 if messages is not None:
                     messages.append(_pieces.Message(route.peer, used, pieces, route.slot, chunks))
@@ -737,7 +737,7 @@ class Resharder:
 
     def _describe(self, side: str, share: tuple[range, range] | None, cache: Any,
                   block_ids: Any) -> tuple[tuple | None, Any]:
-        """(nb, num_outer, tokens_per_block, head_dim, dtype, device kind) of one side's
+        """(nb, num_outer, block_size, head_dim, dtype name, device kind) of one side's
         arguments on this rank after checking them against the rank's position, and the
         block ids as read, once (`_snapshot_ids`); (None, None) when the rank holds no
         position on that side.  Raises _CallError."""
@@ -757,8 +757,8 @@ class Resharder:
                                          f"{len(layers)})")
         _torch_dtype(cache, where)
         ids = _snapshot_ids(block_ids, f"{side}_block_ids", self.rank, cache, distinct=side == "dst")
-        return (len(ids), cache.num_outer, cache.tokens_per_block, cache.head_dim, cache.dtype,
-                cache.device.split(":")[0]), ids
+        return (len(ids), cache.num_outer, cache.block_size, cache.head_dim, cache.dtype_name,
+                cache.device_name.split(":")[0]), ids
 
     def _check_destination(self, cache: PagedKVCache, device: str) -> None:
         """What would refuse this rank's writes once the messages arrived, found now: a
@@ -797,18 +797,18 @@ class Resharder:
         import torch
 
         t = route.transfer
-        shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.tokens_per_block, cache.head_dim)
-        key = (side, i, device, cache.dtype, shape)       # a later call may pass caches of another kind
+        shape = (0, len(t.heads), len(t.layers), cache.num_outer, cache.block_size, cache.head_dim)
+        key = (side, i, device, cache.dtype_name, shape)       # a later call may pass caches of another kind
         probe = self._probes.get(key)
         if probe is None:
             probe = self._probes[key] = torch.empty(shape, dtype=_torch_dtype(cache, where), device=device)
         return probe
 
     def _device(self, src_cache: Any, dst_cache: Any) -> str:
-        devices = {cache.device for cache in (src_cache, dst_cache) if cache is not None}
+        devices = {cache.device_name for cache in (src_cache, dst_cache) if cache is not None}
         if len(devices) > 1:
-            raise _CallError(ValueError, f"rank {self.rank}: src_cache is on {src_cache.device} and dst_cache on "
-                                         f"{dst_cache.device}; a rank's caches must share one device")
+            raise _CallError(ValueError, f"rank {self.rank}: src_cache is on {src_cache.device_name} and dst_cache on "
+                                         f"{dst_cache.device_name}; a rank's caches must share one device")
         return devices.pop() if devices else "cpu"
 
     def _stream(self, stream: Any, device: str, has_caches: bool) -> Any:
@@ -841,7 +841,7 @@ class Resharder:
                 raise ValueError(f"rank {rank} calls a Resharder planned for (num_heads, num_layers, src, dst) = "
                                  f"{fingerprint}, rank 0 one for {gathered[0][0]}: every rank must call the same "
                                  "transfer")
-        fields = ("number of block ids", "num_outer", "tokens_per_block", "head_dim", "dtype", "device type")
+        fields = ("number of block ids", "num_outer", "block_size", "head_dim", "dtype", "device type")
         for i, field in enumerate(fields):
             holders: dict[Any, list[str]] = {}      # value -> the arguments that have it
             for rank, (_, _, description) in enumerate(gathered):
@@ -852,7 +852,7 @@ class Resharder:
             if len(holders) > 1:
                 values = ", ".join(f"{value} ({', '.join(names)})" for value, names in holders.items())
                 raise ValueError(f"{field} differs across the ranks: {values}; every rank moves the same number of "
-                                 "blocks, and the caches of both engines share num_outer, tokens_per_block, "
+                                 "blocks, and the caches of both engines share num_outer, block_size, "
                                  "head_dim, dtype and device type")
 
     # ---------------------------------------------------------------- the move
@@ -874,7 +874,7 @@ class Resharder:
         import torch
 
         t = route.transfer
-        nbytes = nb * len(t.heads) * len(t.layers) * cache.num_outer * cache.tokens_per_block * cache.head_dim * \
+        nbytes = nb * len(t.heads) * len(t.layers) * cache.num_outer * cache.block_size * cache.head_dim * \
             cache.itemsize
         where = device
         placement = getattr(self.transport, "staging_device", None)
@@ -909,9 +909,9 @@ def _torch_dtype(cache: PagedKVCache, where: str) -> torch.dtype:
     """The torch dtype of the cache's elements (staging buffers must have the same)."""
     import torch
 
-    dtype = getattr(torch, cache.dtype, None)
+    dtype = getattr(torch, cache.dtype_name, None)
     if not isinstance(dtype, torch.dtype):
-        raise _CallError(TypeError, f"{where}: element type {cache.dtype} has no torch equivalent for the staging "
+        raise _CallError(TypeError, f"{where}: element type {cache.dtype_name} has no torch equivalent for the staging "
                                     "buffers")
     return dtype
 
@@ -941,8 +941,8 @@ def _snapshot_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, dis
         if ids.dtype not in (torch.int32, torch.int64):
             raise _CallError(TypeError, f"{where}: expected int32 or int64 ids, got {ids.dtype}")
         if ids.device.type != "cpu":
-            if str(ids.device) != cache.device:
-                raise _CallError(ValueError, f"{where}: on {ids.device}, but the cache is on {cache.device}")
+            if str(ids.device) != cache.device_name:
+                raise _CallError(ValueError, f"{where}: on {ids.device}, but the cache is on {cache.device_name}")
             return ids
         values = ids.tolist()
     elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
@@ -976,11 +976,10 @@ def _snapshot_ids(block_ids: Any, name: str, rank: int, cache: PagedKVCache, dis
 
 def _same_caches(src: tuple, dst: tuple, rank: int) -> None:
     """A rank's two caches hold the same kind of block (with check=False its header describes one)."""
-    for i, field in enumerate(("num_outer", "tokens_per_block", "head_dim", "dtype"), start=1):
+    for i, field in enumerate(("num_outer", "block_size", "head_dim", "dtype"), start=1):
         if src[i] != dst[i]:
             raise _CallError(ValueError, f"rank {rank}: src_cache has {field} {src[i]} and dst_cache {dst[i]}; the "
-                                         "caches of both engines share num_outer, tokens_per_block, head_dim and "
-                                         "dtype")
+                                         "caches of both engines share num_outer, block_size, head_dim and dtype")
 
 
 def reshard(src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: PagedKVCache | None, dst_block_ids: Any,

@@ -145,8 +145,10 @@ def _layout(like: Any, dims: Any) -> dict[str, Any]:
         raise ValueError(f"dims: expected the letters b, h, l, k, t, d once each, b first (the slot) and d last "
                          f"(head dim runs are contiguous), e.g. 'bhlktd' (universal), got {dims!r}")
     if isinstance(like, PagedKVCache):
-        sizes = {k: getattr(like, k) for k in LAYOUT_KEYS[1:-2]}
-        dtype: Any = like.dtype
+        # The cache's names where they differ from the layout's keys; dtype_name: the
+        # string (like.dtype is a torch.dtype or numpy.dtype for such caches).
+        sizes = {k: getattr(like, "block_size" if k == "tokens_per_block" else k) for k in LAYOUT_KEYS[1:-2]}
+        dtype: Any = like.dtype_name
     elif isinstance(like, Mapping):
         missing = [k for k in LAYOUT_KEYS[1:-1] if k not in like]
         if missing:
@@ -435,7 +437,7 @@ class _LoadJob(_Job):
             return
         import torch
 
-        stream = pool._stream(self.cache.device)
+        stream = pool._stream(self.cache.device_name)
         if self.written is None:
             stream.wait_event(self.after)
         with torch.cuda.stream(stream):
@@ -711,7 +713,7 @@ class DiskPool:
 
     @property
     def dtype(self) -> str:
-        """The element type's name, as PagedKVCache.dtype says it."""
+        """The element type's name, as PagedKVCache.dtype_name says it."""
         return self._geometry.layout["dtype"]
 
     @property
@@ -986,13 +988,13 @@ class DiskPool:
     @staticmethod
     def _caller_stream(cache: PagedKVCache, stream: Any) -> Any:
         """The caller's stream as a torch stream for a GPU cache; None for a host cache."""
-        if cache.device == "cpu":
+        if cache.device_name == "cpu":
             if stream is not None:
                 raise ValueError("stream: a host cache's blocks are copied on the CPU, with no stream; pass None")
             return None
         import torch
 
-        device = torch.device(cache.device)
+        device = torch.device(cache.device_name)
         if stream is None:
             return torch.cuda.current_stream(device)
         if isinstance(stream, torch.cuda.Stream):

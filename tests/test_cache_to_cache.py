@@ -184,7 +184,7 @@ class BadIndex:
 ERRORS = {
     "dst not a cache": (lambda s: torch.zeros(3), [1], [1], {}, TypeError, "dst", "PagedKVCache"),
     "tokens differ": (lambda s: other("kbthd", (2, 7, 8, 2, 8)), [1], [1], {}, ValueError, "dst",
-                      "tokens_per_block 8"),
+                      "block_size 8"),
     "head dim differs": (lambda s: other("kbthd", (2, 7, 4, 2, 16)), [1], [1], {}, ValueError, "dst", "head_dim 16"),
     "no K/V split": (lambda s: other("bthd", (7, 4, 2, 8)), [1], [1], {}, ValueError, "dst", "num_outer 1"),
     "dtype differs": (lambda s: other("kbthd", (2, 7, 4, 2, 8), torch.float16), [1], [1], {}, TypeError, "dst",

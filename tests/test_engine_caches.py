@@ -77,10 +77,10 @@ def setup(name, where, gen):
 def test_described_from_the_engines_own_tensors(name, gen):
     e, d, memory, cache = setup(name, "cpu", gen)
     x = e.dims(d)
-    got = (cache.num_layers, cache.num_outer, cache.num_heads, cache.tokens_per_block, cache.head_dim,
+    got = (cache.num_layers, cache.num_outer, cache.num_heads, cache.block_size, cache.head_dim,
            cache.num_blocks)
     assert got == (x.nl, e.no, x.nh, x.nt, x.hd, x.blocks)
-    assert cache.dims == e.layout
+    assert cache.layout == e.layout
     arg = e.arg(memory, x)
     if isinstance(arg, list) and isinstance(arg[0], tuple):
         assert all(k is a and v is b for (k, v), (a, b) in zip(cache.layers, arg)), "the pairs are not kept as given"

@@ -212,7 +212,7 @@ def test_paged_cache_of_subclasses(layout, form, cls, device, pin, gen):
     (on that device, or pinned) all subclasses."""
     case = sub_cache_case(layout, gen, cls, device)
     cache = case.build()
-    assert cache.device == ("cuda:0" if device == "cuda" else "cpu")
+    assert cache.device == torch.device("cuda:0" if device == "cuda" else "cpu")  # the subclass is torch's
     assert all(isinstance(x, cls) for x in (cache.layers if isinstance(cache.layers, (list, tuple)) else [cache.layers]))
     ids = torch.tensor([8, 0, 5], dtype=torch.int64, device=device).as_subclass(cls)
     for method in ("to_universal", "from_universal", "to_operational", "from_operational"):

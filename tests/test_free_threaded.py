@@ -313,8 +313,13 @@ class Worker:
 
     def op_paged_construct(self):
         cache = kvbm_ext.PagedKVCache(self.s.layers, "KBTHD")
-        if (cache.num_layers, cache.num_blocks, cache.dims) != (NL, self.s.layers[0].shape[1], "kbthd"):
+        if (cache.num_layers, cache.num_blocks, cache.layout) != (NL, self.s.layers[0].shape[1], "kbthd"):
             raise Failed(f"PagedKVCache: attributes {cache!r}")
+        shared = self.s.cache  # read by every thread at once, as the new cache is made
+        for c in (cache, shared):
+            if (c.dtype, c.device, c.dtype_name, c.block_size) != (self.s.layers[0].dtype, "cpu", "uint16", NT) \
+                    or not isinstance(c.dtype, np.dtype) or "dtype=dtype('uint16')" not in repr(c):
+                raise Failed(f"PagedKVCache: dtype or device of {c!r}")
         ids = self.some_ids()[:1]
         poison([self.u[:1]])
         cache.to_universal(ids, self.u[:1])

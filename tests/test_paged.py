@@ -311,13 +311,13 @@ def test_properties(layout, gen):
     assert cache.num_layers == nl
     assert cache.num_blocks == NB
     assert cache.num_heads == (nh if "h" in case.dims else 1)
-    assert cache.tokens_per_block == nt
+    assert cache.block_size == nt
     assert cache.head_dim == hd
     assert cache.num_outer == (no if "k" in case.dims else 1)
-    assert cache.dtype == "bfloat16"
+    assert cache.dtype is torch.bfloat16 and cache.dtype_name == "bfloat16"
     assert cache.itemsize == 2
-    assert cache.device == "cpu"
-    assert cache.dims == case.dims
+    assert cache.device == torch.device("cpu") and cache.device_name == "cpu"
+    assert cache.layout == case.dims
     if isinstance(case.layers, list):
         assert len(cache.layers) == nl and all(a is b for a, b in zip(cache.layers, case.layers))
     else:
@@ -331,7 +331,7 @@ def test_properties(layout, gen):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.int8, torch.float64], ids=dtype_id)
 def test_dtype_and_itemsize(dtype, gen):
     cache = CacheCase("kbthd", 2, 4, 2, 2, 3, 4, dtype, gen).build()
-    assert cache.dtype == DTYPE_NAMES[dtype]
+    assert cache.dtype is dtype and cache.dtype_name == DTYPE_NAMES[dtype]
     assert cache.itemsize == torch.empty((), dtype=dtype).element_size()
 
 
@@ -340,7 +340,8 @@ def test_numpy_cache_properties(np_dtype, name, gen):
     case = CacheCase("kbthd", 2, 4, 2, 2, 3, 4, torch.from_numpy(np.empty(0, np_dtype)).dtype, gen, numpy=True)
     assert all(isinstance(x, np.ndarray) and x.dtype == np_dtype for x in case.layers)
     cache = case.build()
-    assert (cache.dtype, cache.device, cache.itemsize) == (name, "cpu", np.dtype(np_dtype).itemsize)
+    assert (cache.dtype, cache.device, cache.itemsize) == (np.dtype(np_dtype), "cpu", np.dtype(np_dtype).itemsize)
+    assert isinstance(cache.dtype, np.dtype) and (cache.dtype_name, cache.device_name) == (name, "cpu")
     assert all(a is b for a, b in zip(cache.layers, case.layers))
 
 
@@ -626,7 +627,7 @@ def test_every_layout(method, layout, dtype, shape, device, pin, gen):
     """Universals / operationals on the cache's device, or in pinned host memory."""
     case = CacheCase(layout, *shape, dtype, gen, device)
     cache = case.build()
-    assert cache.device == ("cuda:0" if device == "cuda" else "cpu")
+    assert cache.device == torch.device("cuda:0" if device == "cuda" else "cpu")
     ids = pick_ids(case.NB, min(4, case.NB), gen)
     if method.endswith("operational"):
         check(case, cache, method + ":NHD", ids, gen, pin=pin)
@@ -761,10 +762,10 @@ def test_host_heads_layers_and_offsets_together(method, gen):
           layers=range(1, 3), layer_offset=1)
 
 
-def test_dims_is_case_insensitive(gen):
+def test_layout_is_case_insensitive(gen):
     case = CacheCase("kbthd", 2, 5, 2, 2, 3, 4, torch.float32, gen)
     cache = kvbm_ext.PagedKVCache(case.layers, "KbThD")
-    assert cache.dims == "kbthd" and cache.num_heads == 2 and cache.num_outer == 2
+    assert cache.layout == "kbthd" and cache.num_heads == 2 and cache.num_outer == 2
     check(case, cache, "to_universal", [4, 1], gen)
 
 
@@ -1433,8 +1434,10 @@ def test_gpu_properties(gen):
     case = CacheCase("blkthd", 3, 11, 2, 5, 7, 13, torch.float8_e4m3fn, gen, device="cuda")
     cache = case.build()
     assert (cache.num_layers, cache.num_blocks, cache.num_outer, cache.num_heads) == (3, 11, 2, 5)
-    assert (cache.tokens_per_block, cache.head_dim, cache.dtype, cache.itemsize) == (7, 13, "float8_e4m3fn", 1)
-    assert cache.device == "cuda:0" and "cuda:0" in repr(cache)
+    assert (cache.block_size, cache.head_dim, cache.dtype, cache.itemsize) == (7, 13, torch.float8_e4m3fn, 1)
+    assert cache.dtype_name == "float8_e4m3fn"
+    assert cache.device == torch.device("cuda:0") and cache.device_name == "cuda:0"
+    assert "device(type='cuda', index=0)" in repr(cache)
     assert cache.layers is case.layers
 
 
@@ -1751,7 +1754,7 @@ def test_gpu_ids_or_universals_on_another_gpu_rejected(method, gen):
 def test_gpu_cache_on_the_second_gpu(gen):
     case = CacheCase("kbthd", 2, 6, 2, 2, 3, 16, torch.bfloat16, gen, device="cuda:1")
     cache = case.build()
-    assert cache.device == "cuda:1"
+    assert cache.device == torch.device("cuda:1") and cache.device_name == "cuda:1"
     for direction in ("to_universal", "from_operational:HND"):
         method, extra = split(direction)
         other = other_buffers(case, method, 3, gen)

@@ -157,6 +157,11 @@ def is_property(node):
     return any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
 
 
+def is_deprecated(node):
+    """Marked @deprecated(...) in the stubs: an old name, left out of the README."""
+    return any(isinstance(d, ast.Call) and ast.unparse(d.func) == "deprecated" for d in node.decorator_list)
+
+
 def class_lines(node, typed_dicts, listed):
     """A class: how it is made (its __new__ or __init__, or a dataclass's fields) when the
     user makes it, its methods on an instance (those not listed already for an instance of
@@ -177,6 +182,8 @@ def class_lines(node, typed_dicts, listed):
         lines += call_line(f"{instance} = kvbm_ext.{node.name}", shown)
     attributes = [item.target.id for item in node.body if isinstance(item, ast.AnnAssign)]
     for name, item in members.items():
+        if is_deprecated(item):
+            continue
         if is_property(item):
             attributes.append(name)
         elif (name == "__call__" or not name.startswith("_")) and (instance, name) not in listed:

@@ -168,7 +168,7 @@ class KvbmOffloadingManager(OffloadingManager):
             self._num_cpu_sectors = units
             num_blocks = units * allocator.blocks_per_sector
         started = time.perf_counter()
-        device = torch.device(self.gpu_cache.device)
+        device = torch.device(self.gpu_cache.device_name)
         if device.type == "cuda":
             # Staging memory and kernels ready now: the first offload waits for neither.
             kvbm_ext.reserve_staging(device.index)
@@ -305,7 +305,7 @@ def allocate_pool(num_blocks, gpu_cache, dtype):
     """(HostBuffer, torch view [num_blocks, nh, nl, 2, tokens_per_block, hd]) of pinned memory
     (pageable where no GPU is visible).  Allocated as bytes and viewed by torch, so that any
     element type torch has works."""
-    shape = (num_blocks, gpu_cache.num_heads, gpu_cache.num_layers, 2, gpu_cache.tokens_per_block,
+    shape = (num_blocks, gpu_cache.num_heads, gpu_cache.num_layers, 2, gpu_cache.block_size,
              gpu_cache.head_dim)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     buffer = kvbm_ext.pinned_empty((nbytes,), np.uint8)

@@ -382,10 +382,10 @@ class PinnedTier(Tier):
         started = time.perf_counter()
         first = groups[0].cache
         num_tensors = 1 + max(t for group in groups for t in group.tensor_ids)
-        device = torch.device(first.device)
+        device = torch.device(first.device_name)
         blocks = num_slots * blocks_per_chunk
         if groups[0].universal:
-            shape = (blocks, first.num_heads, num_tensors, first.num_outer, first.tokens_per_block, first.head_dim)
+            shape = (blocks, first.num_heads, num_tensors, first.num_outer, first.block_size, first.head_dim)
         else:
             shape = (blocks, num_tensors, max(group.cache.head_dim for group in groups))
         nbytes = int(np.prod(shape)) * first.itemsize
@@ -556,7 +556,7 @@ class KvbmOffloadingWorker(OffloadingWorker):
             self.groups.append(GroupCaches(index, kvbm_ext.PagedKVCache(layers, layout),
                                            tuple(ref.tensor_idx for ref in refs), len(refs) * sizes.pop(),
                                            page is not None))
-        device = torch.device(self.groups[0].cache.device)
+        device = torch.device(self.groups[0].cache.device_name)
         if device.type == "cuda":
             # Staging memory and kernels ready now: the first job waits for neither.
             kvbm_ext.reserve_staging(device.index)
