@@ -11,6 +11,8 @@ tier) and load (tier to GPU), it measures:
   worker    the GPU time of one job (events on the worker's stream around submit_*, behind
             a GPU sleep that covers the submission), its GB/s, and the host time of
             submit_* and of the get_finished poll that reports it;
+  to_cache  the host time of the job's PagedKVCache.to_cache call made alone, in the same
+            state (the stream busy): submit_* less it is the worker's own cost;
   memcpy    one copy of the same bytes between a device buffer and a pinned buffer, the
             same direction, timed in the same round: the rate the bytes can cross PCIe;
   loop      a torch copy_ per block and layer between the cache and a pinned pool of
@@ -18,16 +20,18 @@ tier) and load (tier to GPU), it measures:
   jobs/s    --burst jobs submitted back to back, polled until every one is reported: the
             jobs per second the worker sustains, host time included.
 
-Rounds alternate the three (--rounds, medians kept).  Output: a CSV, a log and a PNG
-(GB/s against blocks a job, per model and direction) in --out.  Needs a GPU and vLLM's
-kv_offload files (vllm 0.26 or 0.33 importable); `--device cpu` runs the same jobs on
-host caches (the CPU path: every figure wall time, the memcpy between two host buffers),
-a check that the script runs where there is no GPU.
+Rounds alternate the four (--rounds, medians kept).  On a GPU the log first names the path
+a store and a load job's to_cache call took, and why (their KVBM_EXT_DEBUG lines).  Output:
+a CSV, a log and a PNG (GB/s against blocks a job, per model and direction) in --out.
+Needs a GPU and vLLM's kv_offload files (vllm 0.26 or 0.33 importable); `--device cpu`
+runs the same jobs on host caches (the CPU path: every figure wall time, the memcpy
+between two host buffers), a check that the script runs where there is no GPU.
 """
 
 import argparse
 import csv
 import datetime
+import logging
 import os
 import statistics
 import sys
@@ -40,8 +44,8 @@ from harness import HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, i
 
 MODELS = {"8b": ("Llama-3.1-8B", 32), "70b": ("Llama-3.1-70B", 80)}
 COLUMNS = ["gpu_name", "date", "model", "nl", "direction", "nb", "bytes", "worker_us", "memcpy_us", "loop_us",
-           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "poll_host_us",
-           "jobs_per_s", "bit_exact"]
+           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "to_cache_host_us",
+           "poll_host_us", "jobs_per_s", "bit_exact"]
 
 
 def parse_args(argv=None):
@@ -95,8 +99,8 @@ class Case:
         tier = self.integration.KvbmLoadStoreSpec(list(range(first_slot, first_slot + nb)))
         return gpu, tier
 
-    def submit(self, direction, nb, first_slot=0):
-        gpu, tier = self.specs(nb, first_slot, direction)
+    def submit(self, direction, nb, first_slot=0, specs=None):
+        gpu, tier = specs or self.specs(nb, first_slot, direction)
         self.job_id += 1
         if direction == "store":
             ok = self.worker.submit_store(self.job_id, gpu, tier)
@@ -113,9 +117,11 @@ class Case:
     def worker_job(self, direction, nb):
         """(GPU us of one job, host us of submit, host us of the poll that reported it).
         A GPU sleep ahead of the start event covers the submission's host time, so the
-        events bracket the job's GPU work alone."""
+        events bracket the job's GPU work alone.  The job's specs are made first: vLLM's
+        scheduler makes them, not the worker."""
         self.sync()
         stream = self.stream(direction)
+        specs = self.specs(nb, direction=direction)
         start = end = None
         if stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -123,7 +129,7 @@ class Case:
                 torch.cuda._sleep(self.sleep_cycles)
             start.record(stream)
         began = time.perf_counter()
-        job = self.submit(direction, nb)
+        job = self.submit(direction, nb, specs=specs)
         submit_us = (time.perf_counter() - began) * 1e6
         if stream is not None:
             end.record(stream)
@@ -135,6 +141,25 @@ class Case:
             raise RuntimeError(f"job {job}: get_finished reported {results}")
         gpu_us = start.elapsed_time(end) * 1e3 if stream is not None else submit_us
         return gpu_us, submit_us, poll_us
+
+    def to_cache_call(self, direction, nb):
+        """Host us of the to_cache call a job of nb blocks makes, made alone on the worker's
+        stream behind the same GPU sleep (on the CPU path: the copy itself)."""
+        self.sync()
+        stream = self.stream(direction)
+        gpu, tier = self.specs(nb, direction=direction)
+        group = self.worker.groups[0]
+        cache, pool = group.cache, self.worker.tier.pool_caches[group.index]
+        src, dst, src_ids, dst_ids = ((cache, pool, gpu.block_ids, tier.block_ids) if direction == "store"
+                                      else (pool, cache, tier.block_ids, gpu.block_ids))
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(self.sleep_cycles)
+        began = time.perf_counter()
+        src.to_cache(dst, src_ids, dst_ids, stream=stream)
+        us = (time.perf_counter() - began) * 1e6
+        self.sync()
+        return us
 
     def memcpy(self, direction, nb):
         """GPU us of one copy of a job's bytes across PCIe, the job's direction (on the
@@ -195,6 +220,28 @@ class Case:
                 return False
         return True
 
+    def routes(self, nb):
+        """The KVBM_EXT_DEBUG lines of a store and a load job of nb blocks: the path each
+        to_cache call took on the GPU, and why."""
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logger = logging.getLogger("kvbm_ext")
+        logger.addHandler(handler)
+        previous = os.environ.get("KVBM_EXT_DEBUG")
+        os.environ["KVBM_EXT_DEBUG"] = "1"
+        try:
+            for direction in ("store", "load"):
+                self.worker.wait({self.submit(direction, nb)})
+        finally:
+            if previous is None:
+                del os.environ["KVBM_EXT_DEBUG"]
+            else:
+                os.environ["KVBM_EXT_DEBUG"] = previous
+            logger.removeHandler(handler)
+        self.worker.get_finished()
+        return lines
+
     def sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -217,27 +264,33 @@ def measure(args, say):
         case = Case(nl, max(args.nbs), device, integration, base)
         exact = case.bit_exact(max(args.nbs))
         say(f"\n{name} (nl={nl}, {nl * case.page / 2**20:.2f} MiB a block): bit-exact {exact}")
+        if device.type == "cuda":
+            for line in case.routes(max(args.nbs)):
+                say(f"route: {line}")
         say(f"{'dir':5} {'nb':>3} {'worker us':>10} {'GB/s':>7} {'memcpy us':>10} {'GB/s':>7} {'% memcpy':>8} "
-            f"{'loop us':>9} {'GB/s':>7} {'submit us':>9} {'poll us':>8} {'jobs/s':>8}")
+            f"{'loop us':>9} {'GB/s':>7} {'submit us':>9} {'to_cache us':>11} {'poll us':>8} {'jobs/s':>8}")
         for direction in ("store", "load"):
             for nb in args.nbs:
+                parts = (case.worker_job, case.to_cache_call, case.memcpy, case.loop)
                 for _ in range(2):               # warm-up: kernels, staging, pinned pages
-                    case.worker_job(direction, nb), case.memcpy(direction, nb), case.loop(direction, nb)
-                samples = [(case.worker_job(direction, nb), case.memcpy(direction, nb), case.loop(direction, nb))
-                           for _ in range(args.rounds)]
+                    for part in parts:
+                        part(direction, nb)
+                samples = [[part(direction, nb) for part in parts] for _ in range(args.rounds)]
                 worker_us = statistics.median(s[0][0] for s in samples)
                 submit_us = statistics.median(s[0][1] for s in samples)
                 poll_us = statistics.median(s[0][2] for s in samples)
-                memcpy_us = statistics.median(s[1] for s in samples)
-                loop_us = statistics.median(s[2] for s in samples)
+                to_cache_us = statistics.median(s[1] for s in samples)
+                memcpy_us = statistics.median(s[2] for s in samples)
+                loop_us = statistics.median(s[3] for s in samples)
                 per_s = case.jobs_per_s(direction, nb, args.burst)
                 nbytes = nb * nl * case.page
                 gbps = [nbytes / us / 1e3 for us in (worker_us, memcpy_us, loop_us)]
                 pct = 100 * memcpy_us / worker_us
                 say(f"{direction:5} {nb:>3} {worker_us:>10.1f} {gbps[0]:>7.1f} {memcpy_us:>10.1f} {gbps[1]:>7.1f} "
-                    f"{pct:>7.1f}% {loop_us:>9.1f} {gbps[2]:>7.1f} {submit_us:>9.1f} {poll_us:>8.1f} {per_s:>8.0f}")
+                    f"{pct:>7.1f}% {loop_us:>9.1f} {gbps[2]:>7.1f} {submit_us:>9.1f} {to_cache_us:>11.1f} "
+                    f"{poll_us:>8.1f} {per_s:>8.0f}")
                 rows.append(dict(zip(COLUMNS, [gpu_name, date, name, nl, direction, nb, nbytes, worker_us, memcpy_us,
-                                               loop_us, *gbps, pct, submit_us, poll_us, per_s, exact])))
+                                               loop_us, *gbps, pct, submit_us, to_cache_us, poll_us, per_s, exact])))
         case.worker.shutdown()
     return gpu_name, date, rows
 

@@ -250,6 +250,91 @@ def test_worker_reports_failures(gen, caplog):
     assert "job 3: group sizes [1] cover 1 of 1 GPU blocks and 1 of 2 slots" in caplog.text
 
 
+class FakeEvent:
+    """torch.cuda.Event on the CPU: record() logs where it was recorded; query() answers
+    `done`, which the test sets."""
+
+    def __init__(self, log):
+        self.log, self.done = log, False
+
+    def record(self, stream):
+        self.done = False
+        self.log.append(("record", self, stream))
+
+    def query(self):
+        return self.done
+
+
+class FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append(("wait", self, event))
+
+
+class LoggingTier(integration.Tier):
+    """Moves nothing; logs each call and the stream it was given, all of it on the stream."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def attach(self, groups, num_slots, blocks_per_chunk):
+        return
+
+    def store(self, group, src_ids, slot_block_ids, stream):
+        self.log.append(("store", group.index, stream))
+
+    def load(self, group, slot_block_ids, dst_ids, stream):
+        self.log.append(("load", group.index, stream))
+
+
+def test_worker_stream_contract_with_reused_events(gen, monkeypatch):
+    """The worker's CUDA path on stand-in streams and events: before each job's calls its
+    stream waits on the fence recorded on the compute stream current then; after them
+    one completion event (none per group) is recorded on that stream; jobs are reported
+    in order, each once, when their event has completed; an event is used again only
+    once its job was reported, so that the events made stay those of the jobs in flight."""
+    layers, canonical, page = vllm_caches(2, 8, 2, 4, 8, "cpu", gen)
+    log, made = [], []
+    worker = integration.KvbmOffloadingWorker(
+        CanonicalKVCaches(tensors=canonical, group_data_refs=[[CanonicalKVCacheRef(0, page)],
+                                                              [CanonicalKVCacheRef(1, page)]]),
+        tier=LoggingTier(log), num_slots=8, blocks_per_chunk=1, page=None)
+    compute = FakeStream("compute", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(FakeEvent(log)) or made[-1])
+    worker._fence = fence = FakeEvent(log)
+    for direction, name in zip(worker._directions, ("stores", "loads", "expedited")):
+        direction.stream = FakeStream(name, log)
+    stores, loads = worker.store_jobs.stream, worker.load_jobs.stream
+
+    def store(job_id):
+        assert worker.submit_store(job_id, GPULoadStoreSpec([1, 2], [1, 1], [0, 0]),
+                                   integration.KvbmLoadStoreSpec([job_id % 8, (job_id + 1) % 8]))
+
+    store(1)
+    assert log == [("record", fence, compute), ("wait", stores, fence), ("store", 0, stores), ("store", 1, stores),
+                   ("record", made[0], stores)]
+    store(2)
+    assert worker.submit_load(3, integration.KvbmLoadStoreSpec([1]), GPULoadStoreSpec([4], [0, 1], [0, 0]))
+    assert log[-4:] == [("record", fence, compute), ("wait", loads, fence), ("load", 1, loads),
+                        ("record", made[2], loads)]
+    assert len(made) == 3 and worker.get_finished() == []
+    made[1].done = made[2].done = True          # job 2 ended, but not job 1 before it
+    assert [r.job_id for r in worker.get_finished()] == [3]
+    made[0].done = True
+    assert [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()] == [(1, True, 2 * page),
+                                                                                       (2, True, 2 * page)]
+    assert worker.get_finished() == []
+    for job_id in range(4, 10):                 # one job in flight at a time: the three events made serve
+        store(job_id)
+        assert not log[-1][1].done and worker.get_finished() == []
+        log[-1][1].done = True
+        assert [r.job_id for r in worker.get_finished()] == [job_id]
+    assert len(made) == 3
+
+
 # ----------------------------------------------------------------------------------
 # vLLM's Scheduler and connectors
 
@@ -404,6 +489,47 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
     for t, new in enumerate(fresh):
         want = new.unflatten(-1, (2, -1)).transpose(1, 2).view(torch.int16).cpu()      # [nh, 2, nt, hd]
         assert torch.equal(worker.tier.pool[2, :, t].view(torch.int16), want)
+
+
+@pytest.mark.gpu
+def test_gpu_jobs_after_reregistration_move_fresh_bytes(gen):
+    """Rounds of a store, right after the compute stream rewrote the blocks it reads, then
+    a load of what it stored into other blocks, on two workers one after the other (caches
+    registered anew, at other addresses): every round stores the bytes just written and
+    loads them back, bit-exact, and with one job in flight at a time one CUDA event
+    serves every job of a worker."""
+    nh, nt, hd = 8, 16, 128
+    for registration in range(2):
+        layers, canonical, page_bytes = vllm_caches(2, 16, nh, nt, hd, "cuda", gen)
+        worker = integration.KvbmOffloadingWorker(
+            CanonicalKVCaches(tensors=canonical, group_data_refs=[[CanonicalKVCacheRef(t, page_bytes)
+                                                                   for t in range(2)]]),
+            tier=integration.PinnedTier(), num_slots=4, blocks_per_chunk=1,
+            page=(torch.bfloat16, True, nh, nt, 2, hd))
+        compute = torch.cuda.Stream()
+        events = set()
+        for round_ in range(3):
+            src, dst, slots = [round_, 8 + round_], [12 + round_, 4 + round_], integration.KvbmLoadStoreSpec([1, 3])
+            fresh = [torch.randint(-128, 128, layer[src].shape, dtype=torch.int16, generator=gen)
+                     .view(torch.bfloat16).cuda() for layer in layers]
+            sync()
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(SLEEP_CYCLES // 10)
+                for layer, new in zip(layers, fresh):
+                    layer[src] = new
+                assert worker.submit_store(2 * round_, GPULoadStoreSpec(src, [2], [0]), slots)
+            events.add(id(worker.store_jobs.jobs[0].handles[-1].event))
+            # vLLM loads a chunk only once its store is reported.
+            worker.wait({2 * round_})
+            assert [r.job_id for r in worker.get_finished()] == [2 * round_]
+            assert worker.submit_load(2 * round_ + 1, slots, GPULoadStoreSpec(dst, [2], [0]))
+            events.add(id(worker.load_jobs.jobs[0].handles[-1].event))
+            worker.wait({2 * round_ + 1})
+            assert [r.job_id for r in worker.get_finished()] == [2 * round_ + 1]
+            for layer, new in zip(layers, fresh):
+                assert torch.equal(layer[dst].view(torch.int16), new.view(torch.int16)), (registration, round_)
+        assert len(events) == 1, f"registration {registration}: {len(events)} CUDA events for 6 jobs one at a time"
+        worker.shutdown()
 
 
 @pytest.mark.gpu

@@ -17,8 +17,8 @@ for a scheduler-side manager and a worker-side worker (docs/vllm.md):
 - KvbmOffloadingWorker: one PagedKVCache.to_cache call per job and KV cache group,
   between a PagedKVCache over vLLM's cache tensors and one over the tier's pool, on
   its own stream per direction after the compute stream, completions polled through
-  CUDA events (a job is never reported before its bytes are in place, each once, in
-  submission order per direction);
+  one CUDA event per job, from a pool (a job is never reported before its bytes are in
+  place, each once, in submission order per direction);
 - the tier is named by kv_connector_extra_config["kvbm_tier"]: "pinned" (the default,
   a pinned pool from kvbm_ext.pinned_empty); "disk" and "peer" plug in through the
   Tier interface below and are not implemented yet.
@@ -275,7 +275,7 @@ class TransferHandle:
 
 
 class EventHandle(TransferHandle):
-    """A transfer enqueued on a CUDA stream, ended when `event` has."""
+    """A job's work enqueued on a CUDA stream, ended when `event` (recorded after it) has."""
 
     __slots__ = ("event",)
 
@@ -307,7 +307,7 @@ class EventHandle(TransferHandle):
 
 
 class DoneHandle(TransferHandle):
-    """A transfer that ran to its end during the call (host caches: the CPU copies)."""
+    """A transfer that ran to its end during the call, with its `error` if it failed."""
 
     __slots__ = ()
 
@@ -328,11 +328,13 @@ class Tier:
     blocks by id:
     `store(group, src_ids, slot_block_ids, stream)` copies GPU blocks `src_ids` of the
     group into the tier's blocks `slot_block_ids` (slot * blocks_per_chunk + j),
-    `load(group, slot_block_ids, dst_ids, stream)` the reverse; each returns a
-    TransferHandle.  Work on the GPU is enqueued on `stream` (None for host caches),
-    which the worker has already ordered after vLLM's compute stream.  A disk tier
-    stages through pinned memory and answers with a handle over its I/O; a peer tier
-    (NIXL) with one over its transfer."""
+    `load(group, slot_block_ids, dst_ids, stream)` the reverse.  Work on the GPU is
+    enqueued on `stream` (None for host caches), which the worker has already ordered
+    after vLLM's compute stream and after which it records one CUDA event per job; each
+    returns None where that event covers all of its work (or, on host caches, the work
+    is done), else a TransferHandle for the part it drives itself: a disk tier stages
+    through pinned memory and answers with a handle over its I/O; a peer tier (NIXL)
+    with one over its transfer."""
 
     name = "tier"
 
@@ -408,25 +410,10 @@ class PinnedTier(Tier):
         self.seconds = time.perf_counter() - started
 
     def store(self, group, src_ids, slot_block_ids, stream):
-        return self._move(self._caches(group), src_ids, slot_block_ids, stream)
+        group.cache.to_cache(self.pool_caches[group.index], src_ids, slot_block_ids, stream=stream)
 
     def load(self, group, slot_block_ids, dst_ids, stream):
-        src, dst = self._caches(group)
-        return self._move((dst, src), slot_block_ids, dst_ids, stream)
-
-    def _caches(self, group):
-        return group.cache, self.pool_caches[group.index]
-
-    @staticmethod
-    def _move(caches, src_ids, dst_ids, stream):
-        src, dst = caches
-        if stream is None:
-            src.to_cache(dst, src_ids, dst_ids)
-            return DoneHandle()
-        src.to_cache(dst, src_ids, dst_ids, stream=stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return EventHandle(event)
+        self.pool_caches[group.index].to_cache(group.cache, slot_block_ids, dst_ids, stream=stream)
 
     def close(self):
         self.pool_caches = []
@@ -511,6 +498,7 @@ class _Job:
     handles: list
     num_bytes: int
     started: float
+    event: object = None    # the CUDA event after the job's stream work, back to the pool once reported
 
 
 class _Direction:
@@ -530,12 +518,16 @@ class KvbmOffloadingWorker(OffloadingWorker):
     what a store reads; a block the forward pass still reads or zeroes is not
     overwritten by a load before it).  Submission enqueues and returns; get_finished()
     reports, per direction and in submission order, each job whose CUDA event has
-    completed, once; wait() blocks the host until the named jobs have ended."""
+    completed, once; wait() blocks the host until the named jobs have ended.  The CUDA
+    events are made once and reused: one for the wait on the compute stream, and a
+    pool of completion events, an event going back to it when its job is reported (a
+    job's handles are not used after that)."""
 
     def __init__(self, kv_caches, *, tier, num_slots, blocks_per_chunk, page):
         self.tier = tier
         self.num_slots = num_slots
         self.blocks_per_chunk = blocks_per_chunk
+        self._chunk_blocks = np.arange(blocks_per_chunk)
         self.groups = []
         tensors = kv_caches.tensors
         views = {}
@@ -557,13 +549,19 @@ class KvbmOffloadingWorker(OffloadingWorker):
                                            tuple(ref.tensor_idx for ref in refs), len(refs) * sizes.pop(),
                                            page is not None))
         device = torch.device(self.groups[0].cache.device_name)
+        self._device = device.index
+        # CUDA events are made once, not per job: the fence every job's stream waits on,
+        # recorded anew each time, and the completion events of reported jobs.
+        self._fence, self._idle_events = None, []
         if device.type == "cuda":
             # Staging memory and kernels ready now: the first job waits for neither.
             kvbm_ext.reserve_staging(device.index)
             streams = [torch.cuda.Stream(device) for _ in range(3)]
+            self._fence = torch.cuda.Event()
         else:
             streams = [None] * 3
-        self.store_jobs, self.load_jobs, self.expedited_jobs = (_Direction(s) for s in streams)
+        self.store_jobs, self.load_jobs, self.expedited_jobs = self._directions = tuple(
+            _Direction(s) for s in streams)
         tier.attach(self.groups, num_slots, blocks_per_chunk)
 
     def submit_store(self, job_id, src_spec, dst_spec):
@@ -575,14 +573,16 @@ class KvbmOffloadingWorker(OffloadingWorker):
 
     def _submit(self, direction, job_id, gpu_spec, slots, store):
         started = time.perf_counter()
+        stream, event = direction.stream, None
         try:
-            stream = direction.stream
             if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(stream.device))
+                # A wait keeps the point the fence had when it was enqueued: recording it again is safe.
+                self._fence.record(torch.cuda.current_stream(self._device))
+                stream.wait_event(self._fence)
             handles, num_bytes = [], 0
             bpc = self.blocks_per_chunk
             slots = np.asarray(slots, dtype=np.int64)
-            gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+            gpu_ids = gpu_spec.block_ids        # int32 or int64: to_cache reads either
             gpu_offset = slot_offset = 0
             for group, size, first in zip(self.groups, gpu_spec.group_sizes, gpu_spec.block_indices):
                 if size == 0:
@@ -593,31 +593,41 @@ class KvbmOffloadingWorker(OffloadingWorker):
                 if len(chunk_slots) != num_chunks:
                     raise ValueError(f"job {job_id}: {len(slots)} slots for group sizes {list(gpu_spec.group_sizes)}"
                                      f" and block_indices {list(gpu_spec.block_indices)} at {bpc} blocks a chunk")
-                # The tier's blocks of these chunks, from the first block's offset in its chunk.
-                pool_ids = (chunk_slots[:, None] * bpc + np.arange(bpc)).ravel()[skip:skip + size]
+                # The tier's blocks of these chunks, from the first block's offset in its chunk
+                # (one block a chunk: the slots themselves, without numpy's per-operation cost).
+                pool_ids = chunk_slots if bpc == 1 else (
+                    chunk_slots[:, None] * bpc + self._chunk_blocks).ravel()[skip:skip + size]
                 ids = gpu_ids[gpu_offset:gpu_offset + size]
                 if store:
-                    handles.append(self.tier.store(group, ids, pool_ids, stream))
+                    handle = self.tier.store(group, ids, pool_ids, stream)
                 else:
-                    handles.append(self.tier.load(group, pool_ids, ids, stream))
+                    handle = self.tier.load(group, pool_ids, ids, stream)
+                if handle is not None:
+                    handles.append(handle)
                 num_bytes += size * group.page_bytes
                 gpu_offset += size
                 slot_offset += num_chunks
             if gpu_offset != len(gpu_ids) or slot_offset != len(slots):
                 raise ValueError(f"job {job_id}: group sizes {list(gpu_spec.group_sizes)} cover {gpu_offset} of "
                                  f"{len(gpu_ids)} GPU blocks and {slot_offset} of {len(slots)} slots")
+            if stream is not None:
+                event = self._idle_events.pop() if self._idle_events else torch.cuda.Event()
+                event.record(stream)
+                handles.append(EventHandle(event))
         except Exception:
             log.exception("KvbmOffloadingWorker: %s job %d was not submitted", "store" if store else "load", job_id)
             return False
-        direction.jobs.append(_Job(job_id, handles, num_bytes, started))
+        direction.jobs.append(_Job(job_id, handles, num_bytes, started, event))
         return True
 
     def get_finished(self):
         results = []
-        for direction in (self.store_jobs, self.load_jobs, self.expedited_jobs):
+        for direction in self._directions:
             jobs = direction.jobs
             while jobs and all(handle.done() for handle in jobs[0].handles):
                 job = jobs.popleft()
+                if job.event is not None:
+                    self._idle_events.append(job.event)     # completed: free to be recorded again
                 errors = [handle.error for handle in job.handles if handle.error is not None]
                 for error in errors:
                     log.error("KvbmOffloadingWorker: job %d failed: %s", job.job_id, error)
@@ -626,13 +636,13 @@ class KvbmOffloadingWorker(OffloadingWorker):
         return results
 
     def wait(self, job_ids):
-        for direction in (self.store_jobs, self.load_jobs, self.expedited_jobs):
+        for direction in self._directions:
             for job in direction.jobs:
                 if job.job_id in job_ids:
                     _wait_all(job.handles)
 
     def shutdown(self):
-        for direction in (self.store_jobs, self.load_jobs, self.expedited_jobs):
+        for direction in self._directions:
             for job in direction.jobs:
                 _wait_all(job.handles)
             direction.jobs.clear()
