@@ -44,11 +44,14 @@ def repr_fields(cache):
     """The name=value pairs of repr(cache), in order (values may hold parentheses and commas)."""
     text = repr(cache)
     assert text.startswith("PagedKVCache(") and text.endswith(")"), text
-    names = list(re.finditer(r"(?:^PagedKVCache\(|, )([a-z_]+)=", text))
-    fields = []
-    for here, after in zip(names, names[1:] + [None]):
-        end = after.start() if after is not None else len(text) - 1
-        fields.append((here.group(1), text[here.end():end]))
+    fields, depth, start = [], 0, len("PagedKVCache(")
+    for i, c in enumerate(text[start:-1] + ",", start):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            name, _, value = text[start:i].strip().partition("=")
+            assert re.fullmatch(r"[a-z_]+", name), (name, text)
+            fields.append((name, value))
+            start = i + 1
     return fields
 
 
@@ -169,6 +172,8 @@ def test_cupy_cache_keeps_the_names():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="JAX's __dlpack__(stream=-1) fails on CUDA (CUDA_ERROR_INVALID_HANDLE) where "
+                   "the constructor asks for no synchronization (H200, 2026-11-27)")
 def test_jax_cache_keeps_the_names():
     jax = pytest.importorskip("jax")
     try:
