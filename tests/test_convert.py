@@ -42,7 +42,7 @@ from support.builders import (
     to_numpy,
     torch_dtype_of,
 )
-from support.devices import SLEEP_CYCLES, cuda_case, rewrite_sources_behind_sleep, sync
+from support.devices import SLEEP_CYCLES, cuda_case, cupy_or_skip, rewrite_sources_behind_sleep, sync
 from support.producers import (
     STREAM_FORMS,
     ArrayInterfaceOnly,
@@ -737,22 +737,13 @@ def test_dlpack_only_wrapper_on_device_receives_a_stream(direction, gen):
     assert calls and all(c["stream"] == s.cuda_stream for c in calls), calls
 
 
-def _cupy():
-    cp = pytest.importorskip("cupy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except Exception as e:  # pragma: no cover - environment dependent
-        pytest.skip(f"cupy has no usable CUDA: {e}")
-    return cp
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8, torch.uint8], ids=dtype_id)
 @pytest.mark.parametrize("cai_only", [False, True], ids=["cupy", "cupy-cai-only"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_cupy_arrays(direction, layout, cai_only, dtype, gen):
-    cp = _cupy()
+    cp = cupy_or_skip()
     blocks, universals = device_case((3, 2, 2, 3, 4, 7), dtype, layout, gen)
     # CuPy views of the same device memory: the library sees CuPy, the test checks via torch.
     cp_blocks = [[cp.from_dlpack(c) for c in chunks] for chunks in blocks]
@@ -770,7 +761,7 @@ def test_cupy_arrays(direction, layout, cai_only, dtype, gen):
 def test_cupy_cai_v3_stream_is_waited_for(direction, gen):
     """Sources rewritten by CuPy on its stream behind a long sleep; the CAI v3 `stream` of the
     sources names that stream; the conversion runs on another stream and must wait for it."""
-    cp = _cupy()
+    cp = cupy_or_skip()
     blocks, universals = device_case((3, 2, 2, 3, 4, 8), torch.float32, "NHD", gen)
     sources, dests = sources_and_destinations(direction, blocks, universals)
     source_list = list(arrays_in(sources))

@@ -20,7 +20,7 @@ import torch
 
 import kvbm_ext
 from support.builders import dtype_id
-from support.devices import cuda_case
+from support.devices import cuda_case, cupy_or_skip
 from support.producers import ArrayInterfaceOnly, CudaArrayInterfaceOnly, DLPackOnly
 
 # (nl, NB, no, nh, nt, hd) of a "kbthd" layer: [no, NB, nt, nh, hd].
@@ -160,11 +160,7 @@ def test_cuda_array_interface_producer_keeps_the_names():
 
 @pytest.mark.gpu
 def test_cupy_cache_keeps_the_names():
-    cp = pytest.importorskip("cupy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except Exception as e:  # pragma: no cover - environment dependent
-        pytest.skip(f"cupy has no usable CUDA: {e}")
+    cp = cupy_or_skip()
     cache = kvbm_ext.PagedKVCache([cp.zeros(SHAPE, dtype=cp.float16)], "kbthd")
     assert (cache.dtype, cache.device) == ("float16", f"cuda:{cp.cuda.Device().id}")
     assert cp.empty(4, dtype=cache.dtype).dtype == cp.float16

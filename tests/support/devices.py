@@ -31,6 +31,16 @@ def missing_gpus(count=1):
     return None
 
 
+def cupy_or_skip():
+    """CuPy, or the test skipped with the reason: not installed, or no usable CUDA."""
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # pragma: no cover - environment dependent
+        pytest.skip(f"cupy has no usable CUDA: {e}")
+    return cp
+
+
 def sync():
     """Wait for all device work (no-op without a GPU)."""
     if torch.cuda.is_available():
