@@ -265,6 +265,15 @@ NCCL_CASES = {
     "gqa 1 head tp1->tp2": Case(L(1), L(2), 1, 1, heads=1, hd=128, nt=16, dst_dims="kbhtd"),
     "gqa 1 head tp2->tp1": Case(L(2), L(1), 0, 1, heads=1, hd=128, nt=16, ids="host-int64"),
 }
+# Four GPUs (nvidia-h200-x4): TP 2 <-> 4 with Llama-3.1-70B's heads, fewer layers.
+NCCL4_WORLD = 4
+NCCL4_CASES = {
+    "tp2->tp4 on four gpus": Case(L(2), L(4), 3, 1, heads=8, layers=6, hd=128, nt=16, ids="int64"),
+    "tp4->tp2 on four gpus": Case(L(4), L(2, ranks=[2, 3]), 3, 1, heads=8, layers=6, hd=128, nt=16,
+                                  src_dims="bkthd", dst_dims="blkthd"),
+    "gqa 2 heads tp4->tp2 on four gpus": Case(L(4), L(2), 1, 1, heads=2, layers=4, hd=128, nt=16, dtype="float16"),
+    "mla tp2->tp4 on four gpus": Case(L(2), L(4), 2, 2, heads=1, no=1, hd=576, nt=16, src_dims="btd", dst_dims="btd"),
+}
 NCCL_ERROR_BASE = Case(L(2), L(1, ranks=[1]), 1, 1)        # rank 1: source and destination
 NCCL_ERRORS = {
     "dtype": (0, "src_dtype", ValueError, r"dtype differs across the ranks: float16 \(src_cache on rank 0\), "
@@ -530,13 +539,13 @@ def _worker(rank, world, backend, store_path, out_dir, names):
             if name in ERRORS[backend][1] or name in UNCHECKED[backend]:
                 results[name] = {"ok": True, **_run_error(backend, name, rank, device)}
             else:
-                case = (NCCL_CASES if backend == "nccl" else GLOO_CASES)[name]
+                case = ({**NCCL_CASES, **NCCL4_CASES} if backend == "nccl" else GLOO_CASES)[name]
                 results[name] = {"ok": True, **_run_case(name, case, rank, device, stream)}
         except Exception:
             results[name] = {"ok": False, "traceback": traceback.format_exc()}
         _save(results, out_dir, rank)      # so far: a later hang still shows what failed first
         dist.barrier()                     # keep the ranks in step from one case to the next
-    if backend == "nccl":
+    if backend == "nccl" and world == NCCL_WORLD:
         results["async"] = _run_async(rank, device)
         _save(results, out_dir, rank)
     dist.destroy_process_group()
@@ -730,6 +739,21 @@ def nccl_results(tmp_path_factory):
 @pytest.mark.parametrize("name", NCCL_CASES)
 def test_nccl_reshard(nccl_results, name):
     _check_case(NCCL_CASES[name], nccl_results[name])
+
+
+@pytest.fixture(scope="module")
+def nccl4_results(tmp_path_factory):
+    reason = missing_gpus(NCCL4_WORLD)
+    if reason:
+        pytest.skip(reason)
+    return _spawn("nccl", NCCL4_WORLD, list(NCCL4_CASES), tmp_path_factory.mktemp("nccl4"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=4)
+@pytest.mark.parametrize("name", NCCL4_CASES)
+def test_nccl_reshard_on_four_gpus(nccl4_results, name):
+    _check_case(NCCL4_CASES[name], nccl4_results[name])
 
 
 @pytest.mark.multiprocess
