@@ -135,16 +135,30 @@ static int fill_from_dltensor(const DLTensor *t, const kv_path *path, kv_array *
 }
 
 /* obj.__dlpack__(stream=stream, max_version=(1, 3)), retried without
- * max_version for producers that predate it (they raise TypeError).  A
- * BufferError, DLPack's "cannot export this", becomes a ValueError naming
- * the argument. */
-static PyObject *call_dlpack(const kv_protocols *p, PyObject *obj, const kv_path *path, PyObject *stream)
+ * max_version for producers that predate it (they raise TypeError). */
+static PyObject *export_dlpack(const kv_protocols *p, PyObject *obj, PyObject *stream)
 {
     PyObject *args[3] = {obj, stream, p->max_version};
     PyObject *capsule = PyObject_VectorcallMethod(p->names[KV_NAME_DLPACK], args, 1, p->dlpack_keywords);
     if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();
         capsule = PyObject_VectorcallMethod(p->names[KV_NAME_DLPACK], args, 1, p->stream_keyword);
+    }
+    return capsule;
+}
+
+/* The export, where stream -1 (no synchronization: only addresses are
+ * taken) fails, is asked again with None, which only orders the producer's
+ * work before the legacy default stream: JAX raises on -1 on CUDA.  A
+ * BufferError, DLPack's "cannot export this", becomes a ValueError naming
+ * the argument. */
+static PyObject *call_dlpack(const kv_protocols *p, PyObject *obj, const kv_path *path, PyObject *stream)
+{
+    PyObject *capsule = export_dlpack(p, obj, stream);
+    if (capsule == NULL && PyLong_Check(stream) && PyLong_AsLong(stream) == -1
+        && PyErr_ExceptionMatches(PyExc_Exception) && !PyErr_ExceptionMatches(PyExc_BufferError)) {
+        PyErr_Clear();
+        capsule = export_dlpack(p, obj, Py_None);
     }
     if (capsule == NULL && PyErr_ExceptionMatches(PyExc_BufferError))
         kv_path_error_from(PyExc_ValueError, path, "its producer refused to export it through DLPack");

@@ -168,8 +168,34 @@ def test_cupy_cache_keeps_the_names():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="JAX's __dlpack__(stream=-1) fails on CUDA (CUDA_ERROR_INVALID_HANDLE) where "
-                   "the constructor asks for no synchronization (H200, 2026-11-27)")
+class NoSyncRefused(DLPackOnly):
+    """Raises on __dlpack__(stream=-1), as JAX does on CUDA (CUDA_ERROR_INVALID_HANDLE)."""
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if stream == -1:
+            self.calls.append({"stream": stream})
+            raise RuntimeError("INTERNAL: CUDA error: CUDA_ERROR_INVALID_HANDLE: invalid resource handle")
+        return super().__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+
+@pytest.mark.gpu
+def test_a_producer_refusing_no_synchronization_is_asked_again():
+    """The constructor asks for stream=-1 (only addresses are taken); a producer that raises
+    there is asked again with None, and the cache moves its bytes."""
+    torch.manual_seed(11)
+    source = torch.randn(SHAPE, device="cuda").to(torch.bfloat16)
+    layer = NoSyncRefused(source)
+    cache = kvbm_ext.PagedKVCache([layer], "kbthd")
+    assert [c["stream"] for c in layer.calls] == [-1, None], layer.calls
+    assert (cache.dtype, cache.device) == ("bfloat16", "cuda:0")
+    dst = torch.full_like(source, 7.0)
+    cache.to_cache(kvbm_ext.PagedKVCache([dst], "kbthd"), [3, 0], [1, 2])
+    torch.cuda.synchronize()
+    want = torch.full_like(source, 7.0)
+    want[:, [1, 2]] = source[:, [3, 0]]
+    assert torch.equal(dst, want)
+
+
 def test_jax_cache_keeps_the_names():
     jax = pytest.importorskip("jax")
     try:
