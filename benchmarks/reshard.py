@@ -96,6 +96,8 @@ def parse_args(argv=None):
     parser.add_argument("--fragment-batch", type=int, default=1024,
                         help="sends posted per batch_isend_irecv in the NCCL fragments row")
     parser.add_argument("--fragment-calls", type=int, default=2, help="back-to-back calls per fragments timing")
+    parser.add_argument("--progress-delay-us", type=int,
+                        help="NixlTransport's progress_delay_us (default: kvbm_ext.nixl.PROGRESS_DELAY_US)")
     parser.add_argument("--out", help="directory for the CSV, PNG and log (default: ./reshard-results outside "
                                       "this source tree, else a new temporary directory)")
     args = parser.parse_args(argv)
@@ -140,8 +142,9 @@ class Rank:
             from kvbm_ext.nixl import NixlTransport
 
             # The NIXL ranks meet through a store of their own: the Resharder never uses the group.
+            delay = {} if args.progress_delay_us is None else {"progress_delay_us": args.progress_delay_us}
             self.nixl = NixlTransport(rank, WORLD, f"reshard-bench-{rank}",
-                                      store=dist.FileStore(os.path.join(folder, "nixl"), WORLD))
+                                      store=dist.FileStore(os.path.join(folder, "nixl"), WORLD), **delay)
 
     def sync(self):
         if self.gpu:

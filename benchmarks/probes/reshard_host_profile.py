@@ -6,7 +6,7 @@ cumulative time.  --whole sends each message as one piece (kvbm_ext._pieces.cut 
 both ranks), to price the pieces.
 
     python3 benchmarks/probes/reshard_host_profile.py [--transport nccl|nixl] [--direction 1to2]
-        [--nb 64] [--check] [--whole] [--calls 50] [--device auto|cuda|cpu]
+        [--nb 64] [--check] [--whole] [--calls 50] [--progress-delay-us US] [--device auto|cuda|cpu]
 """
 import argparse
 import cProfile
@@ -33,9 +33,11 @@ def parse_args():
     parser.add_argument("--check", action="store_true", help="check=True (default: check=False)")
     parser.add_argument("--whole", action="store_true", help="every message as one piece")
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--progress-delay-us", type=int, help="NixlTransport's progress_delay_us")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     mine = parser.parse_args()
-    args = bench.parse_args(["--device", mine.device, "--transport", mine.transport])
+    delay = [] if mine.progress_delay_us is None else ["--progress-delay-us", str(mine.progress_delay_us)]
+    args = bench.parse_args(["--device", mine.device, "--transport", mine.transport, *delay])
     return mine, args
 
 
