@@ -248,13 +248,13 @@ def test_check_dist_notices_a_missing_header_and_a_built_object(tmp_path):
         sys.path.pop(0)
     sdist = tmp_path / "kvbm_ext-0.4.0.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
-        for name in ("setup.py", "csrc/module.c", "kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"):
+        for name in ("setup.py", "csrc/api/module.c", "kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"):
             path = tmp_path / "x"
             path.write_text("x")
             tar.add(path, arcname=f"kvbm_ext-0.4.0/{name}")
-    problems = check_dist.sdist_problems(str(sdist), ["setup.py", "csrc/module.c", "csrc/state.h",
+    problems = check_dist.sdist_problems(str(sdist), ["setup.py", "csrc/api/module.c", "csrc/plan/state.h",
                                                       "benchmarks/results/x.csv"])
-    assert problems == ["missing from the sdist: csrc/state.h",
+    assert problems == ["missing from the sdist: csrc/plan/state.h",
                         "built file in the sdist: kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"], problems
 
 
