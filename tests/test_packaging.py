@@ -209,8 +209,9 @@ def test_a_second_editable_build_of_an_unchanged_tree_compiles_no_kernel(tmp_pat
 # --------------------------------------------------------------------------
 
 def tracked_files():
-    """The files git tracks here (None outside a git checkout, e.g. in an unpacked sdist)."""
-    if not os.path.isdir(os.path.join(REPO_ROOT, ".git")) or shutil.which("git") is None:
+    """The files git tracks here (None outside a git checkout, e.g. in an unpacked sdist).
+    .git is a file in a linked worktree (git worktree add), a folder elsewhere."""
+    if not os.path.exists(os.path.join(REPO_ROOT, ".git")) or shutil.which("git") is None:
         return None
     out = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     return [path for path in out.stdout.splitlines() if os.path.exists(os.path.join(REPO_ROOT, path))]
