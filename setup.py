@@ -32,16 +32,13 @@ from setuptools.command.build_ext import build_ext
 VERSION = "0.4.0"
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "80;86;89;90"
-C_SOURCES = ["address_list.c", "args.c", "array.c", "array_read.c", "checksum.c", "convert.c", "convert_run.c",
-             "copy.c", "cpu_copy.c", "crc32c.c", "debug.c", "dlpack_read.c", "errors.c", "host_args.c",
-             "host_buffer.c", "host_dlpack.c", "host_new.c", "host_pool.c", "interface_read.c", "module.c",
-             "options.c", "overlap.c", "paged_alias.c", "paged_cache.c", "paged_call.c", "paged_layers.c",
-             "paged_layout.c", "paged_run.c", "paged_select.c", "paged_type.c", "pieces.c", "protocols.c", "route.c",
-             "staging_api.c", "stream.c", "target.c", "to_cache.c", "to_cache_run.c", "torch.c"]
-# csrc/gpu_stub.c replaces them without nvcc
-CUDA_C_SOURCES = ["gpu_batch.c", "gpu_copies.c", "gpu_devices.c", "gpu_host.c", "gpu_launch.c", "gpu_place.c",
-                  "gpu_ranges.c", "gpu_ring.c", "gpu_staging.c", "gpu_to_cache.c", "move_kernels.c", "moves.c",
-                  "staging.c"]
+# csrc/ holds one folder per layer (docs/internals.md draws them; tests/test_tree.py checks
+# that no file includes a header of a layer above its own).  Every csrc/<layer>/*.c is built;
+# those of csrc/gpu/ call the CUDA runtime and are built only with nvcc, csrc/gpu/gpu_stub.c
+# alone in their place without it.  Headers are included by name ("gpu.h"): every folder is
+# on the include path, so names are unique across csrc/.
+CUDA_FOLDER = "gpu"
+GPU_STUB = "gpu_stub.c"
 # Flags that change the objects without changing a file; part of the recorded build configuration.
 FLAG_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED")
 RECORD_NAME = "kvbm_build_config.json"
@@ -172,6 +169,23 @@ def sources_under(folder, *patterns):
     return sorted(str(path.relative_to(ROOT)) for pattern in patterns for path in (ROOT / folder).glob(pattern))
 
 
+def csrc_folders():
+    """The layer folders of csrc/, as paths relative to the tree ("csrc/api", ...)."""
+    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").iterdir() if path.is_dir())
+
+
+def layer_sources():
+    """The C files every build compiles: csrc/<layer>/*.c of every folder but csrc/gpu/."""
+    return [path for folder in csrc_folders() if folder != f"csrc/{CUDA_FOLDER}"
+            for path in sources_under(folder, "*.c")]
+
+
+def gpu_sources(cuda):
+    """csrc/gpu/*.c but gpu_stub.c with CUDA; gpu_stub.c alone without."""
+    stub = f"csrc/{CUDA_FOLDER}/{GPU_STUB}"
+    return [path for path in sources_under(f"csrc/{CUDA_FOLDER}", "*.c") if path != stub] if cuda else [stub]
+
+
 class BuildExt(build_ext):
     """Compiles cuda/*.cu with nvcc and links cudart statically, or builds the
     CPU-only variant when there is no nvcc."""
@@ -189,7 +203,7 @@ class BuildExt(build_ext):
         config["flags"] = {name: os.environ.get(name, "") for name in FLAG_VARIABLES}
         self.rebuild_if_changed(config)
         if nvcc is None:
-            ext.sources.append("csrc/gpu_stub.c")
+            ext.sources.extend(gpu_sources(cuda=False))
         else:
             self.add_cuda(ext, config)
         super().build_extensions()
@@ -243,7 +257,7 @@ class BuildExt(build_ext):
             ext.extra_objects.append(str(obj))
             ext.depends.append(str(obj))
         run_concurrently(commands)
-        ext.sources.extend(f"csrc/{name}" for name in CUDA_C_SOURCES)
+        ext.sources.extend(gpu_sources(cuda=True))
         ext.include_dirs.append(str(cuda_home / "include"))
         lib_dir = cuda_home / "lib64" if (cuda_home / "lib64").is_dir() else cuda_home / "lib"
         ext.library_dirs.append(str(lib_dir))
@@ -294,10 +308,10 @@ if __name__ == "__main__":
         version=VERSION,
         ext_modules=[Extension(
             "kvbm_ext._C",
-            sources=[f"csrc/{name}" for name in C_SOURCES],
+            sources=layer_sources(),  # build_extensions adds csrc/gpu/'s (gpu_sources)
             # Every header, kernel and this file: a change to any of them rebuilds the extension.
-            depends=sources_under("csrc", "*.h", "*.c") + sources_under("cuda", "*") + ["setup.py"],
-            include_dirs=["csrc", "cuda"],
+            depends=sources_under("csrc", "*/*.h", "*/*.c") + sources_under("cuda", "*") + ["setup.py"],
+            include_dirs=[*csrc_folders(), "cuda"],
             define_macros=[("KVBM_VERSION", f'"{VERSION}"')],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
         )],

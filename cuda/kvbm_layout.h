@@ -1,5 +1,5 @@
 /* The block <-> universal layout definition, shared by the CPU implementation
- * (csrc/cpu_copy.c) and the CUDA kernels (cuda/block_universal.cu), so the two
+ * (csrc/host/cpu_copy.c) and the CUDA kernels (cuda/block_universal.cu), so the two
  * cannot disagree about where a byte goes; and what one launch of any kernel
  * can take, which the C side checks before it launches.
  *

@@ -297,13 +297,13 @@ def clang_format_executable():
 
 
 def test_c_and_cuda_sources_follow_clang_format():
-    """csrc/ and cuda/ read as .clang-format writes them (CI installs clang-format)."""
+    """csrc/ (every layer folder) and cuda/ read as .clang-format writes them (CI installs clang-format)."""
     executable = clang_format_executable()
     if executable is None:
         pytest.skip("clang-format is not installed (pip install clang-format)")
-    sources = sorted(os.path.join(folder, name) for folder in ("csrc", "cuda")
-                     for name in os.listdir(os.path.join(REPO_ROOT, folder))
-                     if name.endswith((".c", ".h", ".cu", ".cuh")))
+    sources = sorted(os.path.relpath(os.path.join(folder, name), REPO_ROOT) for top in ("csrc", "cuda")
+                     for folder, _, names in os.walk(os.path.join(REPO_ROOT, top))
+                     for name in names if name.endswith((".c", ".h", ".cu", ".cuh")))
     style = os.path.join(REPO_ROOT, ".clang-format")
     assert os.path.isfile(style), f"{style} is missing (clang-format would fall back to its own style)"
     result = subprocess.run([executable, f"--style=file:{style}", "--dry-run", "--Werror", *sources],

@@ -209,8 +209,9 @@ def test_a_second_editable_build_of_an_unchanged_tree_compiles_no_kernel(tmp_pat
 # --------------------------------------------------------------------------
 
 def tracked_files():
-    """The files git tracks here (None outside a git checkout, e.g. in an unpacked sdist)."""
-    if not os.path.isdir(os.path.join(REPO_ROOT, ".git")) or shutil.which("git") is None:
+    """The files git tracks here (None outside a git checkout, e.g. in an unpacked sdist).
+    .git is a file in a linked worktree (git worktree add), a folder elsewhere."""
+    if not os.path.exists(os.path.join(REPO_ROOT, ".git")) or shutil.which("git") is None:
         return None
     out = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     return [path for path in out.stdout.splitlines() if os.path.exists(os.path.join(REPO_ROOT, path))]
@@ -248,13 +249,13 @@ def test_check_dist_notices_a_missing_header_and_a_built_object(tmp_path):
         sys.path.pop(0)
     sdist = tmp_path / "kvbm_ext-0.4.0.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
-        for name in ("setup.py", "csrc/module.c", "kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"):
+        for name in ("setup.py", "csrc/api/module.c", "kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"):
             path = tmp_path / "x"
             path.write_text("x")
             tar.add(path, arcname=f"kvbm_ext-0.4.0/{name}")
-    problems = check_dist.sdist_problems(str(sdist), ["setup.py", "csrc/module.c", "csrc/state.h",
+    problems = check_dist.sdist_problems(str(sdist), ["setup.py", "csrc/api/module.c", "csrc/plan/state.h",
                                                       "benchmarks/results/x.csv"])
-    assert problems == ["missing from the sdist: csrc/state.h",
+    assert problems == ["missing from the sdist: csrc/plan/state.h",
                         "built file in the sdist: kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"], problems
 
 

@@ -1,6 +1,6 @@
-/* Everything that calls the CUDA runtime.  Built from the gpu_*.c files,
- * moves.c, move_kernels.c and staging.c when nvcc is available, from
- * gpu_stub.c otherwise; the rest of csrc/ needs no CUDA header. */
+/* Everything that calls the CUDA runtime.  Built from the files of csrc/gpu/
+ * (pieces.c included) when nvcc is available, from gpu_stub.c alone
+ * otherwise; the other folders of csrc/ need no CUDA header. */
 #ifndef KVBM_GPU_H
 #define KVBM_GPU_H
 
