@@ -82,9 +82,17 @@ def label(row, with_variant=True):
     return " ".join(part for part in parts if part)
 
 
+def ceiling_name(row):
+    """What a row's pct_of_ceiling is a percentage of, as printed."""
+    if row["mode"] != "cpu":
+        return "ceiling"
+    # CPU rows: a copy of the same bytes on as many threads as the row uses (cases.run_cpu_cases)
+    return "ceiling (torch copy_)" if row["backend"] == "torch" else "ceiling (1-thread memcpy)"
+
+
 def print_progress(row):
     figures = [(row["gpu_us"], "us gpu"), (row["host_us"], "us host"), (row["gbps"], "GB/s"),
-               (row["pct_of_ceiling"], "% of ceiling"),
+               (row["pct_of_ceiling"], f"% of {ceiling_name(row)}"),
                (row["pct_same_size_memcpy"], "% of same-size memcpy")]
     shown = ", ".join(f"{fmt(value)} {unit}" for value, unit in figures if value != "")
     size = f" nt={row['nt']} nb={row['nb']}" if row["nt"] != "" else ""
@@ -417,7 +425,7 @@ def print_summary(rows, goals):
                                        for row in ceilings) + " (GB/s: bytes moved, counted once)")
     sized = [row for row in rows if row["nt"] != ""]
     print_pivot("% of ceiling (pin: same-size memcpy; d2d: device copy; ceil: 1 GiB memcpy; "
-                "cpu: memcpy time / ours; f: fed timing)",
+                "cpu: memcpy time / ours, the torch loop's memcpy on torch's threads; f: fed timing)",
                 sized, label, nt_nb, ("nt", "nb"), pct_cell, 5)
     print_pivot("host ms per call (median over nt)", sized, label, nb_only, ("nb",), host_cell, 8)
     with_best = [row for row in rows if row["best_backend"]]
