@@ -36,21 +36,38 @@ import sys
 # Benchmark the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-import kvbm_ext  # noqa: E402
-from kvbm_ext._no_gpu import exit_no_gpu, why_no_gpu  # noqa: E402
-from cases import (CTAS_NB, REQUIRED, Context, Gpu, measure_ceilings, run_cpu_cases,  # noqa: E402
-                   run_gpu_cases)
-from harness import RepPolicy, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem  # noqa: E402
-from figures import draw  # noqa: E402
-from report import (VERIFIED, annotate_backends, annotate_paged, apply_targets, compare,  # noqa: E402
-                    print_comparison, print_summary, read_csv, regressions, targets, write_csv)
-
+# torch, kvbm_ext and the modules that import them (cases, harness) take seconds to import:
+# load_modules() imports them after the options are parsed, so --help and a bad option
+# answer at once.
+torch = kvbm_ext = None
 APIS = ("list", "operational", "copy", "paged")
 CPU_APIS = ("list", "paged")            # the groups with a CPU section
 CAP_TARGETS = 4                         # a case times at most 4 times its budget (RepPolicy.cap_s)
 EXIT_NOT_VERIFIED, EXIT_REGRESSION = 1, 3
+
+
+def load_modules():
+    """Imports torch, kvbm_ext and the parts that use them into this module's namespace."""
+    global torch, kvbm_ext, exit_no_gpu, why_no_gpu, CTAS_NB, REQUIRED, Context, Gpu
+    global measure_ceilings, run_cpu_cases, run_gpu_cases, RepPolicy, Tee
+    global calibrate_sleep_cycles_per_us, output_dir, run_stem, draw
+    global VERIFIED, annotate_backends, annotate_paged, apply_targets, compare
+    global print_comparison, print_summary, read_csv, regressions, targets, write_csv
+    import torch
+    import kvbm_ext
+    from kvbm_ext._no_gpu import exit_no_gpu, why_no_gpu
+    from cases import CTAS_NB, REQUIRED, Context, Gpu, measure_ceilings, run_cpu_cases, run_gpu_cases
+    from harness import RepPolicy, Tee, calibrate_sleep_cycles_per_us, output_dir, run_stem
+    from figures import draw
+    from report import (VERIFIED, annotate_backends, annotate_paged, apply_targets, compare,
+                        print_comparison, print_summary, read_csv, regressions, targets, write_csv)
+
+
+def int_list(text):
+    """argparse type: comma-separated positive integers (harness.int_list, imported when an
+    option needs it)."""
+    from harness import int_list as parse
+    return parse(text)
 
 
 def layout_list(text):
@@ -198,6 +215,7 @@ def read_old(path):
 
 def main(argv=None):
     args = parse_args(argv)
+    load_modules()
     old_rows = read_old(args.compare) if args.compare else None
     device = resolve_device(args)
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else "none"

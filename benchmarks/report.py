@@ -82,9 +82,17 @@ def label(row, with_variant=True):
     return " ".join(part for part in parts if part)
 
 
+def ceiling_name(row):
+    """What a row's pct_of_ceiling is a percentage of, as printed."""
+    if row["mode"] != "cpu":
+        return "ceiling"
+    # CPU rows: a copy of the same bytes on as many threads as the row uses (cases.run_cpu_cases)
+    return "ceiling (torch copy_)" if row["backend"] == "torch" else "ceiling (1-thread memcpy)"
+
+
 def print_progress(row):
     figures = [(row["gpu_us"], "us gpu"), (row["host_us"], "us host"), (row["gbps"], "GB/s"),
-               (row["pct_of_ceiling"], "% of ceiling"),
+               (row["pct_of_ceiling"], f"% of {ceiling_name(row)}"),
                (row["pct_same_size_memcpy"], "% of same-size memcpy")]
     shown = ", ".join(f"{fmt(value)} {unit}" for value, unit in figures if value != "")
     size = f" nt={row['nt']} nb={row['nb']}" if row["nt"] != "" else ""
@@ -147,7 +155,7 @@ def annotate_paged(rows):
 
 # ----------------------------------------------------------------------------- tables
 
-def header_lines(names, columns, width):
+def header_lines(names, columns, widths, label_width):
     """Column headings, a line per part of the column tuples; an outer part is shown where
     it changes."""
     lines = []
@@ -156,27 +164,35 @@ def header_lines(names, columns, width):
         for i, column in enumerate(columns):
             shown = (level == len(names) - 1 or i == 0
                      or columns[i - 1][:level + 1] != column[:level + 1])
-            cells.append(f"{column[level] if shown else '':>{width}}")
-        lines.append(f"{name:>{LABEL_WIDTH}}" + "".join(cells))
+            cells.append(f"{column[level] if shown else '':>{widths[i]}}")
+        lines.append(f"{name:>{label_width}}" + "".join(cells))
     return lines
 
 
 def print_pivot(title, rows, label_of, column_of, names, cell, width):
     """A line per label_of(row), a column per column_of(row) (a tuple, its parts named by
-    names); cell(the rows of one line and column) -> text."""
+    names); cell(the rows of one line and column) -> text.  A column is `width` wide, or
+    wider where a text needs it, and a space always comes before a text: no two columns
+    run together."""
     if not rows:
         return
     columns = sorted({column_of(row) for row in rows})
     cells = {}
     for row in rows:
         cells.setdefault((label_of(row), column_of(row)), []).append(row)
+    labels = list(dict.fromkeys(label_of(row) for row in rows))
+    texts = {name: [cell(cells[name, c]) if (name, c) in cells else "" for c in columns]
+             for name in labels}
+    widths = [max([width] + [len(str(part)) + 1 for part in column]
+                  + [len(texts[name][i]) + 1 for name in labels])
+              for i, column in enumerate(columns)]
+    label_width = max([LABEL_WIDTH] + [len(name) + 1 for name in labels])
     print()
     print(title)
-    for line in header_lines(names, columns, width):
+    for line in header_lines(names, columns, widths, label_width):
         print(line)
-    for name in dict.fromkeys(label_of(row) for row in rows):
-        texts = [cell(cells[name, c]) if (name, c) in cells else "" for c in columns]
-        print(f"{name:{LABEL_WIDTH}}" + "".join(f"{text:>{width}}" for text in texts))
+    for name in labels:
+        print(f"{name:{label_width}}" + "".join(f"{text:>{w}}" for text, w in zip(texts[name], widths)))
 
 
 def nt_nb(row):
@@ -203,7 +219,7 @@ def pct_cell(rows):
 
 def host_cell(rows):
     values = [row["host_us"] for row in rows if row["status"] == VERIFIED]
-    return f"{statistics.median(values) / 1e3:.3g}" if values else "ERR"
+    return figure(statistics.median(values) / 1e3) if values else "ERR"
 
 
 def best_cell(rows):
@@ -409,7 +425,7 @@ def print_summary(rows, goals):
                                        for row in ceilings) + " (GB/s: bytes moved, counted once)")
     sized = [row for row in rows if row["nt"] != ""]
     print_pivot("% of ceiling (pin: same-size memcpy; d2d: device copy; ceil: 1 GiB memcpy; "
-                "cpu: memcpy time / ours; f: fed timing)",
+                "cpu: memcpy time / ours, the torch loop's memcpy on torch's threads; f: fed timing)",
                 sized, label, nt_nb, ("nt", "nb"), pct_cell, 5)
     print_pivot("host ms per call (median over nt)", sized, label, nb_only, ("nb",), host_cell, 8)
     with_best = [row for row in rows if row["best_backend"]]

@@ -244,6 +244,43 @@ def test_kvbench_help():
         assert option in run.stdout, run.stdout
 
 
+def test_kvbench_help_imports_neither_torch_nor_kvbm_ext():
+    """--help answers before the seconds-long imports: the options are parsed first."""
+    code = (f"import runpy, sys\nsys.argv = {[KVBENCH, '--help']!r}\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('heavy:', sorted(m for m in ('torch', 'kvbm_ext', 'numpy') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--fail-on-regression" in run.stdout, run.stdout + run.stderr
+    assert run.stdout.splitlines()[-1] == "heavy: []", run.stdout[-500:]
+
+
+def pivot_rows(values):
+    """CPU rows of the printed tables: one label, a host time (us) per nb."""
+    return [{"mode": "cpu", "api": "list", "direction": "u2b", "placement": "host", "layout": "NHD",
+             "granularity": "", "backend": "", "function": "universal_to_block", "num_ctas": "",
+             "nt": 16, "nb": nb, "status": "verified", "host_us": us} for nb, us in values]
+
+
+def test_table_columns_never_run_together(report, capsys):
+    """A cell as wide as its column (1.25 s of host time, a long label, a 0.549x speedup)
+    still has a space before it, and numbers have no exponent."""
+    rows = pivot_rows([(1, 17_200.0), (8, 1_250_000.0), (64, 123_456_789.0)])
+    report.print_pivot("host ms", rows, report.label, report.nb_only, ("nb",), report.host_cell, 8)
+    long_label = {**rows[0], "layout": "NHD" + "x" * 40, "speedup_vs_torch": 0.549}
+    short_label = {**rows[1], "speedup_vs_torch": 12.5}
+    report.print_pivot("speedup", [long_label, short_label], report.label, report.nt_nb, ("nt", "nb"),
+                       report.speedup_cell, 6)
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index("host ms") + 1:lines.index("speedup") - 1]
+    assert table[-1].split() == ["cpu", "u2b", "host", "NHD", "17.2", "1250", "123457"], table
+    assert all("e+" not in line for line in lines), lines
+    speedups = lines[lines.index("speedup") + 1:]
+    assert speedups[-2].split() == ["cpu", "u2b", "host", "NHD" + "x" * 40, "0.549x"], speedups
+    assert speedups[-1].split() == ["cpu", "u2b", "host", "NHD", "12.5x"], speedups
+    for table_lines in (table, speedups):   # every cell ends where its heading ends
+        assert len({len(line) for line in table_lines}) == 1, table_lines
+
+
 # --------------------------------------------------------------------------
 # engines.py: its references, written from each engine's own shape.
 # --------------------------------------------------------------------------
