@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+# The snippets are written for torch users; an interpreter without torch (the free-threaded one) runs none.
+pytest.importorskip("torch", reason="the doc snippets use torch, which this interpreter does not have")
+
 from support import REPO_ROOT
 
 DOCS = os.path.join(REPO_ROOT, "docs")
