@@ -12,7 +12,10 @@
 namespace kvbm {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // vectors in flight per thread; 8 is no faster (benchmarks/README.md)
+// Vectors in flight per thread: move_vectors issues every load before any store, so that a thread's
+// loads wait on HBM together rather than one by one.  What chose 4: benchmarks/README.md, "Defaults
+// in the code".
+constexpr int kUnroll = 4;
 static_assert(kThreads * kUnroll == KVBM_TILE_MIN_BYTES, "the C side bounds a call's tiles with KVBM_TILE_MIN_BYTES");
 
 template <int V>
@@ -81,7 +84,8 @@ cudaError_t load_every_width(const Load &load)
 // bytes from src to dst, issuing every load before any store so that each
 // thread keeps kUnroll vectors in flight.  offsets(j, &from, &to) gives the
 // byte offsets of vector j in the source and the destination.  Plain
-// accesses: the evict-first hints (__ldcs, __stcs) are slower.
+// accesses: the evict-first hints (__ldcs, __stcs) were tried and lost
+// (benchmarks/README.md, "Defaults in the code").
 template <int V, class Offsets>
 __device__ __forceinline__ void move_vectors(const char *src, char *dst, uint32_t first, uint32_t stride,
                                              uint32_t count, const Offsets &offsets)

@@ -55,9 +55,10 @@ static int check_reread_layer(const kv_paged_cache *self, const char *name, cons
 
 /* One array holding every layer, read through a C exchange API, is asked
  * where it is at every call (one C call).  Per-layer arrays would cost one
- * such call per layer (about 0.1 us each, as much as the rest of a call at
- * 80 layers), so they are checked only under KVBM_EXT_DEBUG, as are arrays
- * without the API (read again through their Python protocol). */
+ * such call per layer, a host cost that grows with the layers, where the
+ * rest of a call's does not, so they are checked only under KVBM_EXT_DEBUG
+ * (docs/reliability.md), as are arrays without the API (read again through
+ * their Python protocol). */
 int kv_paged_check_layers(const kv_paged_cache *self, const char *name, const kv_reader *reader,
                           const kv_selection *layers)
 {

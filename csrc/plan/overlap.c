@@ -24,9 +24,10 @@ kv_span kv_span_of(const kv_array *a, Py_ssize_t index, int destination)
 }
 
 /* Sorts by start: an insertion sort for a few spans (the arrays of a call
- * usually come in address order), else a radix sort, 11 bits a pass, so
- * that a call of 20,000 chunks costs tens of microseconds rather than a
- * comparison sort's milliseconds. */
+ * usually come in address order), else a radix sort, 11 bits a pass, whose
+ * cost grows linearly with the spans: a list call passes nb*nl*no chunks,
+ * tens of thousands for a large model, and a comparison sort would make
+ * n log n calls of its comparison function. */
 static int sort_by_start(kv_span *spans, Py_ssize_t count)
 {
     enum {
