@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Every engine's KV cache, described once, moved cache to cache by kvbm_ext.
 
-Each engine's cache is built the way the engine holds it and described once as a
+Each engine's cache is built the way the engine holds it (as the registry of engine caches
+the tests use describes it: tests/support/engines.py) and described once as a
 kvbm_ext.PagedKVCache; blocks move with PagedKVCache.to_cache into a universal pool
 [N, nh, nl, no, nt, hd] and back, in pinned host memory (the staged copy-engine path) and
 on the device (D2D):
@@ -49,14 +50,17 @@ from functools import partial
 import numpy as np
 import torch
 
-# Benchmark the checkout: an in-place build in the repository root comes first.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Benchmark the checkout: an in-place build in the repository root comes first; the engines'
+# caches are those of the tests' registry (tests/support/engines.py).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import kvbm_ext  # noqa: E402
 from kvbm_ext._no_gpu import require_gpu  # noqa: E402
 from harness import (HD, NH, NT, RepPolicy, Tee, Timing, calibrate_sleep_cycles_per_us,  # noqa: E402
                      cuda_synchronize, fill_random_, int_list, output_dir, run_once, run_stem, steady_host_us,
                      time_gpu_calls)
 from report import csv_cells, fmt  # noqa: E402
+from support import engines as registry  # noqa: E402
 import transformers_e2e  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -112,53 +116,22 @@ class Engine:
     usable: list              # the block ids the engine hands out
 
 
-def vllm_packed(dims, num_blocks, device):
-    layers = [torch.empty(num_blocks, dims.nt, dims.nh, 2 * dims.hd, dtype=DTYPE, device=device)
-              for _ in range(dims.nl)]
-    chunks = [[layer[..., :dims.hd], layer[..., dims.hd:]] for layer in layers]
-    return layers, layers, "bth(kd)", {}, chunks, range(num_blocks)
+# The engines timed, by the names of their rows, and their caches in the registry of engine
+# caches the tests use too (tests/support/engines.py, docs/engines.md).
+ENGINES = {"vllm_packed": "vllm_packed_memory", "vllm_flash": "vllm_flash_attn", "flashinfer_hnd": "flashinfer_hnd",
+           "sglang_pairs": "sglang_mha", "transformers_pairs": "transformers", "mla": "mla"}
 
 
-def vllm_flash(dims, num_blocks, device):
-    layers = [torch.empty(2, num_blocks, dims.nt, dims.nh, dims.hd, dtype=DTYPE, device=device)
-              for _ in range(dims.nl)]
-    return layers, layers, "kbthd", {}, [[layer[0], layer[1]] for layer in layers], range(num_blocks)
-
-
-def flashinfer_hnd(dims, num_blocks, device):
-    stored = [torch.empty(num_blocks, 2, dims.nh, dims.nt, dims.hd, dtype=DTYPE, device=device)
-              for _ in range(dims.nl)]
-    logical = [layer.permute(0, 1, 3, 2, 4) for layer in stored]        # (num_blocks, 2, nt, nh, hd)
-    return stored, logical, "bkthd", {}, [[layer[:, 0], layer[:, 1]] for layer in logical], range(num_blocks)
-
-
-def kv_pairs(dims, num_blocks, device):
-    """Per layer a K and a V tensor [num_blocks * nt, nh, hd]."""
-    return [tuple(torch.empty(num_blocks * dims.nt, dims.nh, dims.hd, dtype=DTYPE, device=device) for _ in "kv")
-            for _ in range(dims.nl)]
-
-
-def pair_engine(dims, num_blocks, device, usable):
-    pairs = kv_pairs(dims, num_blocks, device)
-    chunks = [[part.view(num_blocks, dims.nt, dims.nh, dims.hd) for part in pair] for pair in pairs]
-    return [t for pair in pairs for t in pair], pairs, "(bt)hd", {"block_size": dims.nt}, chunks, usable
-
-
-def sglang_pairs(dims, num_blocks, device):
-    return pair_engine(dims, num_blocks, device, range(1, num_blocks))
-
-
-def transformers_pairs(dims, num_blocks, device):
-    return pair_engine(dims, num_blocks, device, range(num_blocks - 2))
-
-
-def mla(dims, num_blocks, device):
-    layers = [torch.empty(num_blocks, dims.nt, dims.hd, dtype=DTYPE, device=device) for _ in range(dims.nl)]
-    return layers, layers, "btd", {}, [[layer.unsqueeze(2)] for layer in layers], range(num_blocks)
-
-
-ENGINES = {"vllm_packed": vllm_packed, "vllm_flash": vllm_flash, "flashinfer_hnd": flashinfer_hnd,
-           "sglang_pairs": sglang_pairs, "transformers_pairs": transformers_pairs, "mla": mla}
+def allocate(name, dims, num_blocks, device):
+    """Engine `name`'s cache as the registry describes it, num_blocks blocks (its spares
+    included), uninitialised: (its tensors, PagedKVCache's `layers` argument, layout,
+    options, chunks [nl][no] of views [num_blocks, nt, nh, hd], the block ids it hands out)."""
+    described = registry.ENGINES[ENGINES[name]]
+    d = described.dims(registry.Dims(dims.nl, dims.nh, dims.nt, dims.hd, num_blocks))
+    tensors = [torch.empty(shape, dtype=DTYPE, device=device) for shape in described.shapes(d)]
+    options = {"block_size": d.nt} if described.block_size else {}
+    return (tensors, described.arg(tensors, d), described.layout, options, described.views(tensors, d),
+            described.usable(d))
 
 
 def engine_dims(engine, layers):
@@ -167,7 +140,7 @@ def engine_dims(engine, layers):
 
 def build_engine(name, dims, num_blocks, device):
     """The engine's tensors (random bits), described once; num_blocks includes its spares."""
-    tensors, layers, layout, options, chunks, usable = ENGINES[name](dims, num_blocks, device)
+    tensors, layers, layout, options, chunks, usable = allocate(name, dims, num_blocks, device)
     for tensor in tensors:
         fill_random_(tensor, device)
     return Engine(name, layout, dims, kvbm_ext.PagedKVCache(layers, layout, **options), chunks, list(usable))

@@ -314,7 +314,7 @@ def engine_element(name, tensors, layers, dims, block, layer, outer, head, token
 def test_engines_reference_gathers_each_engine_as_documented(engines, name, gen):
     import torch
     dims = engines.Dims(3, 1, 1, 5, 8) if name == "mla" else engines.Dims(3, 2, 4, 5, 6)
-    tensors, layers, layout, _, chunks, usable = engines.ENGINES[name](dims, 7, torch.device("cpu"))
+    tensors, layers, layout, _, chunks, usable = engines.allocate(name, dims, 7, torch.device("cpu"))
     for tensor in tensors:
         tensor.view(torch.int16).copy_(torch.randint(-2**15, 2**15, tensor.shape, dtype=torch.int16, generator=gen))
     engine = engines.Engine(name, layout, dims, None, chunks, list(usable))
@@ -337,7 +337,7 @@ def test_engines_reference_gathers_each_engine_as_documented(engines, name, gen)
 def test_engines_usable_blocks_leave_out_the_spares(engines):
     import torch
     dims = engines.Dims(1, 2, 1, 2, 2)
-    usable = {name: list(engines.ENGINES[name](dims, 6, torch.device("cpu"))[5]) for name in engines.ENGINES}
+    usable = {name: list(engines.allocate(name, dims, 6, torch.device("cpu"))[5]) for name in engines.ENGINES}
     assert usable["sglang_pairs"] == [1, 2, 3, 4, 5]               # page 0: SGLang's padding page
     assert usable["transformers_pairs"] == [0, 1, 2, 3]            # the last two: read and write trash
     assert usable["vllm_flash"] == list(range(6))

@@ -35,6 +35,18 @@ def gpu_pool(tmp_path, gen):
         yield e, memory, cache, pool
 
 
+def stored_and_a_poisoned_cache(gpu_pool, gen, blocks, slots):
+    """Blocks `blocks` of the GPU pool's cache stored in `slots` (waited for), and a poisoned
+    vLLM packed-K|V cache on the GPU to load them into, the device idle: (engine, the pool,
+    the source's bytes before, the destination's memory, cache and expected bytes)."""
+    e, memory, cache, pool = gpu_pool
+    before = snapshot(memory)
+    pool.store(cache, blocks, slots).wait(60)
+    _, dst_mem, dst_cache, dst_want = poisoned_copy("vllm_packed", gen, d=LLAMA, device="cuda")
+    sync()
+    return e, pool, before, dst_mem, dst_cache, dst_want
+
+
 def test_round_trip_bit_exact(gpu_pool, gen):
     e, memory, cache, pool = gpu_pool
     before = snapshot(memory)
@@ -83,11 +95,7 @@ def test_a_load_is_ordered_after_the_callers_stream_and_done_once_written(gpu_po
     """The caller's stream sleeps, then writes the destination blocks, then calls load: the
     load's write lands after that write (the blocks end up loaded), and the handle is done
     only once they are written (a stream with no other wait reads them at once)."""
-    e, memory, cache, pool = gpu_pool
-    before = snapshot(memory)
-    pool.store(cache, [4, 8], [10, 11]).wait(60)
-    _, dst_mem, dst_cache, dst_want = poisoned_copy("vllm_packed", gen, d=LLAMA, device="cuda")
-    sync()
+    e, pool, before, dst_mem, dst_cache, dst_want = stored_and_a_poisoned_cache(gpu_pool, gen, [4, 8], [10, 11])
     caller, other = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(caller):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -106,11 +114,7 @@ def test_a_load_is_ordered_after_the_callers_stream_and_done_once_written(gpu_po
 def test_wait_stream_orders_a_stream_after_the_load(gpu_pool, gen):
     """A stream ordered by handle.wait_stream reads the loaded blocks, though the write is
     queued behind the caller's sleeping stream."""
-    e, memory, cache, pool = gpu_pool
-    before = snapshot(memory)
-    pool.store(cache, [7, 9], [20, 21]).wait(60)
-    _, dst_mem, dst_cache, dst_want = poisoned_copy("vllm_packed", gen, d=LLAMA, device="cuda")
-    sync()
+    e, pool, before, dst_mem, dst_cache, dst_want = stored_and_a_poisoned_cache(gpu_pool, gen, [7, 9], [20, 21])
     caller, reader = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(caller):
         torch.cuda._sleep(SLEEP_CYCLES)

@@ -1,5 +1,6 @@
-"""Engines' KV caches as the engines allocate them, and plain-torch views of their blocks,
-for tests/test_engine_caches.py and tests/test_cache_to_cache.py.
+"""Engines' KV caches as the engines allocate them, and plain-torch views of their blocks:
+the one registry of engine caches, for the tests (tests/test_engine_caches.py,
+tests/test_cache_to_cache.py, the disk and NIXL tests) and benchmarks/engines.py.
 
 Each Engine allocates its memory in the shape its own source gives (docs/engines.md cites
 the file), builds the argument PagedKVCache takes from that memory without a copy, and
@@ -36,9 +37,15 @@ class Engine:
     no: int = 2
     heads: bool = True
     block_size: bool = False  # the layout groups t: pass block_size=nt
+    reserved: tuple = (0, 0)  # blocks the engine never hands out: so many first, so many last
 
     def dims(self, d):
         return Dims(d.nl, d.nh if self.heads else 1, d.nt, d.hd, d.blocks)
+
+    def usable(self, d):
+        """The block ids the engine hands out (its spare blocks left out)."""
+        first, last = self.reserved
+        return range(first, d.blocks - last)
 
     def allocate(self, d, dtype, gen, device="cpu", pin=False):
         return [random_tensor(s, dtype, device, gen, pin) for s in self.shapes(self.dims(d))]
@@ -120,11 +127,11 @@ engine("mla", "btd", lambda d: [(d.blocks, d.nt, d.hd)] * d.nl, lambda m, d: lis
 # SGLang MHATokenToKVPool: k_buffer[l] and v_buffer[l], each (size + page_size, head_num,
 # head_dim): blocks * page_size rows (the first page is the padding slot).
 engine("sglang_mha", "(bt)hd", lambda d: [(d.blocks * d.nt, d.nh, d.hd)] * (2 * d.nl), pairs_of,
-       lambda m, d: [[pages(k, d), pages(v, d)] for k, v in pairs_of(m)], block_size=True)
+       lambda m, d: [[pages(k, d), pages(v, d)] for k, v in pairs_of(m)], block_size=True, reserved=(1, 0))
 # transformers PagedAttentionCache: key_cache[l], value_cache[l], each
 # ((num_blocks + 2) * block_size, num_kv_heads, head_dim): two spare blocks at the end.
 engine("transformers", "(bt)hd", lambda d: [(d.blocks * d.nt, d.nh, d.hd)] * (2 * d.nl), pairs_of,
-       lambda m, d: [[pages(k, d), pages(v, d)] for k, v in pairs_of(m)], block_size=True)
+       lambda m, d: [[pages(k, d), pages(v, d)] for k, v in pairs_of(m)], block_size=True, reserved=(0, 2))
 # A universal pool: [N, nh, nl, no, nt, hd], one universal block per id.
 engine("universal_pool", "bhlktd", lambda d: [(d.blocks, d.nh, d.nl, 2, d.nt, d.hd)], lambda m, d: m[0],
        lambda m, d: [[m[0][:, :, l, o].transpose(1, 2) for o in range(2)] for l in range(d.nl)])
