@@ -1,9 +1,11 @@
 """The pictures of a kvbench run: one PNG per question a reader asks, each a GB/s against
 blocks per call plot with a few plainly named lines and the limit it is measured against
 drawn as a line.  A figure is drawn when its group ran; it reads the rows of report.py (a
-run's, or a CSV's through report.read_csv)."""
+run's, or a CSV's through report.read_csv).  `--table` prints instead the README's table of
+PagedKVCache rates (paged_table), every figure in it read from the CSV it names."""
 
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -284,11 +286,69 @@ def draw(rows, stem, names=None):
     return paths, None if paths else "no PNG: no row was timed"
 
 
+# ----------------------------------------------------------------------------- the README's table
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TABLE_NBS = (1, 64)              # the README's rows: one block a call, and a batch
+TABLE_FUNCTIONS = ("PagedKVCache.to_universal", "PagedKVCache.from_universal")
+TABLE_HEADER = ("| nb | device to device, to / from universal | % of the device copy | pinned host, to / from "
+                "| % of a same-size pinned memcpy |")
+
+
+def table_gbps(value):
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def source_name(path):
+    """The CSV as the table names it: relative to the checkout when inside it."""
+    relative = os.path.relpath(os.path.abspath(path), REPO_ROOT)
+    return path if relative.startswith("..") else relative
+
+
+def table_row(rows, function, placement, nt, nb):
+    """The one verified row of PagedKVCache `function` with device ids (num_ctas None) at
+    this placement, nt and nb; ValueError naming the case when the run has none or several."""
+    found = [row for row in rows if gpu_row("paged", function, placement, "device_ids")(row)
+             and row["nt"] == nt and row["nb"] == nb and rate(row)]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} verified rows of {function}, {placement}, device ids, nt={nt}, nb={nb} "
+                         "(the table needs one)")
+    return found[0]
+
+
+def paged_table(rows, source, nbs=TABLE_NBS):
+    """The README's table of a kvbench paged run (rows as report.read_csv gives them, from the
+    CSV `source`): PagedKVCache with device ids, to and from universal blocks, at each nb:
+    GB/s device to device with its % of the run's device copy (pct_of_ceiling), and to and
+    from pinned host memory with its % of a pinned memcpy of the same bytes
+    (pct_same_size_memcpy); then the run's ceilings.  Lines of Markdown; every figure is
+    the CSV's, rounded (rates counted once, as report.read_csv reads any CSV)."""
+    nt = shown_nt(rows)
+    where = where_of(rows)
+    lines = [f"{where}, {PROFILE}, {nt} tokens per block, device ids "
+             f"(`{source_name(source)}`; GB/s count each byte moved once):", "",
+             TABLE_HEADER, "|---:|---|---|---|---|"]
+    for nb in nbs:
+        cells = [str(nb)]
+        for placement, pct in (("d2d", "pct_of_ceiling"), ("pinned", "pct_same_size_memcpy")):
+            pair = [table_row(rows, function, placement, nt, nb) for function in TABLE_FUNCTIONS]
+            cells.append(" / ".join(table_gbps(rate(row)) for row in pair) + " GB/s")
+            cells.append(" / ".join(f"{row[pct]:.1f}" for row in pair))
+        lines.append("| " + " | ".join(cells) + " |")
+    limits = {direction: ceiling(rows, direction) for direction in ("d2d", "h2d", "d2h")}
+    if None in limits.values():
+        raise ValueError("the run has no " + ", ".join(d for d, row in limits.items() if row is None) + " ceiling")
+    lines += ["", f"Ceilings of the same run: device copy {table_gbps(rate(limits['d2d']))} GB/s, 1 GiB pinned "
+                  f"memcpy {table_gbps(rate(limits['h2d']))} (host to device) and "
+                  f"{table_gbps(rate(limits['d2h']))} GB/s (device to host)."]
+    return lines
+
+
 def main(argv=None):
     """python3 benchmarks/figures.py RUN.csv [--out DIR]: the PNGs of an earlier run, drawn
-    from its CSV (a run made where matplotlib was missing, or one of benchmarks/results/)."""
+    from its CSV (a run made where matplotlib was missing, or one of benchmarks/results/);
+    with --table, the README's table of the run instead."""
     import argparse
-    import os
 
     from report import COLUMNS, read_csv
 
@@ -297,8 +357,17 @@ def main(argv=None):
     parser.add_argument("--out", help="directory for the PNGs (default: next to the CSV)")
     parser.add_argument("--figure", action="append", choices=[figure.name for figure in FIGURES],
                         help="draw only this figure (repeatable; default: every figure the run has rows for)")
+    parser.add_argument("--table", action="store_true",
+                        help="print the README's Markdown table of the run's PagedKVCache rates (a paged run at "
+                             f"nb = {' and '.join(map(str, TABLE_NBS))}) instead of drawing")
     args = parser.parse_args(argv)
     rows = [dict({column: "" for column in COLUMNS}, **row) for row in read_csv(args.csv)]
+    if args.table:
+        try:
+            print("\n".join(paged_table(rows, args.csv)))
+        except ValueError as error:
+            raise SystemExit(f"figures: {args.csv}: {error}")
+        return
     stem = os.path.splitext(args.csv)[0]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
