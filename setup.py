@@ -29,7 +29,9 @@ import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-VERSION = "0.4.0"
+# The one place the version is written: the metadata, kvbm_ext.__version__ (KVBM_VERSION below) and
+# the tests read it from here; CHANGELOG.md's newest release heading must name it (tests/test_build.py).
+VERSION = "0.5.0"
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "80;86;89;90"
 # csrc/ holds one folder per layer (docs/internals.md draws them; tests/test_tree.py checks

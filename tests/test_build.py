@@ -64,9 +64,24 @@ def test_build_info_keys_and_types():
         assert info["cuda_version"] is None
 
 
+def setup_py_version():
+    """setup.py's VERSION: the one place the version is written (a release changes it there
+    and adds its CHANGELOG.md heading; no test names a version)."""
+    with open(os.path.join(REPO_ROOT, "setup.py")) as f:
+        return re.search(r'^VERSION = "([^"]+)"$', f.read(), re.M).group(1)
+
+
 def test_version():
-    assert kvbm_ext.__version__ == "0.4.0"
-    assert kvbm_ext.build_info()["version"] == kvbm_ext.__version__
+    """The module reports setup.py's version, and CHANGELOG.md's newest release heading,
+    `## VERSION (YYYY-MM-DD)` under the `## Unreleased` section, names it."""
+    version = setup_py_version()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    assert kvbm_ext.__version__ == version, "the built module is older than setup.py: rebuild it"
+    assert kvbm_ext.build_info()["version"] == version
+    with open(os.path.join(REPO_ROOT, "CHANGELOG.md")) as f:
+        headings = re.findall(r"^## (.+)$", f.read(), re.M)
+    assert headings[0] == "Unreleased", headings[:2]
+    assert re.fullmatch(re.escape(version) + r" \(\d{4}-\d{2}-\d{2}\)", headings[1]), headings[:2]
 
 
 def test_is_using_stubs_consistent_with_build_info():

@@ -198,11 +198,12 @@ def test_check_dist_notices_a_readme_link_the_sdist_lacks(tmp_path):
     files = {"README.md": "![plot](docs/images/a.png) [api](docs/api.md#backend) [ex](examples/) "
                           "[site](https://example.org) `[not](a link)`\n",
              "docs/api.md": "x", "examples/one.py": "x"}
-    sdist = tmp_path / "kvbm_ext-0.4.0.tar.gz"
+    top = f"kvbm_ext-{kvbm_ext.__version__}"
+    sdist = tmp_path / f"{top}.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
         for name, text in files.items():
             path = tmp_path / "member"
             path.write_text(text)
-            tar.add(path, arcname=f"kvbm_ext-0.4.0/{name}")
+            tar.add(path, arcname=f"{top}/{name}")
     assert check_dist.sdist_problems(str(sdist), list(files)) == [
         "README.md links docs/images/a.png, which the sdist lacks"]

@@ -1,7 +1,7 @@
 """Packaging: CUDA_ARCHS parsing and target selection (setup.py's helpers, no build), a
 rebuild that follows the toolkit and the targets, the sdist's contents, the license
-metadata with old and new setuptools, and type checkers finding the package after an
-editable install.  .ci/run also builds a wheel from the sdist and imports it on the
+metadata with old and new setuptools, the project metadata, and type checkers finding the
+package after an editable install.  .ci/run also builds a wheel from the sdist and imports it on the
 oldest and newest Python the machine has (tools/check_dist.py)."""
 
 import importlib.util
@@ -247,12 +247,13 @@ def test_check_dist_notices_a_missing_header_and_a_built_object(tmp_path):
         import check_dist
     finally:
         sys.path.pop(0)
-    sdist = tmp_path / "kvbm_ext-0.4.0.tar.gz"
+    top = f"kvbm_ext-{setup_py.VERSION}"
+    sdist = tmp_path / f"{top}.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
         for name in ("setup.py", "csrc/api/module.c", "kvbm_ext/_C.cpython-311-x86_64-linux-gnu.so"):
             path = tmp_path / "x"
             path.write_text("x")
-            tar.add(path, arcname=f"kvbm_ext-0.4.0/{name}")
+            tar.add(path, arcname=f"{top}/{name}")
     problems = check_dist.sdist_problems(str(sdist), ["setup.py", "csrc/api/module.c", "csrc/plan/state.h",
                                                       "benchmarks/results/x.csv"])
     assert problems == ["missing from the sdist: csrc/plan/state.h",
@@ -272,6 +273,29 @@ def test_check_dist_notices_a_missing_header_and_a_built_object(tmp_path):
 def test_license_metadata_for_each_setuptools(monkeypatch, version, expected):
     monkeypatch.setattr(setup_py.setuptools, "__version__", version)
     assert setup_py.license_metadata() == expected
+
+
+def test_project_metadata_names_people_keywords_and_no_url():
+    """pyproject.toml names authors, maintainers, keywords and classifiers; no URL (the project
+    has no public home: README.md, "More"), no "License ::" classifier (setuptools 77 and newer
+    refuse one beside the SPDX expression), and the Python versions check_dist.py builds for."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["authors"] and project["maintainers"] and project["keywords"]
+    assert all(person.get("name") for person in project["authors"] + project["maintainers"])
+    assert "urls" not in project
+    classifiers = project["classifiers"]
+    assert not [c for c in classifiers if c.startswith("License ::")], classifiers
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+    try:
+        import check_dist
+    finally:
+        sys.path.pop(0)
+    versions = [c.rsplit(" :: ", 1)[1] for c in classifiers
+                if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert tuple(versions) == check_dist.SUPPORTED
+    assert project["requires-python"] == f">={check_dist.SUPPORTED[0]}"
 
 
 # --------------------------------------------------------------------------
