@@ -37,6 +37,10 @@ from support.vllm_engine import Engine, write_model_config  # noqa: E402
 KEYS = [make_offload_key(bytes([i]) * 32, i % 2) for i in range(16)]
 
 
+def needs_nixl():
+    pytest.importorskip("nixl_cu13", reason="the disk tier needs NIXL (pip install 'kvbm_ext[nixl]')")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_config(tmp_path_factory.mktemp("llama"))
@@ -119,9 +123,14 @@ def test_interface_check_warns_on_another_version(monkeypatch):
 
 
 def test_spec_names_what_it_expects(model_dir):
-    with pytest.raises(ValueError, match=r"\['kvbm_tier'\]: 'disk' \(not implemented yet\); expected one of "
-                                         r"\['pinned'\]"):
+    with pytest.raises(ValueError, match=r"\['kvbm_tier'\]: 'peer' \(not implemented yet\); expected one of "
+                                         r"\['disk', 'pinned'\]"):
+        Engine(model_dir, extra={"kvbm_tier": "peer"})
+    with pytest.raises(ValueError, match="the disk tier needs 'kvbm_disk_path'"):
         Engine(model_dir, extra={"kvbm_tier": "disk"})
+    with pytest.raises(ValueError, match="expected 'kvbm_disk_bytes' .bytes for the whole engine. or 'kvbm_num_slots'"):
+        Engine(model_dir, extra={"kvbm_tier": "disk", "kvbm_disk_path": "/nonexistent", "kvbm_num_slots": None,
+                                 "cpu_bytes_to_use": 1 << 30})
     with pytest.raises(ValueError, match="expected 'cpu_bytes_to_use' .bytes for the whole engine. or 'kvbm_num_slots'"):
         Engine(model_dir, extra={"kvbm_num_slots": None})
     # vLLM's CPU tier's key, its meaning: bytes for the whole engine, every worker's heads.
@@ -250,6 +259,67 @@ def test_worker_reports_failures(gen, caplog):
     assert "job 3: group sizes [1] cover 1 of 1 GPU blocks and 1 of 2 slots" in caplog.text
 
 
+def disk_worker(tmp_path, device, gen, **options):
+    """A worker over two groups of their own tensors (3 blocks a chunk) and a DiskTier."""
+    needs_nixl()
+    nh, nt, hd = 2, 4, 8
+    layers, canonical, page = vllm_caches(4, 20, nh, nt, hd, device, gen, pad=64)
+    refs = [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(2, page)],
+            [CanonicalKVCacheRef(1, page), CanonicalKVCacheRef(3, page)]]
+    worker = integration.KvbmOffloadingWorker(
+        CanonicalKVCaches(tensors=canonical, group_data_refs=refs),
+        tier=integration.DiskTier(tmp_path / "tier", "dp0-rank3", **options), num_slots=6, blocks_per_chunk=3,
+        page=(torch.bfloat16, True, nh, nt, 2, hd))
+    return worker, layers, refs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_disk_tier_round_trip_and_a_corrupted_slot(tmp_path, gen, device):
+    """Two groups, unaligned chunks: blocks stored into the disk tier's files come back into
+    other blocks bit-exact; then a byte flipped in one slot's payload on disk fails its load
+    job, and that block alone is not written (it keeps the poison)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    worker, layers, refs = disk_worker(tmp_path, device, gen)
+    names = sorted(p.name for p in (tmp_path / "tier").iterdir())
+    assert names == ["kvbm-dp0-rank3-group0.pool", "kvbm-dp0-rank3-group1.pool"]
+    gpu_ids = [7, 3, 11, 5, 9, 2, 14, 6, 1]                 # group 0: 5 blocks from index 4, group 1: 4 from 2
+    slots = integration.KvbmLoadStoreSpec([4, 1, 0, 5])
+    assert worker.submit_store(10, GPULoadStoreSpec(gpu_ids, [5, 4], [4, 2]), slots)
+    worker.wait({10})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(10, True)]
+    dst = [12, 13, 15, 16, 17, 18, 19, 0, 4]
+    for layer in layers:
+        layer.view(torch.uint8)[dst] = 0x5A
+    assert worker.submit_load(11, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
+    worker.wait({11})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(11, True)]
+    for i, (a, b) in enumerate(zip(gpu_ids, dst)):
+        for t in (refs[0] if i < 5 else refs[1]):
+            assert torch.equal(layers[t.tensor_idx][b].view(torch.int16), layers[t.tensor_idx][a].view(torch.int16))
+    # Group 0's second block went to chunk 4's last block: pool block 14 of group 0's file.
+    pool = worker.tier.pools[0]
+    with open(pool.path, "r+b") as f:
+        f.seek(pool._geometry.payload_offset(14) + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    for layer in layers:
+        layer.view(torch.uint8)[dst] = 0x5A
+    assert worker.submit_load(12, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
+    worker.wait({12})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(12, False)]
+    for i, (a, b) in enumerate(zip(gpu_ids, dst)):
+        for t in (refs[0] if i < 5 else refs[1]):
+            got = layers[t.tensor_idx][b].view(torch.uint8)
+            if i == 1 and t.tensor_idx in (0, 2):
+                assert bool((got == 0x5A).all()), f"block {b} was written from a slot that failed verification"
+            else:
+                assert torch.equal(got, layers[t.tensor_idx][a].view(torch.uint8)), (i, t.tensor_idx)
+    worker.shutdown()
+    assert worker.tier.pools == []
+
+
 class FakeEvent:
     """torch.cuda.Event on the CPU: record() logs where it was recorded; query() answers
     `done`, which the test sets."""
@@ -362,20 +432,28 @@ def check_clean(engine):
     pytest.param({"extra": {"block_size": 48}}, id="three_blocks_a_chunk"),
     pytest.param({"tp": 2}, id="two_tp_ranks"),
     pytest.param({"extra": {"kvbm_pool_layout": "raw"}}, id="raw_pages"),
+    pytest.param({"extra": {"kvbm_tier": "disk", "blocks_per_chunk": 2}, "tp": 2}, id="disk_tier_two_tp_ranks"),
+    pytest.param({"extra": {"kvbm_tier": "disk", "kvbm_pool_layout": "raw"}, "groups": 2}, id="disk_tier_raw_pages"),
 ])
-def test_store_evict_prefix_hit_and_load(model_dir, variant):
+def test_store_evict_prefix_hit_and_load(model_dir, variant, tmp_path):
     """A prompt is stored, pushed out of the GPU by others, and comes back through a
     prefix hit into other GPU blocks, bit-exact; the stored pool blocks are the GPU's."""
     rng = np.random.default_rng(1)
     variant = dict(variant)
     extra = {"kvbm_num_slots": 160, **variant.pop("extra", {})}
+    disk = extra.get("kvbm_tier") == "disk"
+    if disk:
+        needs_nixl()
+        extra["kvbm_disk_path"] = str(tmp_path)
     engine = Engine(model_dir, num_blocks=32, extra=extra, **variant)
+    if disk:        # each worker's files of its own
+        assert len(list(tmp_path.iterdir())) == engine.tp * variant.get("groups", 1)
     shared = prompt(rng, 100)
     first = engine.add_request(shared + [5], max_tokens=2)
     engine.run()
     first_blocks = 100 // 16
     assert engine.manager.num_stored >= 1
-    if "kvbm_pool_layout" not in extra:
+    if "kvbm_pool_layout" not in extra and not disk:
         # The pool blocks of the first chunk stored (the prompt's first), against the prefix they hold.
         key = next(iter(engine.manager._chunks))
         bpc = engine.spec_workers[0].blocks_per_chunk
@@ -396,12 +474,17 @@ def test_store_evict_prefix_hit_and_load(model_dir, variant):
 
 
 @pytest.mark.slow
-def test_thousand_requests_with_eviction(model_dir):
+@pytest.mark.parametrize("tier", ["pinned", "disk"])
+def test_thousand_requests_with_eviction(model_dir, tier, tmp_path):
     """1,000 requests over 150 shared prefixes, more than the GPU cache holds and than the
     tier holds (it evicts all along): every job reported once, none failed, every loaded
     block bit-exact."""
     rng = np.random.default_rng(2)
-    engine = Engine(model_dir, num_blocks=48, extra={"kvbm_num_slots": 200}, max_batched_tokens=512)
+    extra = {"kvbm_num_slots": 200}
+    if tier == "disk":
+        needs_nixl()
+        extra.update(kvbm_tier="disk", kvbm_disk_path=str(tmp_path))
+    engine = Engine(model_dir, num_blocks=48, extra=extra, max_batched_tokens=512)
     prefixes = [prompt(rng, int(rng.integers(32, 96))) for _ in range(150)]
     started = time.perf_counter()
     for i in range(1000):
@@ -533,10 +616,15 @@ def test_gpu_jobs_after_reregistration_move_fresh_bytes(gen):
 
 
 @pytest.mark.gpu
-def test_gpu_connector_loop(model_dir):
+@pytest.mark.parametrize("tier", ["pinned", "disk"])
+def test_gpu_connector_loop(model_dir, tier, tmp_path):
     """The Scheduler and connector loop with CUDA caches: store, eviction, load, bit-exact."""
     rng = np.random.default_rng(3)
-    engine = Engine(model_dir, num_blocks=32, extra={"kvbm_num_slots": 160}, device="cuda")
+    extra = {"kvbm_num_slots": 160}
+    if tier == "disk":
+        needs_nixl()
+        extra.update(kvbm_tier="disk", kvbm_disk_path=str(tmp_path))
+    engine = Engine(model_dir, num_blocks=32, extra=extra, device="cuda")
     shared = prompt(rng, 100)
     engine.add_request(shared + [5], max_tokens=2)
     engine.run()

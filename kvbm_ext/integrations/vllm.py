@@ -20,8 +20,9 @@ for a scheduler-side manager and a worker-side worker (docs/vllm.md):
   one CUDA event per job, from a pool (a job is never reported before its bytes are in
   place, each once, in submission order per direction);
 - the tier is named by kv_connector_extra_config["kvbm_tier"]: "pinned" (the default,
-  a pinned pool from kvbm_ext.pinned_empty); "disk" and "peer" plug in through the
-  Tier interface below and are not implemented yet.
+  a pinned pool from kvbm_ext.pinned_empty) or "disk" (files of checksummed slots,
+  kvbm_ext.disk); "peer" plugs in through the Tier interface below and is not
+  implemented yet.
 
 Where vLLM's page layout is known (attention pages [H, N, 2*hd] or [N, H, 2*hd] with K
 and V packed in the last dimension, MLA pages [N, hd]) the pool holds universal blocks,
@@ -38,6 +39,7 @@ missing one; on another version it warns.
 """
 
 import logging
+import os
 import time
 import warnings
 from collections import OrderedDict, deque
@@ -49,7 +51,7 @@ import torch
 import kvbm_ext
 
 __all__ = ["TESTED_VERSIONS", "KvbmLoadStoreSpec", "KvbmOffloadingManager", "KvbmOffloadingSpec",
-           "KvbmOffloadingWorker", "PinnedTier", "Tier", "TransferHandle", "check_vllm"]
+           "KvbmOffloadingWorker", "DiskTier", "PinnedTier", "Tier", "TransferHandle", "check_vllm"]
 
 TESTED_VERSIONS = ("0.33.0", "0.26.0")
 
@@ -423,8 +425,48 @@ class PinnedTier(Tier):
             self.buffer = None
 
 
-TIERS = {"pinned": PinnedTier}
-LATER_TIERS = ("disk", "peer")
+class DiskTier(Tier):
+    """Files of slots through kvbm_ext.disk.DiskPool (NIXL's POSIX backend; each slot's
+    header and checksum verified before its block is written back): one pool per KV cache
+    group, `{directory}/kvbm-{worker}-group{index}.pool`, one GPU block a slot, in the
+    group cache's universal order (or its raw pages).  The files are made anew when the
+    worker attaches: the manager's LRU starts empty, so nothing an earlier engine left
+    there is vLLM's to find.  Stores and loads answer with the pool's handles: a store
+    ends when its slots are written, a load when its verified blocks are in vLLM's cache;
+    a slot that fails verification fails its job, and its block is not written.  A job
+    that finds the pool's pinned bounce buffer full waits at submission until earlier jobs
+    release it: back-pressure rather than a failed job, which vLLM treats as fatal
+    (bounce_bytes sizes the buffer)."""
+
+    name = "disk"
+
+    def __init__(self, directory, worker="dp0-rank0", bounce_bytes=None):
+        from kvbm_ext.disk import DiskPool
+
+        self._open = DiskPool
+        self.directory, self.worker, self.bounce_bytes = os.fspath(directory), worker, bounce_bytes
+        self.pools = []
+
+    def attach(self, groups, num_slots, blocks_per_chunk):
+        os.makedirs(self.directory, exist_ok=True)
+        for group in groups:
+            path = os.path.join(self.directory, f"kvbm-{self.worker}-group{group.index}.pool")
+            self.pools.append(self._open(path, num_slots * blocks_per_chunk, like=group.cache, create=True,
+                                         bounce_bytes=self.bounce_bytes))
+
+    def store(self, group, src_ids, slot_block_ids, stream):
+        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream)
+
+    def load(self, group, slot_block_ids, dst_ids, stream):
+        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream)
+
+    def close(self):
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
+
+
+LATER_TIERS = ("peer",)
 
 
 # ----------------------------------------------------------------------------------
@@ -517,8 +559,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
     for vLLM's compute stream before every job (the KV written by the forward pass is
     what a store reads; a block the forward pass still reads or zeroes is not
     overwritten by a load before it).  Submission enqueues and returns; get_finished()
-    reports, per direction and in submission order, each job whose CUDA event has
-    completed, once; wait() blocks the host until the named jobs have ended.  The CUDA
+    reports, per direction and in submission order, each job whose CUDA event (and any
+    handle of its tier's) has completed, once; wait() blocks the host until the named
+    jobs have ended.  The CUDA
     events are made once and reused: one for the wait on the compute stream, and a
     pool of completion events, an event going back to it when its job is reported (a
     job's handles are not used after that)."""
@@ -574,12 +617,12 @@ class KvbmOffloadingWorker(OffloadingWorker):
     def _submit(self, direction, job_id, gpu_spec, slots, store):
         started = time.perf_counter()
         stream, event = direction.stream, None
+        handles, num_bytes = [], 0
         try:
             if stream is not None:
                 # A wait keeps the point the fence had when it was enqueued: recording it again is safe.
                 self._fence.record(torch.cuda.current_stream(self._device))
                 stream.wait_event(self._fence)
-            handles, num_bytes = [], 0
             bpc = self.blocks_per_chunk
             slots = np.asarray(slots, dtype=np.int64)
             gpu_ids = gpu_spec.block_ids        # int32 or int64: to_cache reads either
@@ -668,9 +711,14 @@ class KvbmOffloadingSpec(OffloadingSpec):
     kv_connector_extra_config {"spec_name": "KvbmOffloadingSpec", "spec_module_path":
     "kvbm_ext.integrations.vllm"}.  Its own keys there:
 
-    - "cpu_bytes_to_use" (vLLM's CPU tier's key, the same meaning): the tier's bytes for
-      the whole engine, every worker's share together; or "kvbm_num_slots": the slots;
-    - "kvbm_tier": "pinned" (default);
+    - "kvbm_tier": "pinned" (default) or "disk";
+    - its size: "cpu_bytes_to_use" (vLLM's CPU tier's key, the same meaning) for the
+      pinned tier, "kvbm_disk_bytes" for the disk tier: bytes for the whole engine, every
+      worker's share together; or, for either, "kvbm_num_slots": the chunks it holds;
+    - for the disk tier, "kvbm_disk_path" (a directory, made if missing; each worker's
+      files are its own) and optionally "kvbm_disk_bounce_bytes" (each pool's pinned
+      bounce buffer; a job needs room for all its blocks at once: default 1 GiB, at most
+      the pool's size);
     - "kvbm_pool_layout": "auto" (default: universal blocks where vLLM's page layout is
       known) or "raw" (vLLM's pages byte for byte);
     - and vLLM's own: "blocks_per_chunk" or "block_size" (the offloaded chunk)."""
@@ -679,33 +727,46 @@ class KvbmOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         extra = self.extra_config
         tier = extra.get("kvbm_tier", "pinned")
-        if tier not in TIERS:
+        if tier not in ("pinned", "disk"):
             later = " (not implemented yet)" if tier in LATER_TIERS else ""
             raise ValueError(f"kv_connector_extra_config['kvbm_tier']: {tier!r}{later}; expected one of "
-                             f"{sorted(TIERS)}")
+                             "['disk', 'pinned']")
+        if tier == "disk" and not extra.get("kvbm_disk_path"):
+            raise ValueError("kv_connector_extra_config: the disk tier needs 'kvbm_disk_path' (a directory for "
+                             "its files)")
         self.tier_name = tier
         self.pool_layout = extra.get("kvbm_pool_layout", "auto")
         if self.pool_layout not in ("auto", "raw"):
             raise ValueError(f"kv_connector_extra_config['kvbm_pool_layout']: expected 'auto' or 'raw', "
                              f"got {self.pool_layout!r}")
-        self.num_slots = self._num_slots(config, extra)
+        self.num_slots = self._num_slots(config, extra, "cpu_bytes_to_use" if tier == "pinned" else "kvbm_disk_bytes")
+        # Whose files the disk tier's are: this worker's data-parallel replica and rank
+        # (vLLM 0.26's spec config has neither: one engine, one worker a directory).
+        parallel = getattr(config, "parallel", None)
+        self.worker_name = (f"dp{getattr(parallel, 'data_parallel_index', 0)}-rank{getattr(parallel, 'rank', 0)}")
         self._manager = self._worker = None
 
-    def _num_slots(self, config, extra):
+    def _num_slots(self, config, extra, bytes_key):
         if extra.get("kvbm_num_slots") is not None:
             num_slots = int(extra["kvbm_num_slots"])
-        elif extra.get("cpu_bytes_to_use"):
+        elif extra.get(bytes_key):
             slot_bytes = config.worker_kv_bytes_per_block * config.parallel.world_size * self.blocks_per_chunk
             if slot_bytes <= 0:
                 raise ValueError("KvbmOffloadingSpec: vLLM reported 0 KV bytes per block; give "
-                                 "kv_connector_extra_config['kvbm_num_slots'] instead of 'cpu_bytes_to_use'")
-            num_slots = int(extra["cpu_bytes_to_use"]) // slot_bytes
+                                 f"kv_connector_extra_config['kvbm_num_slots'] instead of {bytes_key!r}")
+            num_slots = int(extra[bytes_key]) // slot_bytes
         else:
-            raise ValueError("kv_connector_extra_config: expected 'cpu_bytes_to_use' (bytes for the whole "
-                             "engine) or 'kvbm_num_slots'")
+            raise ValueError(f"kv_connector_extra_config: expected {bytes_key!r} (bytes for the whole engine) or "
+                             "'kvbm_num_slots'")
         if num_slots < 1:
             raise ValueError(f"kv_connector_extra_config: the tier holds {num_slots} chunks; give it at least one")
         return num_slots
+
+    def _tier(self):
+        if self.tier_name == "pinned":
+            return PinnedTier()
+        bounce = self.extra_config.get("kvbm_disk_bounce_bytes")
+        return DiskTier(self.extra_config["kvbm_disk_path"], self.worker_name, None if bounce is None else int(bounce))
 
     def get_manager(self):
         if self._manager is None:
@@ -724,6 +785,6 @@ class KvbmOffloadingSpec(OffloadingSpec):
                     why = f"pages of {sorted(page_bytes)} bytes"
             log.info("KvbmOffloadingSpec: %s tier of %d chunks of %d blocks, %s", self.tier_name, self.num_slots,
                      self.blocks_per_chunk, "universal blocks" if page is not None else f"raw pages ({why})")
-            self._worker = KvbmOffloadingWorker(kv_caches, tier=TIERS[self.tier_name](), num_slots=self.num_slots,
+            self._worker = KvbmOffloadingWorker(kv_caches, tier=self._tier(), num_slots=self.num_slots,
                                                 blocks_per_chunk=self.blocks_per_chunk, page=page)
         return self._worker

@@ -153,6 +153,7 @@ class Engine:
         self.failed = []
         self.loaded_blocks = self.checked_blocks = 0
         self._pending_loads, self._load_requests = {}, {}
+        self._recving = Counter()        # request -> the ranks that reported its load finished
         self._context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         for worker in self.spec_workers:
             self._watch(worker)
@@ -220,14 +221,19 @@ class Engine:
         if output.total_num_scheduled_tokens > 0:
             for worker in self.workers:
                 worker.wait_for_save()
-        recving, worker_meta = set(), None
+        worker_meta = None
         for worker in self.workers:
             _, done = worker.get_finished(output.finished_req_ids)
-            recving |= done
+            self._recving.update(done or ())
             meta_w = worker.build_connector_worker_meta()
             if meta_w is not None:
                 worker_meta = meta_w if worker_meta is None else worker_meta.aggregate(meta_w)
             worker.clear_connector_metadata()
+        # As vLLM's KVOutputAggregator: a request's load is finished once every rank said so
+        # (ranks whose tiers complete in the background say it at different steps).
+        recving = {req for req, ranks in self._recving.items() if ranks == self.tp}
+        for req in recving:
+            del self._recving[req]
         self._check_loads()
         running = [r for r in self.scheduler.running if output.num_scheduled_tokens.get(r.request_id)]
         # A token is sampled only once the prompt is computed, as a model runner does: a
