@@ -401,6 +401,11 @@ class PinnedTier(Tier):
         dtype = first.layers[0].dtype
         self.pool = raw.view(dtype).view(shape)
         for group in groups:
+            if group.universal and group.tensor_ids == tuple(range(num_tensors)):
+                # Every tensor, in order: each pool block is one universal block of the group,
+                # contiguous, which lets to_cache stage it whole through the copy engines.
+                self.pool_caches.append(kvbm_ext.PagedKVCache(self.pool, "bhlktd"))
+                continue
             if not group.universal:
                 layers = [self.pool[:, t, None, :group.cache.head_dim] for t in group.tensor_ids]
                 layout = "btd"
