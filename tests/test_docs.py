@@ -53,8 +53,6 @@ for _name, _obj in CALLABLES:
         TAKEN_BY.setdefault(_parameter, []).append(_name)
 # Options taken by more than one function: each docstring must give them an entry of their own.
 SHARED = {name for name, takers in TAKEN_BY.items() if len(takers) > 1}
-# Docstrings in csrc/ that do not document a shared option yet (function, option).
-DOCSTRING_GAPS = {("block_to_universal", "backend"), ("block_to_universal", "num_ctas")}
 
 
 def test_readme_signatures_are_the_stubs():
@@ -122,13 +120,8 @@ def documents(doc, name):
 
 
 def docstring_cases():
-    cases = []
-    for name, obj in CALLABLES:
-        for parameter in parameters(obj):
-            marks = [pytest.mark.xfail(strict=True, reason=f"{name}'s docstring has no entry for {parameter}")] \
-                if (name, parameter) in DOCSTRING_GAPS else []
-            cases.append(pytest.param(name, obj, parameter, marks=marks, id=f"{name}-{parameter}"))
-    return cases
+    return [pytest.param(name, obj, parameter, id=f"{name}-{parameter}")
+            for name, obj in CALLABLES for parameter in parameters(obj)]
 
 
 @pytest.mark.parametrize("name,obj,parameter", docstring_cases())

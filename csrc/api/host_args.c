@@ -163,14 +163,14 @@ static int read_device(PyObject *device, int *out)
     return 0;
 }
 
-int kv_read_pool_request(PyObject *const *v, kv_pool_request *r)
+int kv_read_pool_request(const kv_pinned_empty_args *a, kv_pool_request *r)
 {
     static const char *const huge_names[] = {"transparent", "explicit", "none"};
-    if (read_shape(v[0], r) < 0 || (r->dtype = read_dtype(v[1])) == NULL
-        || kv_parse_int(v[2], "numa_node", 0, KV_MAX_NODES - 1, -1, 1, &r->numa_node) < 0
-        || kv_parse_int(v[3], "threads", 1, 1024, 0, 1, &r->threads) < 0
-        || kv_parse_name(v[4], "huge_pages", huge_names, 3, KV_HUGE_TRANSPARENT, &r->huge) < 0
-        || read_device(v[5], &r->device) < 0)
+    if (read_shape(a->shape, r) < 0 || (r->dtype = read_dtype(a->dtype)) == NULL
+        || kv_parse_int(a->numa_node, "numa_node", 0, KV_MAX_NODES - 1, -1, 1, &r->numa_node) < 0
+        || kv_parse_int(a->threads, "threads", 1, 1024, 0, 1, &r->threads) < 0
+        || kv_parse_name(a->huge_pages, "huge_pages", huge_names, 3, KV_HUGE_TRANSPARENT, &r->huge) < 0
+        || read_device(a->device, &r->device) < 0)
         return -1;
     /* The strides exported are those of the extents without the zeros
      * (an empty array's too, as NumPy's): they must fit, whatever the count. */

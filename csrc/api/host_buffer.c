@@ -86,17 +86,17 @@ static void host_dealloc(kv_host_buffer *self)
 
 /* ------------------------------------------------------------ methods */
 
-PyDoc_STRVAR(close_doc, "close($self, /)\n--\n\n"
-                        "Release the memory now rather than when the last reference goes: unregister it\n"
-                        "from the driver, then unmap it.  Idempotent.  Afterwards every export (DLPack,\n"
-                        "the buffer protocol, __array_interface__) raises BufferError; the attributes\n"
-                        "still read.  Exports made before stay valid: the memory goes when the last of\n"
-                        "them is released (a DLPack consumer's tensor, a memoryview or NumPy array), and,\n"
-                        "where __array_interface__ was read (a bare address, whose holder keeps only this\n"
-                        "object alive), when this object goes.  Work queued on a GPU that reads or writes\n"
-                        "the memory must be finished first (synchronize its streams): freeing it does not\n"
-                        "wait for that work.  RuntimeError, after the memory is unmapped, when\n"
-                        "unregistering failed.");
+PyDoc_STRVAR(close_doc, KV_HOST_BUFFER_CLOSE_TEXT_SIGNATURE
+             "Release the memory now rather than when the last reference goes: unregister it\n"
+             "from the driver, then unmap it.  Idempotent.  Afterwards every export (DLPack,\n"
+             "the buffer protocol, __array_interface__) raises BufferError; the attributes\n"
+             "still read.  Exports made before stay valid: the memory goes when the last of\n"
+             "them is released (a DLPack consumer's tensor, a memoryview or NumPy array), and,\n"
+             "where __array_interface__ was read (a bare address, whose holder keeps only this\n"
+             "object alive), when this object goes.  Work queued on a GPU that reads or writes\n"
+             "the memory must be finished first (synchronize its streams): freeing it does not\n"
+             "wait for that work.  RuntimeError, after the memory is unmapped, when\n"
+             "unregistering failed.");
 
 static PyObject *host_close(kv_host_buffer *self, PyObject *unused)
 {
@@ -122,11 +122,15 @@ static PyObject *host_close(kv_host_buffer *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(enter_doc, KV_HOST_BUFFER_ENTER_TEXT_SIGNATURE "Returns the buffer.");
+
 static PyObject *host_enter(kv_host_buffer *self, PyObject *unused)
 {
     (void)unused;
     return Py_NewRef(self);
 }
+
+PyDoc_STRVAR(exit_doc, KV_HOST_BUFFER_EXIT_TEXT_SIGNATURE "Closes the buffer (close()).");
 
 static PyObject *host_exit(kv_host_buffer *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -156,8 +160,8 @@ static PyMethodDef host_methods[] = {
      kv_host_buffer_dlpack_doc},
     {"__dlpack_device__", (PyCFunction)kv_host_buffer_dlpack_device, METH_NOARGS, kv_host_buffer_dlpack_device_doc},
     {"close", (PyCFunction)host_close, METH_NOARGS, close_doc},
-    {"__enter__", (PyCFunction)host_enter, METH_NOARGS, "Returns the buffer."},
-    {"__exit__", (PyCFunction)(void (*)(void))host_exit, METH_FASTCALL, "Closes the buffer (close())."},
+    {"__enter__", (PyCFunction)host_enter, METH_NOARGS, enter_doc},
+    {"__exit__", (PyCFunction)(void (*)(void))host_exit, METH_FASTCALL, exit_doc},
     {"_pointer_kind", host_pointer_kind, METH_O | METH_STATIC, pointer_kind_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -7,6 +7,7 @@
 
 #include "array.h"
 #include "host_pool.h"
+#include "signatures.h"
 
 /* An element type a HostBuffer may hold, with the spellings of each
  * protocol.  NumPy's buffer and interface formats have no bfloat16 or
@@ -52,10 +53,10 @@ typedef struct {
     int device; /* KV_CURRENT_DEVICE or an index */
 } kv_pool_request;
 
-/* Reads pinned_empty's arguments (shape, dtype, numa_node, threads,
- * huge_pages, device; NULL where not given).  Returns 0, or -1 with an
- * exception naming the argument. */
-int kv_read_pool_request(PyObject *const *v, kv_pool_request *r);
+/* Reads pinned_empty's arguments, as kv_parse_arguments left them (NULL
+ * where not given).  Returns 0, or -1 with an exception naming the
+ * argument. */
+int kv_read_pool_request(const kv_pinned_empty_args *a, kv_pool_request *r);
 
 /* Creates the HostBuffer type and adds it to `module`; *type receives a
  * strong reference (the module state's).  Returns 0, or -1 with an

@@ -167,8 +167,7 @@ static int read_dl_device(const kv_host_buffer *self, PyObject *dl_device, int32
     return -1;
 }
 
-const char kv_host_buffer_dlpack_doc[] =
-    "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
+const char kv_host_buffer_dlpack_doc[] = KV_HOST_BUFFER_DLPACK_TEXT_SIGNATURE
     "A DLPack capsule of this memory, without a copy: \"dltensor_versioned\" when\n"
     "max_version is (1, m) or later, else the legacy \"dltensor\".  The capsule holds\n"
     "the memory (a close() meanwhile does not free it) until its consumer lets go.\n"
@@ -181,20 +180,19 @@ const char kv_host_buffer_dlpack_doc[] =
 
 PyObject *kv_host_buffer_dlpack(kv_host_buffer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"stream", "max_version", "dl_device", "copy", NULL};
-    static const kv_signature signature = {"__dlpack__", names, 0, 0, 0};
-    PyObject *v[4];
+    kv_dlpack_args a;
     int minor;
     int32_t device_type;
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0)
+    if (kv_parse_arguments(&kv_host_buffer_dlpack_signature, args, nargs, kwnames, &a) < 0)
         return NULL;
-    if (v[0] != NULL && v[0] != Py_None && (!PyLong_Check(v[0]) || PyBool_Check(v[0]))) {
-        PyErr_Format(PyExc_TypeError, "__dlpack__: stream: expected None or an int, got %s", Py_TYPE(v[0])->tp_name);
+    if (a.stream != NULL && a.stream != Py_None && (!PyLong_Check(a.stream) || PyBool_Check(a.stream))) {
+        PyErr_Format(PyExc_TypeError, "__dlpack__: stream: expected None or an int, got %s",
+                     Py_TYPE(a.stream)->tp_name);
         return NULL;
     }
-    if (read_max_version(v[1], &minor) < 0 || read_dl_device(self, v[2], &device_type) < 0)
+    if (read_max_version(a.max_version, &minor) < 0 || read_dl_device(self, a.dl_device, &device_type) < 0)
         return NULL;
-    const int copy = v[3] == NULL || v[3] == Py_None ? 0 : PyObject_IsTrue(v[3]);
+    const int copy = a.copy == NULL || a.copy == Py_None ? 0 : PyObject_IsTrue(a.copy);
     if (copy < 0)
         return NULL;
     if (copy) {
@@ -206,8 +204,7 @@ PyObject *kv_host_buffer_dlpack(kv_host_buffer *self, PyObject *const *args, Py_
     return export_capsule(self, device_type, minor);
 }
 
-const char kv_host_buffer_dlpack_device_doc[] =
-    "__dlpack_device__($self, /)\n--\n\n"
+const char kv_host_buffer_dlpack_device_doc[] = KV_HOST_BUFFER_DLPACK_DEVICE_TEXT_SIGNATURE
     "(3, 0) (kDLCUDAHost) for a pinned buffer, (1, 0) (kDLCPU) for the others.";
 
 PyObject *kv_host_buffer_dlpack_device(kv_host_buffer *self, PyObject *unused)

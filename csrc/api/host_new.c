@@ -263,9 +263,7 @@ static void describe_buffer(kv_host_buffer *self, const kv_pool_request *r, cons
     self->seconds = a->seconds;
 }
 
-const char kv_pinned_empty_doc[] =
-    "pinned_empty(shape, dtype, *, numa_node=None, threads=None, huge_pages='transparent', device=None)\n"
-    "--\n\n"
+const char kv_pinned_empty_doc[] = KV_PINNED_EMPTY_TEXT_SIGNATURE
     "A HostBuffer: a C-contiguous host array of `shape` and `dtype`, page-locked for\n"
     "the GPUs (pinned), fast to make at any size.  Its memory reads as zeros.\n\n"
     "The memory is an anonymous mapping aligned to 2 MiB, placed on a NUMA node,\n"
@@ -298,16 +296,14 @@ const char kv_pinned_empty_doc[] =
 
 PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"shape", "dtype", "numa_node", "threads", "huge_pages", "device", NULL};
-    static const kv_signature signature = {"pinned_empty", names, 0, 2, 2};
-    PyObject *v[6];
+    kv_pinned_empty_args given;
     kv_pool_request r;
     kv_placement place;
     kv_allocation a;
     memset(&a, 0, sizeof a);
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0 || kv_read_pool_request(v, &r) < 0
-        || resolve_device(r.device, &a.device) < 0 || choose_node(&r, a.device, &place) < 0
-        || register_piece_limit(&a.piece_limit) < 0 || check_room(&r) < 0)
+    if (kv_parse_arguments(&kv_pinned_empty_signature, args, nargs, kwnames, &given) < 0
+        || kv_read_pool_request(&given, &r) < 0 || resolve_device(r.device, &a.device) < 0
+        || choose_node(&r, a.device, &place) < 0 || register_piece_limit(&a.piece_limit) < 0 || check_room(&r) < 0)
         return NULL;
     a.bytes = (size_t)r.nbytes;
     a.item = leading_item_bytes(&r);

@@ -2,12 +2,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "args.h"
 #include "checksum.h"
 #include "convert.h"
 #include "copy.h"
 #include "host_buffer.h"
 #include "paged.h"
+#include "signatures.h"
 #include "staging_api.h"
 #include "state.h"
 #include "target.h"
@@ -82,92 +82,69 @@ static kv_state *state_of(PyObject *module) { return (kv_state *)PyModule_GetSta
     "    part.  The bytes moved are the same.\n"                                                                       \
     "KVBM_EXT_DEBUG=1 logs the path that ran (staged, copy_engines, kernel) and why.\n"
 
-/* Every conversion has the same form: (source, destination, [layout], *,
- * backend, num_ctas, stream), with the flat side first or second by
- * direction. */
-typedef struct {
-    kv_signature signature;
-    kv_conversion conversion;
-    int to_flat; /* the destination is the flat side (see convert.h) */
-} kv_conversion_form;
-
-static PyObject *convert(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                         const kv_conversion_form *form)
+/* Every conversion reads (source, destination, [layout], *, backend,
+ * num_ctas, stream), in the order of its table (signatures.c), into one
+ * struct.  Its flat side (the universal or operational blocks; the
+ * universal ones between those two) is the destination when `to_flat`. */
+static PyObject *convert(PyObject *module, const kv_signature *signature, kv_conversion conversion, int to_flat,
+                         PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *values[6]; /* source, destination, [layout], backend, num_ctas, stream */
-    if (kv_parse_arguments(&form->signature, args, nargs, kwnames, values) < 0)
+    kv_conversion_args a;
+    if (kv_parse_arguments(signature, args, nargs, kwnames, &a) < 0)
         return NULL;
-    const int has_layout = form->signature.keyword_only == 3;
-    PyObject *layout = has_layout ? values[2] : NULL;
-    PyObject *const *options = values + 2 + has_layout;
-    PyObject *flat = form->to_flat ? values[1] : values[0];
-    PyObject *other = form->to_flat ? values[0] : values[1];
-    if (kv_convert(state_of(module), form->conversion, form->to_flat, flat, other, layout, options[0], options[1],
-                   options[2] != NULL ? options[2] : Py_None)
+    PyObject *flat = conversion == KV_BLOCK_OPERATIONAL ? a.operationals : a.universals;
+    PyObject *other = conversion == KV_UNIVERSAL_OPERATIONAL ? a.operationals : a.blocks;
+    if (kv_convert(state_of(module), conversion, to_flat, flat, other, a.layout, a.backend, a.num_ctas,
+                   a.stream != NULL ? a.stream : Py_None)
         < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-/* A conversion function `name` from `source` to `destination`, with a
- * layout parameter or not. */
-#define DEFINE_CONVERSION(name, source, destination, conversion, to_flat, has_layout)                                  \
+/* The conversion function `name`, whose arguments kv_<name>_signature
+ * reads. */
+#define DEFINE_CONVERSION(name, conversion, to_flat)                                                                   \
     static PyObject *name(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)                \
     {                                                                                                                  \
-        static const char *const with_layout[] = {                                                                     \
-            source, destination, "layout", "backend", "num_ctas", "stream", NULL};                                     \
-        static const char *const without_layout[] = {source, destination, "backend", "num_ctas", "stream", NULL};      \
-        static const kv_conversion_form form = {                                                                       \
-            {#name, has_layout ? with_layout : without_layout, 2, 2, has_layout ? 3 : 2}, conversion, to_flat};        \
-        return convert(module, args, nargs, kwnames, &form);                                                           \
+        return convert(module, &kv_##name##_signature, conversion, to_flat, args, nargs, kwnames);                     \
     }
 
-PyDoc_STRVAR(block_to_universal_doc,
-             "block_to_universal(blocks, universals, /, layout='NHD', *, backend='auto', num_ctas=None, "
-             "stream=None)\n--\n\n"
+PyDoc_STRVAR(block_to_universal_doc, KV_BLOCK_TO_UNIVERSAL_TEXT_SIGNATURE
              "Copy nb blocks from block-stack chunks into universal blocks:\n"
              "universals[b][h, l, o, t, :] = blocks[b][l*no + o][t, h, :] (NHD)\n"
-             "                             or blocks[b][l*no + o][h, t, :] (HND).\n\n" SHAPES_DOC);
-DEFINE_CONVERSION(block_to_universal, "blocks", "universals", KV_BLOCK_UNIVERSAL, 1, 1)
+             "                             or blocks[b][l*no + o][h, t, :] (HND).\n\n" BACKEND_DOC "\n" SHAPES_DOC);
+DEFINE_CONVERSION(block_to_universal, KV_BLOCK_UNIVERSAL, 1)
 
-PyDoc_STRVAR(universal_to_block_doc,
-             "universal_to_block(universals, blocks, /, layout='NHD', *, backend='auto', num_ctas=None, "
-             "stream=None)\n--\n\n"
+PyDoc_STRVAR(universal_to_block_doc, KV_UNIVERSAL_TO_BLOCK_TEXT_SIGNATURE
              "Copy nb universal blocks into block-stack chunks, the inverse of\n"
              "block_to_universal: blocks[b][l*no + o][t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD ([h, t, :] for HND).\n\n" BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(universal_to_block, "universals", "blocks", KV_BLOCK_UNIVERSAL, 0, 1)
+DEFINE_CONVERSION(universal_to_block, KV_BLOCK_UNIVERSAL, 0)
 
-PyDoc_STRVAR(block_to_operational_doc,
-             "block_to_operational(blocks, operationals, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+PyDoc_STRVAR(block_to_operational_doc, KV_BLOCK_TO_OPERATIONAL_TEXT_SIGNATURE
              "Copy nb blocks from block-stack chunks into operational blocks:\n"
              "operationals[b][l, o, :] = blocks[b][l*no + o].reshape(-1).  Chunks keep their\n"
              "own order (NHD or HND) and all have the shape of blocks[0][0].\n\n" OPERATIONAL_DOC BACKEND_DOC
              "\n" SHAPES_DOC);
-DEFINE_CONVERSION(block_to_operational, "blocks", "operationals", KV_BLOCK_OPERATIONAL, 1, 0)
+DEFINE_CONVERSION(block_to_operational, KV_BLOCK_OPERATIONAL, 1)
 
 PyDoc_STRVAR(
-    operational_to_block_doc,
-    "operational_to_block(operationals, blocks, /, *, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+    operational_to_block_doc, KV_OPERATIONAL_TO_BLOCK_TEXT_SIGNATURE
     "Copy nb operational blocks into block-stack chunks, the inverse of\n"
     "block_to_operational: blocks[b][l*no + o] = operationals[b][l, o, :] reshaped.\n\n" OPERATIONAL_DOC BACKEND_DOC
     "\n" SHAPES_DOC);
-DEFINE_CONVERSION(operational_to_block, "operationals", "blocks", KV_BLOCK_OPERATIONAL, 0, 0)
+DEFINE_CONVERSION(operational_to_block, KV_BLOCK_OPERATIONAL, 0)
 
-PyDoc_STRVAR(universal_to_operational_doc,
-             "universal_to_operational(universals, operationals, /, layout='NHD', *, backend='auto', num_ctas=None, "
-             "stream=None)\n--\n\n"
+PyDoc_STRVAR(universal_to_operational_doc, KV_UNIVERSAL_TO_OPERATIONAL_TEXT_SIGNATURE
              "Copy nb universal blocks into operational blocks in one pass:\n"
              "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = universals[b][h, l, o, t, :]\n"
              "for NHD (.view(nh, nt, hd)[h, t, :] for HND).\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(universal_to_operational, "universals", "operationals", KV_UNIVERSAL_OPERATIONAL, 0, 1)
+DEFINE_CONVERSION(universal_to_operational, KV_UNIVERSAL_OPERATIONAL, 0)
 
-PyDoc_STRVAR(operational_to_universal_doc,
-             "operational_to_universal(operationals, universals, /, layout='NHD', *, backend='auto', num_ctas=None, "
-             "stream=None)\n--\n\n"
+PyDoc_STRVAR(operational_to_universal_doc, KV_OPERATIONAL_TO_UNIVERSAL_TEXT_SIGNATURE
              "Copy nb operational blocks into universal blocks in one pass, the inverse of\n"
              "universal_to_operational.\n\n" OPERATIONAL_DOC BACKEND_DOC "\n" SHAPES_DOC);
-DEFINE_CONVERSION(operational_to_universal, "operationals", "universals", KV_UNIVERSAL_OPERATIONAL, 1, 1)
+DEFINE_CONVERSION(operational_to_universal, KV_UNIVERSAL_OPERATIONAL, 1)
 
 /* ------------------------------------------------------------ raw copies */
 
@@ -183,32 +160,30 @@ DEFINE_CONVERSION(operational_to_universal, "operationals", "universals", KV_UNI
     "Raw copies run on a CUDA device, even between host buffers: without one (no\n"                                    \
     "GPU, no driver, or a build without CUDA) a call with pairs raises RuntimeError.\n"
 
-PyDoc_STRVAR(vectorized_copy_doc, "vectorized_copy(src_ptrs, dst_ptrs, sizes, *, stream=None)\n--\n\n"
-                                  "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
-                                  "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
-                                  "two addresses and its size allow.\n\n"
-                                  "Memory: the addresses point into device memory of one CUDA device or into pinned\n"
-                                  "(page-locked) host memory, which the kernel reaches over PCIe; not into pageable\n"
-                                  "host memory (use memcpy_batch).  The lists themselves are in host memory, or are\n"
-                                  "CUDA arrays on that device, which the kernel reads itself (their addresses are\n"
-                                  "then not checked).\n\n" PAIRS_DOC
-                                  "Host lists are checked before anything is copied: no null address, no pageable\n"
-                                  "host memory, every range inside one allocation, device memory on one device, no\n"
-                                  "destination range overlapping another range (ValueError naming the entry).");
+PyDoc_STRVAR(vectorized_copy_doc, KV_VECTORIZED_COPY_TEXT_SIGNATURE
+             "Copy sizes[i] bytes from src_ptrs[i] to dst_ptrs[i] for every pair, in one kernel\n"
+             "launch.  Each pair moves with the widest vector (16, 8, 4, 2 or 1 bytes) that its\n"
+             "two addresses and its size allow.\n\n"
+             "Memory: the addresses point into device memory of one CUDA device or into pinned\n"
+             "(page-locked) host memory, which the kernel reaches over PCIe; not into pageable\n"
+             "host memory (use memcpy_batch).  The lists themselves are in host memory, or are\n"
+             "CUDA arrays on that device, which the kernel reads itself (their addresses are\n"
+             "then not checked).\n\n" PAIRS_DOC
+             "Host lists are checked before anything is copied: no null address, no pageable\n"
+             "host memory, every range inside one allocation, device memory on one device, no\n"
+             "destination range overlapping another range (ValueError naming the entry).");
 
 static PyObject *vectorized_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"src_ptrs", "dst_ptrs", "sizes", "stream", NULL};
-    static const kv_signature signature = {"vectorized_copy", names, 0, 3, 3};
-    PyObject *v[4];
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
-        || kv_vectorized_copy(state_of(module), v[0], v[1], v[2], v[3] != NULL ? v[3] : Py_None) < 0)
+    kv_copy_args a;
+    if (kv_parse_arguments(&kv_vectorized_copy_signature, args, nargs, kwnames, &a) < 0
+        || kv_vectorized_copy(state_of(module), a.src_ptrs, a.dst_ptrs, a.sizes, a.stream != NULL ? a.stream : Py_None)
+               < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(memcpy_batch_doc,
-             "memcpy_batch(src_ptrs, dst_ptrs, sizes, *, mode='batched_with_fallback', stream=None)\n--\n\n"
+PyDoc_STRVAR(memcpy_batch_doc, KV_MEMCPY_BATCH_TEXT_SIGNATURE
              "Copy every pair with the copy engines: cudaMemcpyBatchAsync where the build and\n"
              "the driver have it (CUDA 12.8+), else one cudaMemcpyAsync per pair.  On the legacy\n"
              "default stream, which the batch API rejects, the batch runs on an internal stream\n"
@@ -225,17 +200,16 @@ PyDoc_STRVAR(memcpy_batch_doc,
 
 static PyObject *memcpy_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"src_ptrs", "dst_ptrs", "sizes", "mode", "stream", NULL};
-    static const kv_signature signature = {"memcpy_batch", names, 0, 3, 3};
-    PyObject *v[5];
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0
-        || kv_memcpy_batch(state_of(module), v[0], v[1], v[2], v[3], v[4] != NULL ? v[4] : Py_None) < 0)
+    kv_copy_args a;
+    if (kv_parse_arguments(&kv_memcpy_batch_signature, args, nargs, kwnames, &a) < 0
+        || kv_memcpy_batch(state_of(module), a.src_ptrs, a.dst_ptrs, a.sizes, a.mode,
+                           a.stream != NULL ? a.stream : Py_None)
+               < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(is_memcpy_batch_available_doc,
-             "is_memcpy_batch_available($module, /)\n--\n\n"
+PyDoc_STRVAR(is_memcpy_batch_available_doc, KV_IS_MEMCPY_BATCH_AVAILABLE_TEXT_SIGNATURE
              "True when this build (CUDA 12.8 or newer) and the running driver both support\n"
              "cudaMemcpyBatchAsync.");
 
@@ -245,27 +219,25 @@ static PyObject *is_memcpy_batch_available(PyObject *module, PyObject *unused)
     return PyBool_FromLong(kv_gpu_batch_available());
 }
 
-PyDoc_STRVAR(crc32c_doc, "crc32c(data, /, value=0)\n--\n\n"
-                         "The CRC-32C (Castagnoli) of the bytes of `data`, a C-contiguous array or buffer\n"
-                         "in host memory (pinned or not), continuing from `value` as zlib.crc32 does:\n"
-                         "crc32c(b, crc32c(a)) == crc32c(a + b).  The SSE4.2 instruction computes it where\n"
-                         "the CPU has one; the GIL is released for 64 KiB and more.");
+PyDoc_STRVAR(crc32c_doc, KV_CRC32C_TEXT_SIGNATURE
+             "The CRC-32C (Castagnoli) of the bytes of `data`, a C-contiguous array or buffer\n"
+             "in host memory (pinned or not), continuing from `value` as zlib.crc32 does:\n"
+             "crc32c(b, crc32c(a)) == crc32c(a + b).  The SSE4.2 instruction computes it where\n"
+             "the CPU has one; the GIL is released for 64 KiB and more.");
 
 static PyObject *crc32c(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"data", "value", NULL};
-    static const kv_signature signature = {"crc32c", names, 1, 1, 2};
-    PyObject *v[2];
-    if (kv_parse_arguments(&signature, args, nargs, kwnames, v) < 0)
+    kv_crc32c_args a;
+    if (kv_parse_arguments(&kv_crc32c_signature, args, nargs, kwnames, &a) < 0)
         return NULL;
-    return kv_checksum(state_of(module), v[0], v[1]);
+    return kv_checksum(state_of(module), a.data, a.value);
 }
 
 /* ------------------------------------------------------------ build facts */
 
-PyDoc_STRVAR(is_using_stubs_doc, "is_using_stubs($module, /)\n--\n\n"
-                                 "True when the package was built without nvcc: host arrays still work, and\n"
-                                 "every call with a device array raises RuntimeError.");
+PyDoc_STRVAR(is_using_stubs_doc, KV_IS_USING_STUBS_TEXT_SIGNATURE
+             "True when the package was built without nvcc: host arrays still work, and\n"
+             "every call with a device array raises RuntimeError.");
 
 static PyObject *is_using_stubs(PyObject *module, PyObject *unused)
 {
@@ -273,10 +245,10 @@ static PyObject *is_using_stubs(PyObject *module, PyObject *unused)
     return PyBool_FromLong(!kv_gpu_compiled());
 }
 
-PyDoc_STRVAR(build_info_doc, "build_info($module, /)\n--\n\n"
-                             "How this extension was built: 'version', 'cuda_version' (the toolkit's, or\n"
-                             "None), 'cuda_archs' (the GPU code embedded: sm_XX machine code, compute_XX\n"
-                             "PTX) and 'with_cuda'.");
+PyDoc_STRVAR(build_info_doc,
+             KV_BUILD_INFO_TEXT_SIGNATURE "How this extension was built: 'version', 'cuda_version' (the toolkit's, or\n"
+                                          "None), 'cuda_archs' (the GPU code embedded: sm_XX machine code, compute_XX\n"
+                                          "PTX) and 'with_cuda'.");
 
 static PyObject *build_info(PyObject *module, PyObject *unused)
 {
@@ -298,10 +270,10 @@ static PyObject *build_info(PyObject *module, PyObject *unused)
 #endif
 }
 
-PyDoc_STRVAR(cuda_devices_doc, "cuda_devices($module, /)\n--\n\n"
-                               "The visible CUDA devices: 'index', 'name', 'capability' (major, minor),\n"
-                               "'total_memory' (bytes) and 'multiprocessors'.  Empty when there is no GPU,\n"
-                               "no driver, or no CUDA in this build.");
+PyDoc_STRVAR(cuda_devices_doc, KV_CUDA_DEVICES_TEXT_SIGNATURE
+             "The visible CUDA devices: 'index', 'name', 'capability' (major, minor),\n"
+             "'total_memory' (bytes) and 'multiprocessors'.  Empty when there is no GPU,\n"
+             "no driver, or no CUDA in this build.");
 
 static PyObject *cuda_devices(PyObject *module, PyObject *unused)
 {

@@ -29,23 +29,6 @@ int kv_uint64(PyObject *obj, const kv_path *path, uint64_t *out);
 int kv_parse_int(PyObject *obj, const char *name, int64_t minimum, int64_t maximum, int64_t fallback, int allow_none,
                  int64_t *out);
 
-/* The parameters of a METH_FASTCALL | METH_KEYWORDS function, as Python
- * spells them: `names` lists every parameter in order (NULL-terminated);
- * the first `positional_only` take no keyword, the first `required` must
- * be given, and those from `keyword_only` on take no position. */
-typedef struct {
-    const char *function;
-    const char *const *names;
-    int positional_only, required, keyword_only;
-} kv_signature;
-
-/* Fills values[i] with parameter i's argument (borrowed from the call) or
- * NULL when it was not given, without the tuple and dict a METH_VARARGS
- * call builds.  TypeError as Python words it for a function defined with
- * that signature.  Returns 0 or -1. */
-int kv_parse_arguments(const kv_signature *signature, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                       PyObject **values);
-
 /* A tuple holding the items of a sequence argument, taken once (new
  * reference).  Reading an array runs Python code (its protocols), which may
  * change the caller's list or drop the item being read; the tuple keeps what

@@ -344,18 +344,17 @@ static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
 
 PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"layers", "layout", "block_size", NULL};
-    PyObject *layers, *layout, *block_size_arg = NULL;
+    kv_paged_new_args a;
     int64_t block_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|$O:PagedKVCache", keywords, &layers, &layout, &block_size_arg)
-        || kv_parse_int(block_size_arg, "block_size", 1, INT64_MAX, 0, 1, &block_size) < 0)
+    if (kv_parse_tuple_arguments(&kv_paged_new_signature, args, kwargs, &a) < 0
+        || kv_parse_int(a.block_size, "block_size", 1, INT64_MAX, 0, 1, &block_size) < 0)
         return NULL;
     kv_paged_cache *self = (kv_paged_cache *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->device = -1;
-    self->layers = Py_NewRef(layers);
-    self->dims = Py_NewRef(layout);
+    self->layers = Py_NewRef(a.layers);
+    self->dims = Py_NewRef(a.layout);
     /* The type is not subclassable: `type` is the module's own. */
     if (describe(self, PyType_GetModuleState(type), block_size) < 0) {
         Py_DECREF(self);

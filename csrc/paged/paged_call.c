@@ -42,18 +42,16 @@ static int check_layer_offset(const kv_paged_options *o)
     return 0;
 }
 
-int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers, PyObject *layer_offset,
-                          PyObject *heads, PyObject *head_offset, PyObject *pack_layers, PyObject *backend,
-                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o)
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, const kv_paged_args *a, kv_paged_options *o)
 {
     /* Offsets are bounded so that no sum with a dimension overflows. */
-    if (kv_read_selection(layers, self->nl, "layers", "layer", &o->layers) < 0
-        || kv_read_selection(heads, self->nh, "heads", "head", &o->heads) < 0
-        || kv_parse_int(layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, 0, 0, &o->layer_offset) < 0
-        || kv_parse_int(head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || kv_switch_read(pack_layers, "pack_layers", &o->pack_layers) < 0
-        || read_layout(function, layout, inner, &o->layout) < 0
-        || kv_move_options_read(backend, num_ctas, stream, &o->move) < 0)
+    if (kv_read_selection(a->layers, self->nl, "layers", "layer", &o->layers) < 0
+        || kv_read_selection(a->heads, self->nh, "heads", "head", &o->heads) < 0
+        || kv_parse_int(a->layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, 0, 0, &o->layer_offset) < 0
+        || kv_parse_int(a->head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
+        || kv_switch_read(a->pack_layers, "pack_layers", &o->pack_layers) < 0
+        || read_layout(function, a->layout, a->inner, &o->layout) < 0
+        || kv_move_options_read(a->backend, a->num_ctas, a->stream, &o->move) < 0)
         return -1;
     return check_layer_offset(o);
 }
@@ -391,33 +389,18 @@ int kv_paged_mark_written(const kv_paged_cache *cache, kv_protocols *p, const kv
 PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                             const kv_paged_form *form)
 {
-    PyObject *v[10];
-    if (kv_parse_arguments(&form->signature, args, nargs, kwnames, v) < 0)
+    kv_paged_args a;
+    if (kv_parse_arguments(form->signature, args, nargs, kwnames, &a) < 0)
         return NULL;
-    /* The options after the two positional arguments, in each form's order
-     * (paged_type.c); those a form lacks stay NULL. */
-    PyObject *first = v[0], *second = v[1], *layer_offset = NULL, *heads = NULL, *head_offset = NULL, *layout = NULL;
-    PyObject *inner = NULL, *layers, *pack_layers, *backend, *num_ctas, *stream;
-    if (form->universal) {
-        layers = v[2], layer_offset = v[3], heads = v[4], head_offset = v[5], pack_layers = v[6];
-        backend = v[7], num_ctas = v[8], stream = v[9];
-    }
-    else {
-        layout = v[2], layers = v[3], pack_layers = v[4];
-        backend = v[5], num_ctas = v[6], stream = v[7], inner = v[8];
-    }
     kv_paged_call call;
     memset(&call, 0, sizeof call);
     call.cache = self;
     call.state = PyType_GetModuleState(Py_TYPE(self)); /* not subclassable: the module's own type */
     call.form = form;
     call.flat_name = form->universal ? "universals" : "operationals";
-    PyObject *block_ids = form->to_flat ? first : second;
-    PyObject *flats = form->to_flat ? second : first;
+    PyObject *flats = form->universal ? a.universals : a.operationals;
     int rc = -1;
-    if (kv_paged_read_options(self, form->signature.function, layers, layer_offset, heads, head_offset, pack_layers,
-                              backend, num_ctas, layout, inner, stream, &call.options)
-        < 0)
+    if (kv_paged_read_options(self, form->signature->name, &a, &call.options) < 0)
         goto done;
     if (!form->to_flat && self->readonly) {
         PyErr_SetString(PyExc_ValueError, "layers: the cache is read-only, so blocks cannot be written into it");
@@ -429,7 +412,7 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     if (call.reader.dlpack_stream == NULL
         || kv_paged_check_layers(self, "layers", &call.reader, &call.options.layers) < 0
         || (!form->to_flat && kv_paged_check_aliasing(self, &call.options.layers, "layers") < 0)
-        || read_block_ids(&call, block_ids) < 0 || read_flats(&call, flats) < 0 || check_aliasing(&call) < 0)
+        || read_block_ids(&call, a.block_ids) < 0 || read_flats(&call, flats) < 0 || check_aliasing(&call) < 0)
         goto done;
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;
     const int64_t layers_moved = call.options.layers.count;

@@ -12,6 +12,7 @@
 #include "options.h"
 #include "overlap.h"
 #include "paged_layout.h"
+#include "signatures.h"
 #include "state.h"
 #include "target.h"
 
@@ -104,10 +105,10 @@ int kv_paged_name_types(kv_paged_cache *self, kv_protocols *protocols);
 
 /* What distinguishes the four methods. */
 typedef struct {
-    kv_signature signature; /* its parameters (kv_parse_arguments) */
-    const char *name;       /* for the debug log */
-    int to_flat;            /* the cache is read and the flat blocks written */
-    int universal;          /* universal blocks; else operational */
+    const kv_signature *signature; /* its parameters (signatures.c) */
+    const char *name;              /* for the debug log */
+    int to_flat;                   /* the cache is read and the flat blocks written */
+    int universal;                 /* universal blocks; else operational */
 } kv_paged_form;
 
 /* paged_call.c: one call of a method (`form`). */
@@ -188,11 +189,11 @@ typedef struct {
 } kv_paged_call;
 
 /* Reads and checks the options every call shares against `self` (the
- * cache whose layers and heads they select); absent ones are NULL.
- * `function` names the method in the layout/inner messages. */
-int kv_paged_read_options(const kv_paged_cache *self, const char *function, PyObject *layers, PyObject *layer_offset,
-                          PyObject *heads, PyObject *head_offset, PyObject *pack_layers, PyObject *backend,
-                          PyObject *num_ctas, PyObject *layout, PyObject *inner, PyObject *stream, kv_paged_options *o);
+ * cache whose layers and heads they select): those of `a` a method takes
+ * (NULL where not given or not taken).  `function` names the method in
+ * the layout/inner messages. */
+int kv_paged_read_options(const kv_paged_cache *self, const char *function, const kv_paged_args *a,
+                          kv_paged_options *o);
 
 /* Host ids of a cache of num_blocks blocks must be in range and, when the
  * cache is `written`, each once: 0, or -1 with a ValueError naming the

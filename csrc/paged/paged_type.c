@@ -6,23 +6,12 @@
 
 #include "to_cache.h"
 
-/* The parameters of the four methods: two positional-only, the options
- * keyword-only. */
-static const char *const TO_UNIVERSAL[] = {"block_ids", "universals",  "layers",      "layer_offset",
-                                           "heads",     "head_offset", "pack_layers", "backend",
-                                           "num_ctas",  "stream",      NULL};
-static const char *const FROM_UNIVERSAL[] = {"universals", "block_ids",   "layers",      "layer_offset",
-                                             "heads",      "head_offset", "pack_layers", "backend",
-                                             "num_ctas",   "stream",      NULL};
-static const char *const TO_OPERATIONAL[] = {"block_ids", "operationals", "layout", "layers", "pack_layers",
-                                             "backend",   "num_ctas",     "stream", "inner",  NULL};
-static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "layout", "layers", "pack_layers",
-                                               "backend",      "num_ctas",  "stream", "inner",  NULL};
-
-#define DEFINE_TRANSFER(name, names, to_flat, universal)                                                               \
+/* The four methods: their arguments read by kv_paged_<name>_signature
+ * (signatures.c), their call by kv_paged_transfer. */
+#define DEFINE_TRANSFER(name, to_flat, universal)                                                                      \
     static PyObject *name(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)            \
     {                                                                                                                  \
-        static const kv_paged_form form = {{#name, names, 2, 2, 2}, "PagedKVCache." #name, to_flat, universal};        \
+        static const kv_paged_form form = {&kv_paged_##name##_signature, "PagedKVCache." #name, to_flat, universal};   \
         return kv_paged_transfer(self, args, nargs, kwnames, &form);                                                   \
     }
 
@@ -95,41 +84,31 @@ static const char *const FROM_OPERATIONAL[] = {"operationals", "block_ids", "lay
     "inner: the deprecated spelling of layout, kept for one release (DeprecationWarning;\n"                            \
     "    TypeError when both are given).\n"
 
-PyDoc_STRVAR(to_universal_doc,
-             "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, heads=None, "
-             "head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+PyDoc_STRVAR(to_universal_doc, KV_PAGED_TO_UNIVERSAL_TEXT_SIGNATURE
              "Copy cache blocks into universal blocks:\n"
              "universals[b][head_offset + j, layer_offset + l, o, t, :] = cache row (block_ids[b], l, o, t, heads[j])\n"
              "for every layer l in `layers` and every j < len(heads) (with pack_layers=True,\n"
              "layer_offset + i for the i-th layer l of `layers`).\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_universal, TO_UNIVERSAL, 1, 1)
+DEFINE_TRANSFER(to_universal, 1, 1)
 
-PyDoc_STRVAR(from_universal_doc,
-             "from_universal($self, universals, block_ids, /, *, layers=None, layer_offset=0, heads=None, "
-             "head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+PyDoc_STRVAR(from_universal_doc, KV_PAGED_FROM_UNIVERSAL_TEXT_SIGNATURE
              "Copy universal blocks into cache blocks, the inverse of to_universal.\n\n" UNIVERSAL_DOC COMMON_DOC);
-DEFINE_TRANSFER(from_universal, FROM_UNIVERSAL, 0, 1)
+DEFINE_TRANSFER(from_universal, 0, 1)
 
 PyDoc_STRVAR(
-    to_operational_doc,
-    "to_operational($self, block_ids, operationals, /, *, layout='NHD', layers=None, pack_layers=False, "
-    "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
+    to_operational_doc, KV_PAGED_TO_OPERATIONAL_TEXT_SIGNATURE
     "Copy cache blocks into operational blocks:\n"
     "operationals[b][l, o].view(nt, nh, hd)[t, h, :] = cache row (block_ids[b], l, o, t, h)\n"
     "for layout \"NHD\" (.view(nh, nt, hd)[h, t, :] for \"HND\"), for every layer l in\n"
     "`layers` (with pack_layers=True, operationals[b][i] for the i-th layer l).\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
-DEFINE_TRANSFER(to_operational, TO_OPERATIONAL, 1, 0)
+DEFINE_TRANSFER(to_operational, 1, 0)
 
 PyDoc_STRVAR(
-    from_operational_doc,
-    "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, pack_layers=False, "
-    "backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
+    from_operational_doc, KV_PAGED_FROM_OPERATIONAL_TEXT_SIGNATURE
     "Copy operational blocks into cache blocks, the inverse of to_operational.\n\n" OPERATIONAL_BLOCKS_DOC COMMON_DOC);
-DEFINE_TRANSFER(from_operational, FROM_OPERATIONAL, 0, 0)
+DEFINE_TRANSFER(from_operational, 0, 0)
 
-PyDoc_STRVAR(to_cache_doc,
-             "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, "
-             "pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+PyDoc_STRVAR(to_cache_doc, KV_PAGED_TO_CACHE_TEXT_SIGNATURE
              "Copy blocks src_ids[b] of this cache into blocks dst_ids[b] of dst, another\n"
              "PagedKVCache of the same num_outer, block_size, head_dim and dtype, in\n"
              "whatever layout each has:\n"
@@ -377,63 +356,63 @@ static PyObject *paged_repr(kv_paged_cache *self)
     return repr;
 }
 
-PyDoc_STRVAR(paged_doc, "PagedKVCache(layers, layout, *, block_size=None)\n--\n\n"
-                        "A serving worker's KV cache, described once: the blocks of every layer are\n"
-                        "addressed by block id, and each call moves nb blocks to or from universal or\n"
-                        "operational blocks in one kernel launch, with a host cost that does not grow\n"
-                        "with the number of layers or chunks.\n\n"
-                        "layers: a sequence of nl per-layer arrays, a sequence of nl (K, V) pairs of\n"
-                        "    arrays (K and V in separate arrays: no = 2), or one array holding every\n"
-                        "    layer.\n"
-                        "layout: one letter per dimension of each array, in its logical order: l layer\n"
-                        "    (only for one all-layer array), k K/V (absent: no = 1, or 2 for pairs), b\n"
-                        "    block, t token, h head (absent: nh = 1), d head dim.  Letters in\n"
-                        "    parentheses share one dimension, their row-major product: t's size is\n"
-                        "    block_size, k's 2, and one other letter takes the rest.  E.g. \"kbthd\"\n"
-                        "    (vLLM FlashAttention before K|V packing, [2, num_blocks, nt, nh, hd]),\n"
-                        "    \"bth(kd)\" (vLLM's packed K|V in memory order), \"bkthd\" (FlashInfer),\n"
-                        "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
-                        "    transformers, K and V pairs, with block_size=).\n"
-                        "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
-                        "Attributes: layout and block_size read back as the constructor takes them\n"
-                        "(layout in lower case; block_size the tokens of a block, given or the size of\n"
-                        "'t'); num_layers, num_blocks, num_heads, head_dim, num_outer, itemsize, layers.\n"
-                        "dtype and device as the framework of the first array (layers[0], or its K) has\n"
-                        "them: a torch.dtype and a torch.device for torch tensors (torch.empty(n,\n"
-                        "dtype=cache.dtype, device=cache.device)), a numpy.dtype (where NumPy has the\n"
-                        "type) and \"cpu\" for NumPy arrays, else dtype_name and device_name.  Those two\n"
-                        "are always the names, e.g. \"bfloat16\" and \"cuda:0\" (what dtype and device\n"
-                        "were before; str(cache.device) gives it for torch too, str(cache.dtype) does\n"
-                        "not).  All are made once, at construction, from what the arrays' protocol\n"
-                        "reported, never from the arrays' own dtype or device attributes.\n"
-                        "tokens_per_block and dims, the old names of block_size and layout, are kept for\n"
-                        "one release (DeprecationWarning).\n\n"
-                        "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
-                        "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
-                        "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
-                        "and all are on one CUDA device, or all in host memory (then calls run on the\n"
-                        "CPU, releasing the GIL while they copy 64 KiB or more).  The cache keeps the\n"
-                        "memory of its arrays alive (for DLPack producers, through the capsules' managed\n"
-                        "tensors) and always moves that memory: re-pointing a layer tensor afterwards\n"
-                        "with torch's set_ does not change what the cache reads or writes.  A resize that\n"
-                        "reallocates a layer's memory would free it under the cache, so: NumPy refuses\n"
-                        "to resize a layer (or the array owning its memory) while the cache lives, even\n"
-                        "with refcheck=False (the cache holds weak references to them); a cache of one\n"
-                        "array read through DLPack's C exchange API (torch 2.11+) asks the array at\n"
-                        "every call where its memory is and raises ValueError naming it if it moved\n"
-                        "(torch's resize_ growing it, untyped_storage().resize_()); per-layer arrays get\n"
-                        "that check, one C call per layer moved, under KVBM_EXT_DEBUG=1 (other producers\n"
-                        "are read again through their protocol then).  Without it, do not resize a\n"
-                        "per-layer torch tensor the cache holds.  Layers may share memory (one tensor\n"
-                        "given twice): reading them is fine, a call writing two of them is refused.  The\n"
-                        "cache holds no device memory of its own: constructing or collecting it never\n"
-                        "allocates, frees or synchronizes on a device.\n\n"
-                        "torch tensors are written as a torch in-place operation would write them:\n"
-                        "from_universal and from_operational refuse a layer tensor that requires grad\n"
-                        "(asked at each call: autograd could not see the write; construct the cache\n"
-                        "from x.detach(), same memory, to write it anyway), and bump the version\n"
-                        "counter of every layer tensor they write; to_universal and to_operational do\n"
-                        "the same for their universals or operationals.");
+PyDoc_STRVAR(paged_doc, KV_PAGED_NEW_TEXT_SIGNATURE
+             "A serving worker's KV cache, described once: the blocks of every layer are\n"
+             "addressed by block id, and each call moves nb blocks to or from universal or\n"
+             "operational blocks in one kernel launch, with a host cost that does not grow\n"
+             "with the number of layers or chunks.\n\n"
+             "layers: a sequence of nl per-layer arrays, a sequence of nl (K, V) pairs of\n"
+             "    arrays (K and V in separate arrays: no = 2), or one array holding every\n"
+             "    layer.\n"
+             "layout: one letter per dimension of each array, in its logical order: l layer\n"
+             "    (only for one all-layer array), k K/V (absent: no = 1, or 2 for pairs), b\n"
+             "    block, t token, h head (absent: nh = 1), d head dim.  Letters in\n"
+             "    parentheses share one dimension, their row-major product: t's size is\n"
+             "    block_size, k's 2, and one other letter takes the rest.  E.g. \"kbthd\"\n"
+             "    (vLLM FlashAttention before K|V packing, [2, num_blocks, nt, nh, hd]),\n"
+             "    \"bth(kd)\" (vLLM's packed K|V in memory order), \"bkthd\" (FlashInfer),\n"
+             "    \"btd\" (MLA), \"blkthd\" (one cross-layer array), \"(bt)hd\" (SGLang and\n"
+             "    transformers, K and V pairs, with block_size=).\n"
+             "block_size: the tokens of a block where the layout groups 't' with 'b'.\n\n"
+             "Attributes: layout and block_size read back as the constructor takes them\n"
+             "(layout in lower case; block_size the tokens of a block, given or the size of\n"
+             "'t'); num_layers, num_blocks, num_heads, head_dim, num_outer, itemsize, layers.\n"
+             "dtype and device as the framework of the first array (layers[0], or its K) has\n"
+             "them: a torch.dtype and a torch.device for torch tensors (torch.empty(n,\n"
+             "dtype=cache.dtype, device=cache.device)), a numpy.dtype (where NumPy has the\n"
+             "type) and \"cpu\" for NumPy arrays, else dtype_name and device_name.  Those two\n"
+             "are always the names, e.g. \"bfloat16\" and \"cuda:0\" (what dtype and device\n"
+             "were before; str(cache.device) gives it for torch too, str(cache.dtype) does\n"
+             "not).  All are made once, at construction, from what the arrays' protocol\n"
+             "reported, never from the arrays' own dtype or device attributes.\n"
+             "tokens_per_block and dims, the old names of block_size and layout, are kept for\n"
+             "one release (DeprecationWarning).\n\n"
+             "Strides come from the arrays, so any physical order works (e.g. vLLM's HND\n"
+             "memory order behind a \"kbthd\" view); 'd' must have stride 1 element and no\n"
+             "stride may be negative.  Every array has one element type (1, 2, 4 or 8 bytes)\n"
+             "and all are on one CUDA device, or all in host memory (then calls run on the\n"
+             "CPU, releasing the GIL while they copy 64 KiB or more).  The cache keeps the\n"
+             "memory of its arrays alive (for DLPack producers, through the capsules' managed\n"
+             "tensors) and always moves that memory: re-pointing a layer tensor afterwards\n"
+             "with torch's set_ does not change what the cache reads or writes.  A resize that\n"
+             "reallocates a layer's memory would free it under the cache, so: NumPy refuses\n"
+             "to resize a layer (or the array owning its memory) while the cache lives, even\n"
+             "with refcheck=False (the cache holds weak references to them); a cache of one\n"
+             "array read through DLPack's C exchange API (torch 2.11+) asks the array at\n"
+             "every call where its memory is and raises ValueError naming it if it moved\n"
+             "(torch's resize_ growing it, untyped_storage().resize_()); per-layer arrays get\n"
+             "that check, one C call per layer moved, under KVBM_EXT_DEBUG=1 (other producers\n"
+             "are read again through their protocol then).  Without it, do not resize a\n"
+             "per-layer torch tensor the cache holds.  Layers may share memory (one tensor\n"
+             "given twice): reading them is fine, a call writing two of them is refused.  The\n"
+             "cache holds no device memory of its own: constructing or collecting it never\n"
+             "allocates, frees or synchronizes on a device.\n\n"
+             "torch tensors are written as a torch in-place operation would write them:\n"
+             "from_universal and from_operational refuse a layer tensor that requires grad\n"
+             "(asked at each call: autograd could not see the write; construct the cache\n"
+             "from x.detach(), same memory, to write it anyway), and bump the version\n"
+             "counter of every layer tensor they write; to_universal and to_operational do\n"
+             "the same for their universals or operationals.");
 
 static PyType_Slot paged_slots[] = {
     {Py_tp_doc, (void *)paged_doc},      {Py_tp_new, kv_paged_new},     {Py_tp_dealloc, kv_paged_dealloc},

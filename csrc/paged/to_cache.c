@@ -127,22 +127,19 @@ static int check_size(const kv_to_cache_call *call)
     return 0;
 }
 
-static int read_call(kv_to_cache_call *call, PyObject *const *v)
+static int read_call(kv_to_cache_call *call, const kv_paged_args *a)
 {
-    PyObject *stream = v[10] != NULL ? v[10] : Py_None;
-    if (check_dst(call, v[0]) < 0)
+    if (check_dst(call, a->dst) < 0)
         return -1;
-    call->dst = (kv_paged_cache *)v[0];
-    if (kv_paged_read_options(call->src, "to_cache", v[3], v[5], v[4], v[6], v[7], v[8], v[9], NULL, NULL, stream,
-                              &call->options)
-            < 0
+    call->dst = (kv_paged_cache *)a->dst;
+    if (kv_paged_read_options(call->src, kv_paged_to_cache_signature.name, a, &call->options) < 0
         || check_landing(call) < 0 || place(call) < 0)
         return -1;
     call->reader.protocols = &call->state->protocols;
     call->reader.dlpack_stream = kv_stream_for_dlpack(call->options.move.stream);
     if (call->reader.dlpack_stream == NULL
-        || read_ids(call, v[1], "src_ids", call->src, &call->src_ids, &call->src_ids_read) < 0
-        || read_ids(call, v[2], "dst_ids", call->dst, &call->dst_ids, &call->dst_ids_read) < 0)
+        || read_ids(call, a->src_ids, "src_ids", call->src, &call->src_ids, &call->src_ids_read) < 0
+        || read_ids(call, a->dst_ids, "dst_ids", call->dst, &call->dst_ids, &call->dst_ids_read) < 0)
         return -1;
     if (call->dst_ids.count != call->src_ids.count)
         return kv_error(PyExc_ValueError, "dst_ids: has %zd ids, but src_ids has %zd", call->dst_ids.count,
@@ -163,18 +160,15 @@ static void release_call(kv_to_cache_call *call)
 
 PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const NAMES[] = {"dst",         "src_ids",     "dst_ids", "layers",   "heads",  "layer_offset",
-                                        "head_offset", "pack_layers", "backend", "num_ctas", "stream", NULL};
-    static const kv_signature SIGNATURE = {"to_cache", NAMES, 0, 3, 3};
-    PyObject *v[11];
-    if (kv_parse_arguments(&SIGNATURE, args, nargs, kwnames, v) < 0)
+    kv_paged_args a;
+    if (kv_parse_arguments(&kv_paged_to_cache_signature, args, nargs, kwnames, &a) < 0)
         return NULL;
     kv_to_cache_call call;
     memset(&call, 0, sizeof call);
     call.src = self;
     call.state = PyType_GetModuleState(Py_TYPE(self)); /* not subclassable: the module's own type */
     call.device = -1;
-    int rc = read_call(&call, v);
+    int rc = read_call(&call, &a);
     const kv_paged_options *o = &call.options;
     if (rc == 0 && call.src_ids.count > 0 && o->layers.count > 0 && o->heads.count > 0) {
         const kv_selection written = kv_paged_landing(o);
