@@ -27,10 +27,8 @@ MOVED = "moved"        # did something (posted, completed a piece): step again a
 WAITING = "waiting"    # nothing it waits for happened yet
 
 # When no job moved, the driver yields the GIL for a few rounds (a piece's event or
-# transfer usually completes within them), then sleeps longer each round, up to the
-# shortest `poll_s` of the pending jobs (a millisecond for a job without one), so that a
-# long wait costs the caller's threads little while a job whose end a caller waits on
-# soon (a transfer to a peer) is seen finished within its own bound.
+# transfer usually completes within them), then sleeps longer each round, up to a
+# millisecond, so that a long wait costs the caller's threads little.
 SPIN_ROUNDS = 64
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
@@ -102,8 +100,7 @@ class Job(Protocol):
     """What the driver advances: `handle`, `deadline` (time.monotonic() seconds, or None),
     `step()` (advances without blocking and returns DONE, MOVED or WAITING; raises to fail)
     and `abandon(error)` (releases what the job holds after a failure or its deadline; must
-    not raise).  Optional: `poll_s`, the longest the driver may sleep between two steps
-    while the job waits (default SLEEP_MAX_S)."""
+    not raise)."""
 
     handle: Handle
     deadline: float | None
@@ -155,8 +152,7 @@ class _Driver:
                         self._jobs.remove(job)
             idle = 0 if moved else min(idle + 1, SPIN_ROUNDS + 8)
             if idle:
-                longest = min((getattr(job, "poll_s", SLEEP_MAX_S) for job in jobs), default=SLEEP_MAX_S)
-                time.sleep(0 if idle <= SPIN_ROUNDS else min(SLEEP_MIN_S * 2 ** (idle - SPIN_ROUNDS), longest))
+                time.sleep(0 if idle <= SPIN_ROUNDS else min(SLEEP_MIN_S * 2 ** (idle - SPIN_ROUNDS), SLEEP_MAX_S))
 
 
 _driver: _Driver | None = None

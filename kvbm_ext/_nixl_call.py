@@ -35,14 +35,8 @@ from ._transport import _side_stream
 # the call's deadline itself, naming the peers it waits for.
 _BACKSTOP_S = 5.0
 
-# A piece's notification comes a link latency after its transfer: the driver sleeps at most
-# this long while the call waits, since its caller usually waits on the handle.
-_POLL_S = 50e-6
-
 
 class NixlCall:
-    poll_s = _POLL_S
-
     def __init__(self, transport: Any, call: Any) -> None:
         self.t, self.call = transport, call
         self.handle = Handle(f"rank {call.rank}: reshard over NIXL", sum(m.nbytes for m in call.sends + call.recvs))

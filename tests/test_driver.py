@@ -107,29 +107,3 @@ def test_a_forked_child_runs_its_own_driver():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert result.stdout.strip() == "child 0", result.stdout + result.stderr
-
-
-class PollBound(Steps):
-    def __init__(self, poll_s, waits):
-        super().__init__(moves=0, waits=waits)
-        self.poll_s = poll_s
-
-
-@pytest.mark.parametrize("poll_s", [None, 1e-4])
-def test_the_driver_sleeps_no_longer_than_a_waiting_jobs_poll_bound(monkeypatch, poll_s):
-    slept = []
-
-    class Clock:
-        monotonic = staticmethod(time.monotonic)
-
-        @staticmethod
-        def sleep(seconds):
-            slept.append(seconds)
-            time.sleep(min(seconds, 1e-5))
-
-    monkeypatch.setattr(_driver, "time", Clock)
-    waits = _driver.SPIN_ROUNDS + 40       # past the spinning rounds, into the longest sleeps
-    job = Steps(moves=0, waits=waits) if poll_s is None else PollBound(poll_s, waits)
-    _driver.submit(job).wait(10)
-    assert job.steps == waits + 1
-    assert max(slept) == (_driver.SLEEP_MAX_S if poll_s is None else poll_s)
