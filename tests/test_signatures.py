@@ -166,6 +166,8 @@ def test_a_long_def_takes_a_line_per_parameter():
     ("const kv_signature kv_crc32c_signature", "const kv_signature kv_crc32c_sig", "kv_<name>_signature"),
     ('KV_SIGNATURE(NULL, "crc32c", kv_crc32c_args, CRC32C, "int")', 'KV_SIGNATURE(NULL, "crc32c", CRC32C, "int")',
      "takes 5 arguments"),
+    ('KV_SIGNATURE(NULL, "crc32c",', "KV_SIGNATURE(NULL, CRC32C_NAME,", "'CRC32C_NAME' is not a string"),
+    ('"0", "SupportsIndex"),\n};', '"0", "SupportsIndex\\t"),\n};', "no escape"),
 ])
 def test_the_reader_refuses_what_it_cannot_read(old, new, error):
     changed = TABLES.replace(old, new, 1)

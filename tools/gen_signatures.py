@@ -77,6 +77,8 @@ class Signature:
         if self.constructor:
             return f"{self.owner}({', '.join(self.parts(doc=True))})"
         parts = self.parts(doc=True)
+        # $self is positional-only: CPython's own docstrings mark it so with a "/" where
+        # the method takes nothing else by position.
         if self.owner is not None:
             takes_position = any(p.kind in (POSITIONAL_ONLY, POSITIONAL) for p in self.params)
             parts = ["$self"] + (["/"] if not takes_position else []) + parts
@@ -129,25 +131,37 @@ def stub_default(text):
 
 # ------------------------------------------------------------ reading signatures.c
 
-TOKEN = re.compile(r'\s+|/\*.*?\*/|//[^\n]*|(?P<string>"(?:[^"\\\n]|\\.)*")|(?P<word>\w+)|(?P<punct>[{}()\[\],;=*])',
+TOKEN = re.compile(r'\s+|/\*.*?\*/|//[^\n]*|(?P<string>"(?:[^"\\\n]|\\.)*")|(?P<word>\w+)|(?P<punct>[{}()\[\],;=])',
                    re.DOTALL)
-ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "'": "'"}
+ESCAPES = {'"': '"', "\\": "\\", "'": "'"}
+# What each macro takes, a letter an argument: s a string, w a word, n a string or NULL,
+# r a string or KV_REQUIRED (both read as None).
+MACROS = {"KV_PARAM": "wwwrs", "KV_VAR_PARAM": "ws", "KV_SIGNATURE": "nswws", "KV_CONSTRUCTOR": "sww",
+          "KV_NO_ARGUMENTS": "nss", "KV_UNPARSED": "nsws"}
+LETTERS = {"s": "a string", "w": "a name", "n": "a string or NULL", "r": "a string or KV_REQUIRED"}
+
+
+def unescape(literal, line):
+    def one(match):
+        if match.group(1) not in ESCAPES:
+            raise SignatureError(f"signatures.c:{line}: no escape \\{match.group(1)} in a table's strings")
+        return ESCAPES[match.group(1)]
+    return re.sub(r"\\(.)", one, literal[1:-1])
 
 
 def tokens(text):
-    """(kind, value, line) of the C text after its #include lines: strings unescaped and
-    adjacent ones joined, as the compiler joins them."""
+    """(kind, value, line) of the C text: strings unescaped and adjacent ones joined, as the
+    compiler joins them; no preprocessor line but #include."""
+    text = re.sub(r'^#include "[\w.]+"$', "", text, flags=re.MULTILINE)
+    if "#" in re.sub(r'"(?:[^"\\\n]|\\.)*"|/\*.*?\*/|//[^\n]*', "", text, flags=re.DOTALL):
+        raise SignatureError("signatures.c: no preprocessor line but #include: the tables are read as written")
     out, pos, line = [], 0, 1
-    for match in re.finditer(r"^#include \"[\w.]+\"$", text, re.MULTILINE):
-        text = text[:match.start()] + " " * (match.end() - match.start()) + text[match.end():]
-    if "#" in re.sub(r'"(?:[^"\\\n]|\\.)*"|/\*.*?\*/', "", text, flags=re.DOTALL):
-        raise SignatureError("signatures.c: no preprocessor line but its #include: the tables are read as written")
     while pos < len(text):
         match = TOKEN.match(text, pos)
         if match is None:
             raise SignatureError(f"signatures.c:{line}: unexpected {text[pos:pos + 20]!r}")
         if match.group("string"):
-            value = re.sub(r"\\(.)", lambda m: ESCAPES[m.group(1)], match.group("string")[1:-1])
+            value = unescape(match.group("string"), line)
             if out and out[-1][0] == "string":
                 out[-1] = ("string", out[-1][1] + value, out[-1][2])
             else:
@@ -169,66 +183,76 @@ class Reader:
         return self.tokens[self.at] if self.at < len(self.tokens) else ("end", "", 0)
 
     def take(self, *expected):
+        """The next token's value: one of `expected` (values), or a word where "word" is."""
         kind, value, line = self.peek()
-        if expected and value not in expected and kind not in expected:
+        if value not in expected and not (kind == "word" and "word" in expected):
             raise SignatureError(f"signatures.c:{line}: expected {' or '.join(expected)}, got {value!r}")
         self.at += 1
         return value
 
-    def arguments(self):
-        """The arguments of a macro call: each a string, a word, or NULL (None)."""
+    def call(self, *macros):
+        """(macro, its arguments, line) of a call of one of `macros`, each argument checked
+        against MACROS."""
+        line = self.peek()[2]
+        macro = self.take(*macros)
         self.take("(")
         values = []
         while True:
-            kind, value, _ = self.peek()
-            if kind not in ("string", "word"):
-                self.take("string", "word")
-            self.take()
-            values.append(None if value in ("NULL", "KV_REQUIRED") else value)
+            values.append(self.peek())
+            self.at += 1
             if self.take(",", ")") == ")":
-                return values
+                break
+        spec = MACROS[macro]
+        if len(values) != len(spec):
+            raise SignatureError(f"signatures.c:{line}: {macro} takes {len(spec)} arguments, got {len(values)}")
+        out = []
+        for letter, (kind, value, _) in zip(spec, values):
+            none = {"n": "NULL", "r": "KV_REQUIRED"}.get(letter)
+            if kind == "word" and value == none:
+                out.append(None)
+            elif kind == ("word" if letter == "w" else "string"):
+                out.append(value)
+            else:
+                raise SignatureError(f"signatures.c:{line}: {macro}: {value!r} is not {LETTERS[letter]}")
+        return macro, out, line
 
     def table(self):
+        """`static const kv_param NAME[] = {rows};`: (NAME, its parameters)."""
         self.take("static"), self.take("const"), self.take("kv_param")
         name = self.take("word")
         self.take("["), self.take("]"), self.take("="), self.take("{")
         rows = []
         while self.peek()[1] != "}":
-            macro, line = self.take("KV_PARAM", "KV_VAR_PARAM"), self.peek()[2]
-            values = self.arguments()
-            if macro == "KV_PARAM" and len(values) == 5:
-                struct, field, kind, default, stub_type = values
-                if kind not in (POSITIONAL_ONLY, POSITIONAL, KEYWORD_ONLY):
-                    raise SignatureError(f"signatures.c:{line}: {field}: no kind {kind}")
-                rows.append(Param(field, kind, default, stub_type, struct))
-            elif macro == "KV_VAR_PARAM" and len(values) == 2:
+            macro, values, line = self.call("KV_PARAM", "KV_VAR_PARAM")
+            if macro == "KV_VAR_PARAM":
                 rows.append(Param(values[0], VAR_POSITIONAL, None, values[1], None))
+            elif values[2] not in (POSITIONAL_ONLY, POSITIONAL, KEYWORD_ONLY):
+                raise SignatureError(f"signatures.c:{line}: {values[1]}: no kind {values[2]}")
             else:
-                raise SignatureError(f"signatures.c:{line}: {macro} with {len(values)} arguments")
+                struct, field, kind, default, stub_type = values
+                rows.append(Param(field, kind, default, stub_type, struct))
             if self.peek()[1] != "}":
                 self.take(",")
         self.take("}"), self.take(";")
         return name, rows
 
     def signature(self, tables, used):
+        """`const kv_signature IDENT = KV_...(...);` of one of the four forms (arguments.h)."""
         self.take("const"), self.take("kv_signature")
         ident = self.take("word")
         self.take("=")
-        form, line = self.take("KV_SIGNATURE", "KV_CONSTRUCTOR", "KV_NO_ARGUMENTS", "KV_UNPARSED"), self.peek()[2]
-        values = self.arguments()
+        form, values, line = self.call("KV_SIGNATURE", "KV_CONSTRUCTOR", "KV_NO_ARGUMENTS", "KV_UNPARSED")
         self.take(";")
-        arity = {"KV_SIGNATURE": 5, "KV_CONSTRUCTOR": 3, "KV_NO_ARGUMENTS": 3, "KV_UNPARSED": 4}[form]
-        if len(values) != arity:
-            raise SignatureError(f"signatures.c:{line}: {form} takes {arity} arguments")
+        struct = table = None
         if form == "KV_SIGNATURE":
             owner, name, struct, table, returns = values
         elif form == "KV_CONSTRUCTOR":
             owner, struct, table = values
-            name, returns = owner, owner
+            name = returns = owner
         elif form == "KV_NO_ARGUMENTS":
-            (owner, name, returns), struct, table = values, None, None
+            owner, name, returns = values
         else:
-            (owner, name, table, returns), struct = values, None
+            owner, name, table, returns = values
         if table is not None:
             if table not in tables or table in used:
                 raise SignatureError(f"signatures.c:{line}: {ident}: {table} is no table, or another's")

@@ -101,6 +101,8 @@ static void tuple_format(const kv_signature *signature, char *format, size_t siz
     snprintf(format + n, size - n, ":%s", signature->name);
 }
 
+_Static_assert(KV_TUPLE_PARAMS == 4, "kv_parse_tuple_arguments passes PyArg_ParseTupleAndKeywords four pointers");
+
 int kv_parse_tuple_arguments(const kv_signature *signature, PyObject *args, PyObject *kwargs, void *out)
 {
     if (signature->size == 0 || signature->count > KV_TUPLE_PARAMS) {
