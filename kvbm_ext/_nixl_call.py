@@ -274,11 +274,9 @@ class NixlCall:
         return sorted(peers)
 
     def _error(self) -> BaseException:
-        from .nixl import PeerError
-
         peers = [(rank, self.t._peers[rank].name if rank in self.t._peers else "?") for rank in self._failed]
         seen = "; ".join(f"rank {rank}: {what}" for rank, what in sorted(self._failed.items()))
-        error = PeerError(peers, seen)
+        error = wire.PeerError(peers, seen)
         error.__cause__ = self._cause
         return error
 

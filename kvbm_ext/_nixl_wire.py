@@ -15,12 +15,15 @@ Resharder's channel, the receiver's nonce for the call):
 - MISMATCH (sender -> receiver, instead of data): the sender's header record and its
   refused arguments if any.
 - ABORT (receiver -> sender): the receiver gave up on the call of that nonce.
+
+And `PeerError`, what a call raises when a peer is lost (kvbm_ext.nixl exports it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import Sequence
 
 MAGIC = b"KVRS"
 HELLO, READY, DATA, MISMATCH, ABORT = range(1, 6)
@@ -172,3 +175,18 @@ def decode(message: bytes) -> Note:
         raise WireError(f"READY: memory kind {memory}")
     buffer = Buffer(address, nbytes, device_id, registration, MEMORY[memory], reader.blob())
     return Note(kind, rank, channel, nonce, header=header, reason=reason, buffer=buffer if nbytes else None)
+
+
+class PeerError(ConnectionError, TimeoutError):
+    """A peer was lost in a reshard: it disconnected, NIXL reported an error on the way to
+    it, or it did not answer within the call's timeout.  The text is the same on every
+    rank that was exchanging with the peer; `peers`: their ranks; `detail`: what this rank
+    saw (also the exception's cause where NIXL raised)."""
+
+    def __init__(self, peers: Sequence[tuple[int, str]], detail: str) -> None:
+        names = " and ".join(f"rank {rank} (NIXL agent {name!r})" for rank, name in sorted(peers))
+        super().__init__(f"{names}: lost during this reshard (it disconnected, NIXL reported an error, or it did not "
+                         "answer within the timeout); the moves with it did not complete, no piece that did not "
+                         "arrive was unpacked, and the next call connects again")
+        self.peers = tuple(rank for rank, _ in sorted(peers))
+        self.detail = detail

@@ -54,6 +54,7 @@ import weakref
 from typing import Any, Sequence
 
 from . import _nixl_wire as wire
+from ._nixl_wire import PeerError
 from ._debug import emit, enabled
 from ._driver import Handle, submit
 from ._plan import _index
@@ -67,21 +68,6 @@ POLL_S = 0.01
 # host (cuda_ipc), RDMA NICs (rc, dc, ib, gdr_copy).  "all" and exclusions ("^...") keep them.
 _GPU_TRANSPORTS = ("cuda_ipc", "rc", "dc", "ib", "gdr_copy", "all")
 _ABORTS_KEPT = 256
-
-
-class PeerError(ConnectionError, TimeoutError):
-    """A peer was lost in a reshard: it disconnected, NIXL reported an error on the way to
-    it, or it did not answer within the call's timeout.  The text is the same on every
-    rank that was exchanging with the peer; `peers`: their ranks; `detail`: what this rank
-    saw (also the exception's cause where NIXL raised)."""
-
-    def __init__(self, peers: Sequence[tuple[int, str]], detail: str) -> None:
-        names = " and ".join(f"rank {rank} (NIXL agent {name!r})" for rank, name in sorted(peers))
-        super().__init__(f"{names}: lost during this reshard (it disconnected, NIXL reported an error, or it did not "
-                         "answer within the timeout); the moves with it did not complete, no piece that did not "
-                         "arrive was unpacked, and the next call connects again")
-        self.peers = tuple(rank for rank, _ in sorted(peers))
-        self.detail = detail
 
 
 @dataclasses.dataclass
