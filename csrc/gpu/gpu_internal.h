@@ -145,24 +145,20 @@ typedef struct {
 
 kv_staging_facts kv_staging_facts_of(const kv_gpu *gpu, const kv_staging *st);
 
-/* A layout move's kernel (move_kernels.c): over the whole call, with its
- * table by value (device_table NULL) or in device memory, on at most
- * num_ctas CTAs (0: no bound). */
-cudaError_t kv_move_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,
-                           cudaStream_t stream);
+/* A layout move's kernel over the whole call, and over one staged piece,
+ * as its kind (gpu.h, kv_move_kind) launches it. */
+static inline cudaError_t kv_move_launch(const kv_move *move, const void *host_table, const void *device_table,
+                                         uint32_t num_ctas, cudaStream_t stream)
+{
+    return (cudaError_t)move->kind->launch(move, host_table, device_table, num_ctas, (void *)stream);
+}
 
-/* The step kv_move_launch takes, for errors. */
-const char *kv_move_what(const kv_move *move);
-
-/* The whole blocks a staged piece of `move` may hold, so that its table
- * travels by value; 0 when not even one block's does (`why` says so). */
-int64_t kv_move_piece_blocks(const kv_move *move, char *why, size_t why_size);
-
-/* The kernel over one piece (pieces.h) of a staged move: between the device
- * side of the call and `slot`, which holds the piece's units packed. */
 struct kv_box;
-cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
-                                 uint32_t num_ctas, cudaStream_t stream);
+static inline cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box,
+                                               char *slot, uint32_t num_ctas, cudaStream_t stream)
+{
+    return (cudaError_t)move->kind->launch_piece(move, staged, box, slot, num_ctas, (void *)stream);
+}
 
 /* Runs plan->staged on `caller` (between kv_device_enter and
  * kv_device_leave), its permutes on plan->num_ctas CTAs and on
@@ -171,11 +167,5 @@ cudaError_t kv_move_launch_piece(const kv_move *move, const kv_staged *staged, c
  * why; nothing was enqueued). */
 int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
                    kv_gpu_report *report, kv_failure *f);
-
-/* kv_move_piece_blocks and kv_move_launch_piece for a KV_MOVE_TO_CACHE
- * move (gpu_to_cache.c). */
-int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size);
-cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
-                                     uint32_t num_ctas, cudaStream_t stream);
 
 #endif /* KVBM_GPU_INTERNAL_H */

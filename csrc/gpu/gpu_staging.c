@@ -29,14 +29,14 @@ int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
 /* Every kernel of the extension loaded on the current device. */
 static int load_kernels(kv_failure *f)
 {
-    cudaError_t (*const loaders[])(void) = {kvbm_load_block_universal, kvbm_load_copy_pairs, kvbm_load_paged,
-                                            kvbm_load_to_cache};
-    for (size_t i = 0; i < sizeof loaders / sizeof *loaders; i++)
-        if ((f->error = loaders[i]()) != cudaSuccess) {
-            f->what = "loading the kernels";
-            return -1;
-        }
-    return 0;
+    /* The raw copies' kernel, then each kind of layout move's (gpu.h). */
+    f->error = kvbm_load_copy_pairs();
+    for (int i = 0; f->error == cudaSuccess && i < kv_move_kind_count; i++)
+        f->error = (cudaError_t)kv_move_kinds[i]->load();
+    if (f->error == cudaSuccess)
+        return 0;
+    f->what = "loading the kernels";
+    return -1;
 }
 
 int kv_gpu_reserve_staging(kv_gpu *gpu, int device)

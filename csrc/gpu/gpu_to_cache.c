@@ -14,6 +14,8 @@
 #include "kvbm_kernels.h"
 #include "pieces.h"
 
+KV_MOVE_KERNEL_DECLARE(to_cache);
+
 /* The device cache of a staged move: its strides, bases and ids. */
 typedef struct {
     int64_t block, head, token, shift, num_blocks;
@@ -25,12 +27,13 @@ typedef struct {
 
 static kv_device_side device_side(const kv_move *move)
 {
-    const kvbm_to_cache *m = move->to_cache.move;
-    const kvbm_to_cache_ids *ids = move->to_cache.ids;
+    const kv_to_cache_move *a = move->args;
+    const kvbm_to_cache *m = a->move;
+    const kvbm_to_cache_ids *ids = a->ids;
     const uint64_t *table = move->table;
     const kvbm_paged *p = &m->p;
     kv_device_side s;
-    if (move->to_cache.packing->pinned_is_dst) {
+    if (a->packing->pinned_is_dst) {
         const kv_device_side src = {p->cache_block,
                                     p->cache_head,
                                     p->cache_token,
@@ -63,11 +66,12 @@ static kv_device_side device_side(const kv_move *move)
  * mid and inner, the box's ranges, between the device cache and `slot`.
  * Its table, by value: the piece's (layer, outer) bases of the device
  * cache, then its host ids. */
-cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const kv_box *box, char *slot,
-                                     uint32_t num_ctas, cudaStream_t stream)
+int kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const kv_box *box, char *slot,
+                             uint32_t num_ctas, void *stream)
 {
-    const kv_packing *k = move->to_cache.packing;
-    const kvbm_paged *whole = &move->to_cache.move->p;
+    const kv_to_cache_move *a = move->args;
+    const kv_packing *k = a->packing;
+    const kvbm_paged *whole = &a->move->p;
     const kv_device_side dev = device_side(move);
     const int64_t unit = staged->unit_bytes;
     /* Fused, the (layer, outer) pairs are the layers of the piece. */
@@ -106,19 +110,30 @@ cudaError_t kv_to_cache_launch_piece(const kv_move *move, const kv_staged *stage
         addresses.ids = dev.device_ids + box->b0 * (dev.ids_int32 ? 4 : 8);
     else
         memcpy(table + n, dev.host_ids + box->b0, (size_t)box->bn * sizeof *table);
-    return kvbm_launch_paged(&p, &addresses, table, NULL, move->vector_bytes, num_ctas, stream);
+    return kvbm_launch_paged(&p, &addresses, table, NULL, move->vector_bytes, num_ctas, (cudaStream_t)stream);
 }
 
 int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size)
 {
     /* A piece's bases, and its host ids, travel by value. */
-    const kvbm_to_cache_ids *ids = move->to_cache.ids;
-    const int64_t bases = kvbm_to_cache_bases(move->to_cache.move);
+    const kv_to_cache_move *a = move->args;
+    const kvbm_to_cache_ids *ids = a->ids;
+    const int64_t bases = kvbm_to_cache_bases(a->move);
     if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
         snprintf(why, why_size, "a table of %lld (layer, K/V) bases does not fit in a launch's parameters",
                  (long long)bases);
         return 0;
     }
-    const int device_ids = move->to_cache.packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
+    const int device_ids = a->packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
     return device_ids ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
 }
+
+int kv_to_cache_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,
+                       void *stream)
+{
+    const kv_to_cache_move *a = move->args;
+    return kvbm_launch_to_cache(a->move, a->ids, host_table, device_table, move->vector_bytes, num_ctas,
+                                (cudaStream_t)stream);
+}
+
+int kv_to_cache_load(void) { return kvbm_load_to_cache(); }

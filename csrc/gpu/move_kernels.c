@@ -2,7 +2,8 @@
  * over one staged piece.  A piece is the same kernel run over part of the
  * call, with the pinned side replaced by the piece's slot, where the
  * piece's units lie packed: the launchers below rewrite the call's
- * description for one box.  A new kind of move adds a case to each. */
+ * description for one box.  Each kind's descriptor (gpu.h, kv_move_kind)
+ * points at its functions here; a new kind adds its own. */
 #include "gpu_internal.h"
 
 #include <stdio.h>
@@ -11,49 +12,45 @@
 #include "kvbm_kernels.h"
 #include "pieces.h"
 
-cudaError_t kv_move_launch(const kv_move *m, const void *host_table, const void *device_table, uint32_t num_ctas,
-                           cudaStream_t stream)
+KV_MOVE_KERNEL_DECLARE(block_universal);
+KV_MOVE_KERNEL_DECLARE(paged);
+
+int kv_block_universal_launch(const kv_move *m, const void *host_table, const void *device_table, uint32_t num_ctas,
+                              void *stream)
 {
-    switch (m->kind) {
-    case KV_MOVE_BLOCK_UNIVERSAL:
-        return kvbm_launch_block_universal(m->block.dims, (void *const *)host_table, (void *const *)device_table,
-                                           m->block.direction, m->vector_bytes, num_ctas, stream);
-    case KV_MOVE_PAGED:
-        return kvbm_launch_paged(m->paged.paged, m->paged.addresses, host_table, device_table, m->vector_bytes,
-                                 num_ctas, stream);
-    case KV_MOVE_TO_CACHE:
-        return kvbm_launch_to_cache(m->to_cache.move, m->to_cache.ids, host_table, device_table, m->vector_bytes,
-                                    num_ctas, stream);
-    }
-    return cudaErrorInvalidValue;
+    const kv_block_move *a = m->args;
+    return kvbm_launch_block_universal(a->dims, (void *const *)host_table, (void *const *)device_table, a->direction,
+                                       m->vector_bytes, num_ctas, (cudaStream_t)stream);
 }
 
-const char *kv_move_what(const kv_move *m)
+int kv_paged_launch(const kv_move *m, const void *host_table, const void *device_table, uint32_t num_ctas, void *stream)
 {
-    switch (m->kind) {
-    case KV_MOVE_PAGED: return "launching the paged cache kernel";
-    case KV_MOVE_TO_CACHE: return "launching the cache-to-cache kernel";
-    default: return "launching the block/universal kernel";
-    }
+    const kv_paged_move *a = m->args;
+    return kvbm_launch_paged(a->paged, a->addresses, host_table, device_table, m->vector_bytes, num_ctas,
+                             (cudaStream_t)stream);
 }
 
-int64_t kv_move_piece_blocks(const kv_move *m, char *why, size_t why_size)
+int kv_block_universal_load(void) { return kvbm_load_block_universal(); }
+int kv_paged_load(void) { return kvbm_load_paged(); }
+
+int64_t kv_paged_piece_blocks(const kv_move *m, char *why, size_t why_size)
 {
-    if (m->kind == KV_MOVE_TO_CACHE)
-        return kv_to_cache_piece_blocks(m, why, why_size);
-    if (m->kind == KV_MOVE_PAGED) {
-        /* A piece's layers, and its host ids, travel by value. */
-        const kvbm_paged *p = m->paged.paged;
-        const int64_t bases = kvbm_paged_bases(p);
-        if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
-            snprintf(why, why_size, "a table of %lld layers does not fit in a launch's parameters", (long long)p->nl);
-            return 0;
-        }
-        return m->paged.addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
+    /* A piece's layers, and its host ids, travel by value. */
+    const kv_paged_move *a = m->args;
+    const int64_t bases = kvbm_paged_bases(a->paged);
+    if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
+        snprintf(why, why_size, "a table of %lld layers does not fit in a launch's parameters",
+                 (long long)a->paged->nl);
+        return 0;
     }
+    return a->addresses->ids != NULL ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
+}
+
+int64_t kv_block_universal_piece_blocks(const kv_move *m, char *why, size_t why_size)
+{
     /* Whole blocks up to the by-value table's size, and a block's table must
      * fit. */
-    const kvbm_block_dims *d = m->block.dims;
+    const kvbm_block_dims *d = ((const kv_block_move *)m->args)->dims;
     const int64_t blocks = KVBM_TABLE_BY_VALUE_MAX / (1 + (d->chunk_stride ? 1 : d->nchunks));
     if (blocks == 0)
         snprintf(why, why_size, "a block's table of %lld chunks does not fit in a launch's parameters",
@@ -69,10 +66,11 @@ int64_t kv_move_piece_blocks(const kv_move *m, char *why, size_t why_size)
  * in the slot, every head, with the universals on the device keeping
  * theirs (universal_chunks).  The piece's table goes by value: max_blocks
  * keeps it within KVBM_TABLE_BY_VALUE_MAX. */
-static cudaError_t launch_block_universal_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot,
-                                                uint32_t num_ctas, cudaStream_t stream)
+int kv_block_universal_launch_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot,
+                                    uint32_t num_ctas, void *stream)
 {
-    const kvbm_block_dims *d = m->block.dims;
+    const kv_block_move *a = m->args;
+    const kvbm_block_dims *d = a->dims;
     const int64_t unit = s->unit_bytes, rb = d->row_bytes;
     void *const *table = m->table;
     void *piece_table[KVBM_TABLE_BY_VALUE_MAX];
@@ -102,7 +100,8 @@ static cudaError_t launch_block_universal_piece(const kv_move *m, const kv_stage
                 chunks[k * chunk_slots + c] = slot + (k * box->in + c) * unit;
         }
     }
-    return kvbm_launch_block_universal(&p, piece_table, NULL, m->block.direction, m->vector_bytes, num_ctas, stream);
+    return kvbm_launch_block_universal(&p, piece_table, NULL, a->direction, m->vector_bytes, num_ctas,
+                                       (cudaStream_t)stream);
 }
 
 /* One piece of a paged move: blocks [b0, b0 + bn), moved layers [i0, i0 +
@@ -112,10 +111,11 @@ static cudaError_t launch_block_universal_piece(const kv_move *m, const kv_stage
  * [in, no, nt*nh*hd] operationals (each chunk in its own order).  Its
  * table, by value: the piece's layers' bases (one per layer, or one per
  * (layer, outer) when K and V are separate arrays), then its host ids. */
-static cudaError_t launch_paged_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot,
-                                      uint32_t num_ctas, cudaStream_t stream)
+int kv_paged_launch_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot, uint32_t num_ctas,
+                          void *stream)
 {
-    const kvbm_paged *whole = m->paged.paged;
+    const kv_paged_move *a = m->args;
+    const kvbm_paged *whole = a->paged;
     const uint64_t *table = m->table;
     kvbm_paged p = *whole;
     p.nb = box->bn;
@@ -134,7 +134,7 @@ static cudaError_t launch_paged_piece(const kv_move *m, const kv_staged *s, cons
     }
     p.flat_shift = 0;
     kvbm_paged_plan(&p);
-    kvbm_paged_addresses addresses = *m->paged.addresses;
+    kvbm_paged_addresses addresses = *a->addresses;
     addresses.flat_base = (uint64_t)(uintptr_t)slot;
     addresses.flat_block = box->mn * box->in * s->unit_bytes;
     uint64_t piece_table[KVBM_TABLE_BY_VALUE_MAX];
@@ -144,16 +144,5 @@ static cudaError_t launch_paged_piece(const kv_move *m, const kv_staged *s, cons
         addresses.ids = (const char *)addresses.ids + box->b0 * (addresses.ids_int32 ? 4 : 8);
     else
         memcpy(piece_table + bases, table + kvbm_paged_bases(whole) + box->b0, (size_t)box->bn * sizeof *piece_table);
-    return kvbm_launch_paged(&p, &addresses, piece_table, NULL, m->vector_bytes, num_ctas, stream);
-}
-
-cudaError_t kv_move_launch_piece(const kv_move *m, const kv_staged *s, const kv_box *box, char *slot, uint32_t num_ctas,
-                                 cudaStream_t stream)
-{
-    switch (m->kind) {
-    case KV_MOVE_BLOCK_UNIVERSAL: return launch_block_universal_piece(m, s, box, slot, num_ctas, stream);
-    case KV_MOVE_PAGED: return launch_paged_piece(m, s, box, slot, num_ctas, stream);
-    case KV_MOVE_TO_CACHE: return kv_to_cache_launch_piece(m, s, box, slot, num_ctas, stream);
-    }
-    return cudaErrorInvalidValue;
+    return kvbm_launch_paged(&p, &addresses, piece_table, NULL, m->vector_bytes, num_ctas, (cudaStream_t)stream);
 }

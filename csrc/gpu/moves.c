@@ -10,7 +10,7 @@
 static int launch_whole(kv_ring *ring, cudaStream_t stream, const kv_move *move, uint32_t num_ctas, kv_failure *f)
 {
     if (move->entries <= KVBM_TABLE_BY_VALUE_MAX) {
-        CUDA_STEP(f, kv_move_launch(move, move->table, NULL, num_ctas, stream), kv_move_what(move));
+        CUDA_STEP(f, kv_move_launch(move, move->table, NULL, num_ctas, stream), move->kind->what);
         return 0;
     }
     const void *parts[] = {move->table};
@@ -19,7 +19,7 @@ static int launch_whole(kv_ring *ring, cudaStream_t stream, const kv_move *move,
     size_t offset, bytes;
     if (kv_stage_table(ring, stream, parts, part_bytes, 1, &device_table, &offset, &bytes, f) < 0)
         return -1;
-    CUDA_STEP(f, kv_move_launch(move, NULL, device_table, num_ctas, stream), kv_move_what(move));
+    CUDA_STEP(f, kv_move_launch(move, NULL, device_table, num_ctas, stream), move->kind->what);
     return kv_ring_commit(ring, offset, bytes, stream, f);
 }
 
@@ -32,7 +32,7 @@ int kv_gpu_move(kv_gpu *gpu, const kv_gpu_target *target, const kv_move *move, c
     kv_staged bounded;
     if (plan->staged != NULL) {
         bounded = *plan->staged;
-        bounded.max_blocks = kv_move_piece_blocks(move, report->fallback, sizeof report->fallback);
+        bounded.max_blocks = move->kind->piece_blocks(move, report->fallback, sizeof report->fallback);
         bounded_plan.staged = bounded.max_blocks > 0 ? &bounded : NULL;
     }
     kv_device device;

@@ -5,8 +5,6 @@
 
 #include <string.h>
 
-#include "cpu_copy.h"
-#include "gil.h"
 #include "route.h"
 #include "state.h"
 
@@ -59,9 +57,18 @@ static kvbm_paged plan(const kv_paged_call *call)
  * are [heads][moved layers] of units (no, nt, hd), operationals [1][moved
  * layers] of units (no, nt*nh*hd).  Returns NULL, or why they cannot be
  * staged. */
-static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
-                                uint64_t *addresses, kv_staged *staged)
+typedef struct {
+    const kv_paged_call *call;
+    const kvbm_paged *p;
+    const kvbm_paged_addresses *a;
+} kv_paged_run_call;
+
+static const char *plan_staging(const void *context, uint64_t *addresses, kv_staged *staged)
 {
+    const kv_paged_run_call *c = context;
+    const kv_paged_call *call = c->call;
+    const kvbm_paged *p = c->p;
+    const kvbm_paged_addresses *a = c->a;
     for (Py_ssize_t i = 0; i < call->nflats; i++)
         if (call->flats[i].place != KV_HOST_PINNED)
             return "the flat blocks are partly on the device, partly in pinned host memory";
@@ -89,37 +96,13 @@ static const char *plan_staging(const kv_paged_call *call, const kvbm_paged *p, 
     return NULL;
 }
 
-/* The GPU side of kv_paged_run(): the stream, then the route, the launch
- * and the log (route.c). */
-static int run_on_gpu(kv_gpu *gpu, kv_paged_call *call, const kvbm_paged *p, const kvbm_paged_addresses *a,
-                      const uint64_t *table, int vector_bytes)
+/* The current stream of the call's arrays' framework, for stream=None,
+ * else of the cache's (read at construction, asked now). */
+static int resolve_stream(kv_paged_call *call)
 {
-    kv_target *target = &call->target;
-    /* stream=None: the current stream of the call's arrays' framework, else
-     * of the cache's (read at construction, asked now). */
     const kv_array_group groups[] = {
         {call->flats, call->nflats}, {&call->ids.array, call->ids.on_device ? 1 : 0}, {call->cache->arrays, 1}};
-    if (kv_target_resolve_stream(target, groups, 3) < 0)
-        return -1;
-    uint64_t *addresses = PyMem_Malloc((size_t)(p->nb > 0 ? p->nb : 1) * sizeof(uint64_t));
-    if (addresses == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    kv_staged staged;
-    const char *unstageable = target->pinned ? plan_staging(call, p, a, addresses, &staged) : NULL;
-    kv_move move;
-    memset(&move, 0, sizeof move);
-    move.kind = KV_MOVE_PAGED;
-    move.paged.paged = p;
-    move.paged.addresses = a;
-    move.table = table;
-    move.entries = kvbm_paged_table_entries(a, kvbm_paged_bases(p), p->nb);
-    move.vector_bytes = vector_bytes;
-    const int rc = kv_route_move(gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
-                                 unstageable, &call->options.move, call->form->name);
-    PyMem_Free(addresses);
-    return rc;
+    return kv_target_resolve_stream(&call->target, groups, 3);
 }
 
 /* Moves the bytes: the table holds the base address of every moved layer,
@@ -161,14 +144,14 @@ int kv_paged_run(kv_paged_call *call)
         slot[b] = (uint64_t)(uintptr_t)call->flats[b].data;
         alignment |= slot[b];
     }
-    int rc = 0;
-    if (cache->device >= 0)
-        rc = run_on_gpu(call->state->gpu, call, &p, &addresses, table, kvbm_vector_bytes(alignment));
-    else {
-        PyThreadState *released = kv_release_gil_for(kv_cpu_paged_bytes(&p));
-        kv_cpu_paged(&p, &addresses, table);
-        kv_retake_gil(released);
-    }
+    const kv_paged_move args = {&p, &addresses};
+    const kv_move move = {&kv_move_paged, &args, table, entries, kvbm_vector_bytes(alignment)};
+    const kv_paged_run_call context = {call, &p, &addresses};
+    const kv_stager stager = {p.nb, plan_staging, &context};
+    const kv_target *target = cache->device >= 0 ? &call->target : NULL;
+    int rc = target != NULL ? resolve_stream(call) : 0;
+    if (rc == 0)
+        rc = kv_run_move(call->state->gpu, target, &move, &stager, &call->options.move, call->form->name);
     PyMem_Free(table);
     return rc;
 }

@@ -6,8 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_copy.h"
-#include "gil.h"
 #include "gpu_to_cache.h"
 #include "route.h"
 #include "state.h"
@@ -139,12 +137,23 @@ static const char *pack_table(const int64_t count[KV_MOVED_DIMS], const int64_t 
 
 /* Describes the pinned cache's part of each block for the staged path
  * (gpu.h, kv_staged; gpu_to_cache.h, kv_packing; both zeroed by the
- * caller): units of contiguous rows,
+ * callers): units of contiguous rows,
  * addressed from `addresses` (nb entries for one array, else one per (block,
  * layer, outer)).  Returns NULL, or why it cannot be staged. */
-static const char *plan_staging(const kv_to_cache_call *call, const kvbm_to_cache *m, const uint64_t *table,
-                                uint64_t *addresses, kv_staged *s, kv_packing *k)
+typedef struct {
+    const kv_to_cache_call *call;
+    const kvbm_to_cache *m;
+    const uint64_t *table;
+    kv_packing *packing; /* filled by plan_staging, read by the staged pieces */
+} kv_to_cache_run_call;
+
+static const char *plan_staging(const void *context, uint64_t *addresses, kv_staged *s)
 {
+    const kv_to_cache_run_call *c = context;
+    const kv_to_cache_call *call = c->call;
+    const kvbm_to_cache *m = c->m;
+    const uint64_t *table = c->table;
+    kv_packing *k = c->packing;
     const int to_dst = call->dst->device < 0;
     const kv_paged_cache *pinned = to_dst ? call->dst : call->src;
     const kv_address_list *ids = to_dst ? &call->dst_ids : &call->src_ids;
@@ -194,45 +203,15 @@ static const char *plan_staging(const kv_to_cache_call *call, const kvbm_to_cach
 
 /* ------------------------------------------------------------ running */
 
-/* The GPU side of kv_to_cache_run(): the stream, then the route, the
- * launch and the log (route.c). */
-static int run_on_gpu(kv_to_cache_call *call, const kvbm_to_cache *m, const kvbm_to_cache_ids *ids,
-                      const uint64_t *table, int vector_bytes)
+/* The current stream of the call's arrays' framework, for stream=None:
+ * the ids', else the caches'. */
+static int resolve_stream(kv_to_cache_call *call)
 {
-    kv_target *target = &call->target;
-    /* stream=None: the current stream of the call's arrays' framework: the
-     * ids', else the caches'. */
     const kv_array_group groups[] = {{&call->src_ids.array, call->src_ids.on_device ? 1 : 0},
                                      {&call->dst_ids.array, call->dst_ids.on_device ? 1 : 0},
                                      {call->src->arrays, 1},
                                      {call->dst->arrays, 1}};
-    if (kv_target_resolve_stream(target, groups, 4) < 0)
-        return -1;
-    const int64_t units = m->p.nb * (call->located != NULL ? kvbm_to_cache_bases(m) : 1);
-    uint64_t *addresses = PyMem_Malloc((size_t)(units > 0 ? units : 1) * sizeof(uint64_t));
-    if (addresses == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    kv_staged staged;
-    kv_packing packing;
-    memset(&staged, 0, sizeof staged);
-    memset(&packing, 0, sizeof packing);
-    const char *unstageable = target->pinned ? plan_staging(call, m, table, addresses, &staged, &packing) : NULL;
-    kv_move move;
-    memset(&move, 0, sizeof move);
-    move.kind = KV_MOVE_TO_CACHE;
-    move.to_cache.move = m;
-    move.to_cache.ids = ids;
-    move.to_cache.packing = &packing;
-    move.table = table;
-    move.entries = kvbm_to_cache_table_entries(m, ids);
-    move.vector_bytes = vector_bytes;
-    const kv_staged *pinned_side = target->pinned && unstageable == NULL ? &staged : NULL;
-    const int rc = kv_route_move(call->state->gpu, target, &move, pinned_side, unstageable, &call->options.move,
-                                 "PagedKVCache.to_cache");
-    PyMem_Free(addresses);
-    return rc;
+    return kv_target_resolve_stream(&call->target, groups, 4);
 }
 
 /* Moves the bytes: the table holds both caches' (layer, outer) bases, then
@@ -256,14 +235,17 @@ int kv_to_cache_run(kv_to_cache_call *call)
         memcpy(table + kvbm_to_cache_src_ids_at(&m), call->src_ids.values, (size_t)m.p.nb * sizeof(uint64_t));
     if (ids.dst_ids == NULL)
         memcpy(table + kvbm_to_cache_dst_ids_at(&m, &ids), call->dst_ids.values, (size_t)m.p.nb * sizeof(uint64_t));
-    int rc = 0;
-    if (call->device >= 0)
-        rc = run_on_gpu(call, &m, &ids, table, kvbm_vector_bytes(alignment_of(&m, table)));
-    else {
-        PyThreadState *released = kv_release_gil_for(kv_cpu_paged_bytes(&m.p));
-        kv_cpu_to_cache(&m, table);
-        kv_retake_gil(released);
-    }
+    kv_packing packing;
+    memset(&packing, 0, sizeof packing);
+    const kv_to_cache_move args = {&m, &ids, &packing};
+    const kv_move move = {&kv_move_to_cache, &args, table, kvbm_to_cache_table_entries(&m, &ids),
+                          kvbm_vector_bytes(alignment_of(&m, table))};
+    const kv_to_cache_run_call context = {call, &m, table, &packing};
+    const kv_stager stager = {m.p.nb * (call->located != NULL ? bases : 1), plan_staging, &context};
+    const kv_target *target = call->device >= 0 ? &call->target : NULL;
+    int rc = target != NULL ? resolve_stream(call) : 0;
+    if (rc == 0)
+        rc = kv_run_move(call->state->gpu, target, &move, &stager, &call->options.move, "PagedKVCache.to_cache");
     PyMem_Free(table);
     return rc;
 }

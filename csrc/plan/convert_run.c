@@ -120,12 +120,20 @@ static int side_is(const kv_call *call, int flat, kv_place place)
     return 1;
 }
 
+/* What the staged path's plan reads of a block stack (or operational) <->
+ * universal move. */
+typedef struct {
+    const kv_call *call;
+    const kvbm_block_dims *dims;
+} kv_universal_call;
+
 /* Describes the pinned side of a block stack (or operational) <-> universal
  * move for the staged path (gpu.h), its unit addresses in `addresses` (room
  * for every array of the call).  Returns NULL, or why it cannot be staged. */
-static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims, uint64_t *addresses,
-                                kv_staged *staged)
+static const char *plan_staging(const void *context, uint64_t *addresses, kv_staged *staged)
 {
+    const kv_call *call = ((const kv_universal_call *)context)->call;
+    const kvbm_block_dims *dims = ((const kv_universal_call *)context)->dims;
     const int flat_pinned = side_is(call, 1, KV_HOST_PINNED), other_pinned = side_is(call, 0, KV_HOST_PINNED);
     if (!(flat_pinned && side_is(call, 0, KV_DEVICE)) && !(other_pinned && side_is(call, 1, KV_DEVICE)))
         return "pinned host memory and device memory are mixed on one side of the call";
@@ -160,39 +168,9 @@ static const char *plan_staging(const kv_call *call, const kvbm_block_dims *dims
     return NULL;
 }
 
-/* The layout kernel on the GPU, alone or staged through device memory when
- * pinned host memory takes part. */
-static int run_universal_on_gpu(kv_gpu *gpu, const kv_call *call, const kv_target *target, const kvbm_block_dims *dims,
-                                void **table)
-{
-    const Py_ssize_t count = kv_call_count(call);
-    /* The staged path alone needs the arrays' addresses as integers. */
-    uint64_t *addresses = NULL;
-    if (target->pinned && (addresses = PyMem_Malloc((size_t)count * sizeof *addresses)) == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    kv_staged staged;
-    const char *unstageable = target->pinned ? plan_staging(call, dims, addresses, &staged) : NULL;
-    uint64_t bits = (uint64_t)dims->row_bytes;
-    for (Py_ssize_t i = 0; i < count; i++)
-        bits |= (uint64_t)(uintptr_t)table[i];
-    kv_move move;
-    memset(&move, 0, sizeof move);
-    move.kind = KV_MOVE_BLOCK_UNIVERSAL;
-    move.block.dims = dims;
-    move.block.direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
-    move.table = table;
-    move.entries = kvbm_table_entries(dims);
-    move.vector_bytes = kvbm_vector_bytes(bits);
-    const int rc = kv_route_move(gpu, target, &move, target->pinned && unstageable == NULL ? &staged : NULL,
-                                 unstageable, &call->options, call->function);
-    PyMem_Free(addresses);
-    return rc;
-}
-
-/* Block stack or operational <-> universal: the layout kernel, or the CPU
- * (`target` NULL). */
+/* Block stack or operational <-> universal: the layout kernel, alone or
+ * staged through device memory when pinned host memory takes part, or the
+ * CPU (`target` NULL). */
 static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_target *target)
 {
     const Py_ssize_t count = kv_call_count(call);
@@ -214,17 +192,16 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_target *targ
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < count; i++)
+    uint64_t bits = (uint64_t)dims.row_bytes;
+    for (Py_ssize_t i = 0; i < count; i++) {
         table[i] = call->arrays[i].data;
-    int rc = 0;
-    if (target != NULL)
-        rc = run_universal_on_gpu(gpu, call, target, &dims, table);
-    else {
-        const kvbm_direction direction = call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL;
-        PyThreadState *released = kv_release_gil_for(dims.nb * dims.nchunks * dims.nh * dims.nt * dims.row_bytes);
-        kv_cpu_block_universal(&dims, table, direction);
-        kv_retake_gil(released);
+        bits |= (uint64_t)(uintptr_t)table[i];
     }
+    const kv_block_move args = {&dims, call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL};
+    const kv_move move = {&kv_move_block_universal, &args, table, kvbm_table_entries(&dims), kvbm_vector_bytes(bits)};
+    const kv_universal_call context = {call, &dims};
+    const kv_stager stager = {count, plan_staging, &context};
+    const int rc = kv_run_move(gpu, target, &move, &stager, &call->options, call->function);
     PyMem_Free(table);
     return rc;
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "debug.h"
+#include "gil.h"
 
 /* CTAs a kernel gets when pinned host memory takes part and num_ctas is
  * not given, the direct kernel and the staged permute alike: enough to keep
@@ -86,8 +87,8 @@ static void log_move(const char *function, const kv_route *route, const kv_gpu_r
         kv_debug("%s: path kernel (%s; %s, cuda:%d)", function, route->why, bound, device);
 }
 
-int kv_route_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_staged *staged,
-                  const char *unstageable, const kv_move_options *options, const char *function)
+static int route_and_run(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_staged *staged,
+                         const char *unstageable, const kv_move_options *options, const char *function)
 {
     const kv_route route = route_move(options, target->pinned, staged, unstageable);
     kv_gpu_report report;
@@ -96,6 +97,32 @@ int kv_route_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, con
         return -1;
     log_move(function, &route, &report, target->gpu.device);
     return 0;
+}
+
+int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_stager *stager,
+                const kv_move_options *options, const char *function)
+{
+    if (target == NULL) {
+        PyThreadState *released = kv_release_gil_for(move->kind->cpu_bytes(move));
+        move->kind->cpu(move);
+        kv_retake_gil(released);
+        return 0;
+    }
+    /* The staged path alone needs the pinned side described. */
+    uint64_t *addresses = NULL;
+    if (target->pinned
+        && (addresses = PyMem_Malloc((size_t)(stager->addresses > 0 ? stager->addresses : 1) * sizeof *addresses))
+               == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    kv_staged staged;
+    memset(&staged, 0, sizeof staged);
+    const char *unstageable = target->pinned ? stager->plan(stager->call, addresses, &staged) : NULL;
+    const int rc = route_and_run(gpu, target, move, target->pinned && unstageable == NULL ? &staged : NULL, unstageable,
+                                 options, function);
+    PyMem_Free(addresses);
+    return rc;
 }
 
 int kv_route_pairs(kv_gpu *gpu, const kv_gpu_target *target, const kv_pairs *pairs, kv_engine engine, int fallback,

@@ -2,7 +2,7 @@
  * backend decision), the defaults that the options leave open (CTAs per
  * path, how a staged move is cut), and the KVBM_EXT_DEBUG line that says
  * what ran and why.  Every entry point that moves bytes on the GPU ends
- * here: the layout moves through kv_route_move (route -> stage -> launch
+ * here: the layout moves through kv_run_move (route -> stage -> launch
  * -> log), block <-> operational through kv_route_chunks, raw copies
  * through kv_route_pairs. */
 #ifndef KVBM_ROUTE_H
@@ -11,13 +11,25 @@
 #include "options.h"
 #include "target.h"
 
-/* Runs a layout move, described for the whole call (`move`), on the
- * target, routed by `options`, and logs the path under KVBM_EXT_DEBUG as
- * `function`.  `staged` describes the pinned side for the staged path; NULL
- * when no pinned memory takes part, or when it cannot be staged
- * (`unstageable` says why).  Returns 0, or -1 with an exception. */
-int kv_route_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_staged *staged,
-                  const char *unstageable, const kv_move_options *options, const char *function);
+/* How a call describes the pinned side of its move for the staged path
+ * (gpu.h, kv_staged): plan(call, addresses, staged) fills `staged`, its
+ * unit addresses in `addresses` (room for `addresses` entries), and
+ * returns NULL, or why the move cannot be staged. */
+typedef struct {
+    int64_t addresses;
+    const char *(*plan)(const void *call, uint64_t *addresses, kv_staged *staged);
+    const void *call;
+} kv_stager;
+
+/* Runs a layout move, described for the whole call (`move`): with its
+ * kind's CPU twin when `target` is NULL (the GIL released for a large
+ * one), else on the target, routed by `options`, staged as `stager` plans
+ * where pinned host memory takes part, and logged under KVBM_EXT_DEBUG as
+ * `function`.  The three kinds of calls (conversions, PagedKVCache's
+ * moves, to_cache) end here once their move is described.  Returns 0, or
+ * -1 with an exception. */
+int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_stager *stager,
+                const kv_move_options *options, const char *function);
 
 /* Runs the chunk copies of a block <-> operational move (host lists,
  * checked) on the target.  Chunks move whole, so the copy engines need no
