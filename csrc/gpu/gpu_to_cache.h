@@ -1,4 +1,4 @@
-/* The GPU side of PagedKVCache.to_cache, a KV_MOVE_TO_CACHE move (gpu.h)
+/* The GPU side of PagedKVCache.to_cache, a kv_move_to_cache move (gpu.h)
  * routed as every layout move is (route.c): one kernel for a move whose
  * caches are both device-addressable, or a staged move between a device
  * cache and a cache in pinned host memory, whose pieces gpu_to_cache.c

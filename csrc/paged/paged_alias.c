@@ -119,8 +119,20 @@ int kv_paged_find_aliasing(kv_paged_cache *self)
     return meet == -2 ? -1 : 0;
 }
 
-int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers, const char *name)
+/* The layers a call writes, as the aliasing check's fixed memory
+ * (overlap.h, kv_alias_check). */
+typedef struct {
+    const kv_paged_cache *cache;
+    const kv_selection *layers;
+    const char *name;
+} kv_written_layers;
+
+static int written_layers_shared(const void *written)
 {
+    const kv_written_layers *w = written;
+    const kv_paged_cache *self = w->cache;
+    const kv_selection *layers = w->layers;
+    const char *name = w->name;
     int64_t first = 0, second = 0;
     const int meet = self->aliased ? shared_layers(self, layers, &first, &second) : 0;
     if (meet == 0 || meet == -2)
@@ -138,6 +150,13 @@ int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *laye
                     "%s: cache %s share memory, so a call cannot write both (give each layer memory of its "
                     "own, or select at most one of them with layers=)",
                     name, which);
+}
+
+int kv_paged_check_written(const kv_paged_cache *self, const kv_selection *layers, const char *name)
+{
+    const kv_written_layers written = {self, layers, name};
+    const kv_alias_check check = {.call = &written, .fixed = written_layers_shared};
+    return kv_check_aliasing(&check);
 }
 
 /* Whether any of `c`'s arrays' hulls meets span s: the cache's whole hull

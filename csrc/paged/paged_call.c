@@ -319,36 +319,35 @@ static int read_flats(kv_paged_call *call, PyObject *obj)
     return rc;
 }
 
-/* A destination sharing memory with a source or another destination is
- * refused: each flat block against the layers and heads the call moves
- * (paged_alias.c), and the flat blocks against each other when they are
- * written (each is contiguous: their spans are their bytes). */
+/* The aliasing check's view of a call (overlap.h): each flat block
+ * against the layers and heads the call moves (paged_alias.c), and the
+ * flat blocks against each other when they are written (each is
+ * contiguous: their spans are their bytes). */
+static int flats_written(const void *call, Py_ssize_t i)
+{
+    (void)i;
+    return ((const kv_paged_call *)call)->form->to_flat;
+}
+
+static kv_path flat_path_of(const void *call, Py_ssize_t i) { return flat_path(call, i); }
+
+static int flat_against_cache(const void *c, Py_ssize_t i)
+{
+    const kv_paged_call *call = c;
+    const kv_path flat = flat_path(call, i);
+    return kv_paged_check_flat(call->cache, &call->options.layers, &call->options.heads, &call->flats[i], &flat,
+                               call->form->to_flat);
+}
+
 static int check_aliasing(const kv_paged_call *call)
 {
-    const int to_flat = call->form->to_flat;
-    for (Py_ssize_t i = 0; i < call->nflats; i++) {
-        const kv_path flat = flat_path(call, i);
-        if (kv_paged_check_flat(call->cache, &call->options.layers, &call->options.heads, &call->flats[i], &flat,
-                                to_flat)
-            < 0)
-            return -1;
-    }
-    if (!to_flat || call->nflats < 2)
-        return 0;
-    kv_span *spans = PyMem_Malloc((size_t)call->nflats * sizeof *spans);
-    if (spans == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < call->nflats; i++)
-        spans[i] = kv_span_of(&call->flats[i], i, 1);
-    Py_ssize_t first, second;
-    const int rc = kv_find_overlap(spans, call->nflats, &first, &second);
-    PyMem_Free(spans);
-    if (rc <= 0)
-        return rc;
-    const kv_path a = flat_path(call, first), b = flat_path(call, second);
-    return kv_overlap_error(&a, &b);
+    const kv_alias_check check = {.call = call,
+                                  .arrays = call->flats,
+                                  .count = call->nflats,
+                                  .writes = flats_written,
+                                  .path = flat_path_of,
+                                  .against_fixed = flat_against_cache};
+    return kv_check_aliasing(&check);
 }
 
 /* Each torch layer a call writes is checked as a destination now
@@ -411,7 +410,7 @@ PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.move.stream);
     if (call.reader.dlpack_stream == NULL
         || kv_paged_check_layers(self, "layers", &call.reader, &call.options.layers) < 0
-        || (!form->to_flat && kv_paged_check_aliasing(self, &call.options.layers, "layers") < 0)
+        || (!form->to_flat && kv_paged_check_written(self, &call.options.layers, "layers") < 0)
         || read_block_ids(&call, a.block_ids) < 0 || read_flats(&call, flats) < 0 || check_aliasing(&call) < 0)
         goto done;
     const int64_t chunk_bytes = call.options.heads.count * self->nt * self->hd * self->itemsize;

@@ -138,13 +138,14 @@ int kv_paged_check_layers(const kv_paged_cache *self, const char *name, const kv
 /* paged_alias.c: memory shared by bytes, not by hulls.  At construction,
  * whether the cache's layers share any (self->aliased; 0, or -1 with
  * MemoryError); for a call writing `layers`, a ValueError naming two that
- * share a byte (the cache's arrays called `name`); for to_cache, a ValueError naming a written layer of dst
+ * share a byte (the cache's arrays called `name`; through the one aliasing
+ * check, overlap.h's kv_check_aliasing, as the call's fixed memory); for to_cache, a ValueError naming a written layer of dst
  * sharing a byte with a read layer of src (each side's selected layers
  * and heads); for a flat array of a call, a ValueError naming it and a
  * layer it shares a byte with (`to_flat`: the flat array is written).
  * Return 0 or -1. */
 int kv_paged_find_aliasing(kv_paged_cache *self);
-int kv_paged_check_aliasing(const kv_paged_cache *self, const kv_selection *layers, const char *name);
+int kv_paged_check_written(const kv_paged_cache *self, const kv_selection *layers, const char *name);
 int kv_paged_check_caches(kv_paged_cache *src, const kv_selection *src_layers, const kv_selection *src_heads,
                           const kv_paged_cache *dst, const kv_selection *dst_layers, const kv_selection *dst_heads);
 int kv_paged_check_flat(const kv_paged_cache *cache, const kv_selection *layers, const kv_selection *heads,

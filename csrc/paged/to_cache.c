@@ -107,7 +107,7 @@ static int check_caches(const kv_to_cache_call *call)
     const kv_selection landing = kv_paged_landing(o), dst_heads = {o->head_offset, 1, o->heads.count};
     return kv_paged_check_layers(call->src, "layers", &call->reader, &o->layers) < 0
                    || kv_paged_check_layers(call->dst, "dst.layers", &call->reader, &landing) < 0
-                   || kv_paged_check_aliasing(call->dst, &landing, "dst.layers") < 0
+                   || kv_paged_check_written(call->dst, &landing, "dst.layers") < 0
                    || kv_paged_check_caches(call->src, &o->layers, &o->heads, call->dst, &landing, &dst_heads) < 0
                ? -1
                : 0;

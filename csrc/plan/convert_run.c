@@ -22,27 +22,11 @@ kv_path kv_call_path(const kv_call *call, Py_ssize_t i)
     return path;
 }
 
-/* A destination sharing memory with a source or another destination is
- * refused: the result would depend on the order of the copies. */
-static int check_aliasing(const kv_call *call)
-{
-    const Py_ssize_t count = kv_call_count(call);
-    kv_span *spans = PyMem_Malloc((size_t)count * sizeof *spans);
-    if (spans == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < count; i++)
-        spans[i] = kv_span_of(&call->arrays[i], i, kv_call_writes(call, i));
-    Py_ssize_t first, second;
-    int rc = kv_find_overlap(spans, count, &first, &second);
-    PyMem_Free(spans);
-    if (rc > 0) {
-        const kv_path path = kv_call_path(call, first), other = kv_call_path(call, second);
-        return kv_overlap_error(&path, &other);
-    }
-    return rc;
-}
+/* The aliasing check's view of a call (overlap.h): its arrays, the
+ * written side's marked. */
+static int call_writes(const void *call, Py_ssize_t i) { return kv_call_writes(call, i); }
+
+static kv_path call_path(const void *call, Py_ssize_t i) { return kv_call_path(call, i); }
 
 /* Places every array of a call that uses device memory: the first array on
  * a device fixes the device (the current one when every such array turns
@@ -225,9 +209,11 @@ int kv_convert_run(kv_call *call)
         on_gpu = call->arrays[i].place == KV_DEVICE;
     kv_target target;
     kv_target_init(&target, call->options.stream, -1, "the call runs");
+    const kv_alias_check aliasing = {
+        .call = call, .arrays = call->arrays, .count = count, .writes = call_writes, .path = call_path};
     int rc = -1;
     if ((on_gpu ? place_on_gpu(call, &target) : kv_move_options_check_host(&call->options)) < 0
-        || check_aliasing(call) < 0 || mark_written(call) < 0)
+        || kv_check_aliasing(&aliasing) < 0 || mark_written(call) < 0)
         goto done;
     kv_gpu *gpu = call->state->gpu;
     const kv_target *where = on_gpu ? &target : NULL;

@@ -342,3 +342,32 @@ int kv_overlap_error(const kv_path *destination, const kv_path *other)
                          "overlap a source or another destination",
                          where);
 }
+
+int kv_check_aliasing(const kv_alias_check *c)
+{
+    if (c->fixed != NULL && c->fixed(c->call) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; c->against_fixed != NULL && i < c->count; i++)
+        if (c->against_fixed(c->call, i) < 0)
+            return -1;
+    /* Without a destination, or a second array, nothing can overlap. */
+    int writes = 0;
+    for (Py_ssize_t i = 0; c->writes != NULL && i < c->count && !writes; i++)
+        writes = c->writes(c->call, i);
+    if (!writes || c->count < 2)
+        return 0;
+    kv_span *spans = PyMem_Malloc((size_t)c->count * sizeof *spans);
+    if (spans == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < c->count; i++)
+        spans[i] = kv_span_of(&c->arrays[i], i, c->writes(c->call, i));
+    Py_ssize_t first, second;
+    const int rc = kv_find_overlap(spans, c->count, &first, &second);
+    PyMem_Free(spans);
+    if (rc <= 0)
+        return rc;
+    const kv_path destination = c->path(c->call, first), other = c->path(c->call, second);
+    return kv_overlap_error(&destination, &other);
+}

@@ -80,4 +80,31 @@ int kv_regions_meet(const kv_regions *a, const kv_regions *b, int64_t *first, in
  * Returns -1. */
 int kv_overlap_error(const kv_path *destination, const kv_path *other);
 
+/* What a call's aliasing check walks, as the caller knows it at that
+ * point: memory fixed before the call (a PagedKVCache's layers), checked
+ * by the caller's hooks, which know its shape, and the call's own arrays,
+ * checked by their spans.  A hook left NULL has nothing to check. */
+typedef struct {
+    const void *call;
+    /* The fixed memory the call writes, against itself: 0, or -1 with its
+     * error. */
+    int (*fixed)(const void *call);
+    /* The call's arrays; writes(call, i) says whether array i is written
+     * (NULL: none is), path(call, i) where it sits in the arguments. */
+    const kv_array *arrays;
+    Py_ssize_t count;
+    int (*writes)(const void *call, Py_ssize_t i);
+    kv_path (*path)(const void *call, Py_ssize_t i);
+    /* Array i against the fixed memory: 0, or -1 with its error. */
+    int (*against_fixed)(const void *call, Py_ssize_t i);
+} kv_alias_check;
+
+/* The aliasing check every entry point runs before any write: a
+ * destination sharing memory with a source or with another destination is
+ * refused, since the result would depend on the order of the copies.  In
+ * order: the fixed memory against itself, each array against it, then the
+ * arrays against each other (kv_overlap_error names the two).  Returns 0,
+ * or -1 with ValueError (MemoryError). */
+int kv_check_aliasing(const kv_alias_check *check);
+
 #endif /* KVBM_OVERLAP_H */
