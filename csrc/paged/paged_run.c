@@ -58,7 +58,7 @@ static kvbm_paged plan(const kv_paged_call *call)
  * layers] of units (no, nt*nh*hd).  Returns NULL, or why they cannot be
  * staged. */
 typedef struct {
-    const kv_paged_call *call;
+    kv_paged_call *call;
     const kvbm_paged *p;
     const kvbm_paged_addresses *a;
 } kv_paged_run_call;
@@ -98,8 +98,9 @@ static const char *plan_staging(const void *context, uint64_t *addresses, kv_sta
 
 /* The current stream of the call's arrays' framework, for stream=None,
  * else of the cache's (read at construction, asked now). */
-static int resolve_stream(kv_paged_call *call)
+static int resolve_stream(const void *context)
 {
+    kv_paged_call *call = ((const kv_paged_run_call *)context)->call;
     const kv_array_group groups[] = {
         {call->flats, call->nflats}, {&call->ids.array, call->ids.on_device ? 1 : 0}, {call->cache->arrays, 1}};
     return kv_target_resolve_stream(&call->target, groups, 3);
@@ -147,11 +148,10 @@ int kv_paged_run(kv_paged_call *call)
     const kv_paged_move args = {&p, &addresses};
     const kv_move move = {&kv_move_paged, &args, table, entries, kvbm_vector_bytes(alignment)};
     const kv_paged_run_call context = {call, &p, &addresses};
-    const kv_stager stager = {p.nb, plan_staging, &context};
-    const kv_target *target = cache->device >= 0 ? &call->target : NULL;
-    int rc = target != NULL ? resolve_stream(call) : 0;
-    if (rc == 0)
-        rc = kv_run_move(call->state->gpu, target, &move, &stager, &call->options.move, call->form->name);
+    const kv_move_call hooks = {
+        .call = &context, .resolve_stream = resolve_stream, .addresses = p.nb, .plan_staging = plan_staging};
+    const int rc = kv_run_move(call->state->gpu, cache->device >= 0 ? &call->target : NULL, &move, &hooks,
+                               &call->options.move, call->form->name);
     PyMem_Free(table);
     return rc;
 }

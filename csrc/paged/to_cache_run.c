@@ -141,7 +141,7 @@ static const char *pack_table(const int64_t count[KV_MOVED_DIMS], const int64_t 
  * addressed from `addresses` (nb entries for one array, else one per (block,
  * layer, outer)).  Returns NULL, or why it cannot be staged. */
 typedef struct {
-    const kv_to_cache_call *call;
+    kv_to_cache_call *call;
     const kvbm_to_cache *m;
     const uint64_t *table;
     kv_packing *packing; /* filled by plan_staging, read by the staged pieces */
@@ -205,8 +205,9 @@ static const char *plan_staging(const void *context, uint64_t *addresses, kv_sta
 
 /* The current stream of the call's arrays' framework, for stream=None:
  * the ids', else the caches'. */
-static int resolve_stream(kv_to_cache_call *call)
+static int resolve_stream(const void *context)
 {
+    kv_to_cache_call *call = ((const kv_to_cache_run_call *)context)->call;
     const kv_array_group groups[] = {{&call->src_ids.array, call->src_ids.on_device ? 1 : 0},
                                      {&call->dst_ids.array, call->dst_ids.on_device ? 1 : 0},
                                      {call->src->arrays, 1},
@@ -241,11 +242,12 @@ int kv_to_cache_run(kv_to_cache_call *call)
     const kv_move move = {&kv_move_to_cache, &args, table, kvbm_to_cache_table_entries(&m, &ids),
                           kvbm_vector_bytes(alignment_of(&m, table))};
     const kv_to_cache_run_call context = {call, &m, table, &packing};
-    const kv_stager stager = {m.p.nb * (call->located != NULL ? bases : 1), plan_staging, &context};
-    const kv_target *target = call->device >= 0 ? &call->target : NULL;
-    int rc = target != NULL ? resolve_stream(call) : 0;
-    if (rc == 0)
-        rc = kv_run_move(call->state->gpu, target, &move, &stager, &call->options.move, "PagedKVCache.to_cache");
+    const kv_move_call hooks = {.call = &context,
+                                .resolve_stream = resolve_stream,
+                                .addresses = m.p.nb * (call->located != NULL ? bases : 1),
+                                .plan_staging = plan_staging};
+    const int rc = kv_run_move(call->state->gpu, call->device >= 0 ? &call->target : NULL, &move, &hooks,
+                               &call->options.move, "PagedKVCache.to_cache");
     PyMem_Free(table);
     return rc;
 }

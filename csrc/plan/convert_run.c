@@ -184,8 +184,8 @@ static int run_universal(kv_gpu *gpu, const kv_call *call, const kv_target *targ
     const kv_block_move args = {&dims, call->to_flat ? KVBM_TO_UNIVERSAL : KVBM_FROM_UNIVERSAL};
     const kv_move move = {&kv_move_block_universal, &args, table, kvbm_table_entries(&dims), kvbm_vector_bytes(bits)};
     const kv_universal_call context = {call, &dims};
-    const kv_stager stager = {count, plan_staging, &context};
-    const int rc = kv_run_move(gpu, target, &move, &stager, &call->options, call->function);
+    const kv_move_call hooks = {.call = &context, .addresses = count, .plan_staging = plan_staging};
+    const int rc = kv_run_move(gpu, target, &move, &hooks, &call->options, call->function);
     PyMem_Free(table);
     return rc;
 }

@@ -99,7 +99,7 @@ static int route_and_run(kv_gpu *gpu, const kv_target *target, const kv_move *mo
     return 0;
 }
 
-int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_stager *stager,
+int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_move_call *call,
                 const kv_move_options *options, const char *function)
 {
     if (target == NULL) {
@@ -108,17 +108,19 @@ int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const
         kv_retake_gil(released);
         return 0;
     }
+    if (call->resolve_stream != NULL && call->resolve_stream(call->call) < 0)
+        return -1;
     /* The staged path alone needs the pinned side described. */
     uint64_t *addresses = NULL;
     if (target->pinned
-        && (addresses = PyMem_Malloc((size_t)(stager->addresses > 0 ? stager->addresses : 1) * sizeof *addresses))
+        && (addresses = PyMem_Malloc((size_t)(call->addresses > 0 ? call->addresses : 1) * sizeof *addresses))
                == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     kv_staged staged;
     memset(&staged, 0, sizeof staged);
-    const char *unstageable = target->pinned ? stager->plan(stager->call, addresses, &staged) : NULL;
+    const char *unstageable = target->pinned ? call->plan_staging(call->call, addresses, &staged) : NULL;
     const int rc = route_and_run(gpu, target, move, target->pinned && unstageable == NULL ? &staged : NULL, unstageable,
                                  options, function);
     PyMem_Free(addresses);

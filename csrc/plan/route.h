@@ -11,24 +11,27 @@
 #include "options.h"
 #include "target.h"
 
-/* How a call describes the pinned side of its move for the staged path
- * (gpu.h, kv_staged): plan(call, addresses, staged) fills `staged`, its
+/* What differs between the kinds of calls that end in kv_run_move, as
+ * hooks on `call`: resolve_stream (NULL: none) settles the target's stream
+ * for stream=None before anything runs on the GPU; plan_staging describes
+ * the pinned side of the move for the staged path (gpu.h, kv_staged), its
  * unit addresses in `addresses` (room for `addresses` entries), and
  * returns NULL, or why the move cannot be staged. */
 typedef struct {
-    int64_t addresses;
-    const char *(*plan)(const void *call, uint64_t *addresses, kv_staged *staged);
     const void *call;
-} kv_stager;
+    int (*resolve_stream)(const void *call);
+    int64_t addresses;
+    const char *(*plan_staging)(const void *call, uint64_t *addresses, kv_staged *staged);
+} kv_move_call;
 
 /* Runs a layout move, described for the whole call (`move`): with its
  * kind's CPU twin when `target` is NULL (the GIL released for a large
- * one), else on the target, routed by `options`, staged as `stager` plans
+ * one), else on the target, routed by `options`, staged as the call plans
  * where pinned host memory takes part, and logged under KVBM_EXT_DEBUG as
  * `function`.  The three kinds of calls (conversions, PagedKVCache's
  * moves, to_cache) end here once their move is described.  Returns 0, or
  * -1 with an exception. */
-int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_stager *stager,
+int kv_run_move(kv_gpu *gpu, const kv_target *target, const kv_move *move, const kv_move_call *call,
                 const kv_move_options *options, const char *function);
 
 /* Runs the chunk copies of a block <-> operational move (host lists,
