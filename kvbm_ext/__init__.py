@@ -51,6 +51,7 @@ try:
         staging_info,
         universal_to_block,
         universal_to_operational,
+        unlink_shared,
         vectorized_copy,
     )
 except ImportError as error:  # pragma: no cover - only without a build
@@ -92,5 +93,6 @@ __all__ = [
     "staging_info",
     "universal_to_block",
     "universal_to_operational",
+    "unlink_shared",
     "vectorized_copy",
 ]

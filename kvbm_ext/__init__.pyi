@@ -32,6 +32,7 @@ __all__ = [
     "staging_info",
     "universal_to_block",
     "universal_to_operational",
+    "unlink_shared",
     "vectorized_copy",
 ]
 
@@ -454,6 +455,10 @@ class HostBuffer:
     @property
     def closed(self) -> bool: ...
     @property
+    def shared(self) -> str | None: ...
+    @property
+    def created(self) -> bool: ...
+    @property
     def __array_interface__(self) -> dict[str, Any]: ...
     def __dlpack__(
         self,
@@ -476,4 +481,6 @@ def pinned_empty(
     threads: SupportsIndex | None = None,
     huge_pages: _HugePages = "transparent",
     device: SupportsIndex | str | Any | None = None,
+    shared: str | None = None,
 ) -> HostBuffer: ...
+def unlink_shared(name: str) -> bool: ...

@@ -32,6 +32,7 @@ PUBLIC_FUNCTIONS = [
     "build_info",
     "cuda_devices",
     "pinned_empty",
+    "unlink_shared",
     "crc32c",
     "plan_reshard",
     "reshard",

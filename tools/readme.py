@@ -37,7 +37,7 @@ API_GROUPS = (
      ("block_to_universal", "universal_to_block", "block_to_operational", "operational_to_block",
       "universal_to_operational", "operational_to_universal")),
     ("A paged cache, described once: blocks moved by id", ("PagedKVCache",)),
-    ("Pinned host pools (docs/host_pools.md)", ("pinned_empty", "HostBuffer")),
+    ("Pinned host pools (docs/host_pools.md)", ("pinned_empty", "HostBuffer", "unlink_shared")),
     ("Device staging memory of the copy-engine path", ("set_staging", "reserve_staging", "staging_info")),
     ("Raw batched copies: address lists, sizes in bytes", ("vectorized_copy", "memcpy_batch",
                                                           "is_memcpy_batch_available")),

@@ -1,6 +1,6 @@
 /* kvbm_ext.pinned_empty's arguments: the shape, the element type from any of
- * its spellings, the node, threads, huge pages and device.  See
- * host_buffer.h. */
+ * its spellings, the node, threads, huge pages, device and shared region's
+ * name.  See host_buffer.h. */
 #include "host_buffer.h"
 
 #include <stdlib.h>
@@ -163,6 +163,60 @@ static int read_device(PyObject *device, int *out)
     return 0;
 }
 
+/* The name as a message shows it: its first 40 characters, then "..." where
+ * there are more (an exact str: a subclass's __repr__ is not run). */
+static PyObject *shown_name(PyObject *value)
+{
+    const Py_ssize_t length = PyUnicode_GET_LENGTH(value);
+    PyObject *start = PyUnicode_Substring(value, 0, length > 40 ? 40 : length);
+    if (start == NULL || length <= 40)
+        return start;
+    PyObject *shown = PyUnicode_FromFormat("%U...", start);
+    Py_DECREF(start);
+    return shown;
+}
+
+int kv_read_shared_name(PyObject *value, const char *argument, int allow_none, int *given, char *out)
+{
+    *given = 0;
+    out[0] = '\0';
+    if (allow_none && value == Py_None)
+        return 0;
+    if (!PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %sa str, got %s", argument, allow_none ? "None or " : "",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    PyObject *shown = shown_name(value);
+    if (shown == NULL)
+        return -1;
+    Py_ssize_t n = 0;
+    const char *s = PyUnicode_AsUTF8AndSize(value, &n);
+    if (s == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: %R is not valid UTF-8 (it holds a lone surrogate)", argument, shown);
+    }
+    else if (n == 0)
+        PyErr_Format(PyExc_ValueError, "%s: '' is empty; expected a name such as 'kvbm-pool'", argument);
+    else if (strlen(s) != (size_t)n)
+        PyErr_Format(PyExc_ValueError, "%s: %R holds a NUL", argument, shown);
+    else if (strchr(s, '/') != NULL)
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %R holds a '/'; a shared region's name is one file name in /dev/shm, without '/'", argument,
+                     shown);
+    else if (strcmp(s, ".") == 0 || strcmp(s, "..") == 0)
+        PyErr_Format(PyExc_ValueError, "%s: %R is not a name of a file in /dev/shm", argument, shown);
+    else if (n > KV_SHARED_NAME_MAX)
+        PyErr_Format(PyExc_ValueError, "%s: %R is %zd bytes (UTF-8); at most %d (NAME_MAX)", argument, shown, n,
+                     KV_SHARED_NAME_MAX);
+    else {
+        memcpy(out, s, (size_t)n + 1);
+        *given = 1;
+    }
+    Py_DECREF(shown);
+    return *given ? 0 : -1;
+}
+
 int kv_read_pool_request(const kv_pinned_empty_args *a, kv_pool_request *r)
 {
     static const char *const huge_names[] = {"transparent", "explicit", "none"};
@@ -170,8 +224,20 @@ int kv_read_pool_request(const kv_pinned_empty_args *a, kv_pool_request *r)
         || kv_parse_int(a->numa_node, "numa_node", 0, KV_MAX_NODES - 1, -1, 1, &r->numa_node) < 0
         || kv_parse_int(a->threads, "threads", 1, 1024, 0, 1, &r->threads) < 0
         || kv_parse_name(a->huge_pages, "huge_pages", huge_names, 3, KV_HUGE_TRANSPARENT, &r->huge) < 0
-        || read_device(a->device, &r->device) < 0)
+        || read_device(a->device, &r->device) < 0
+        || kv_read_shared_name(a->shared == NULL ? Py_None : a->shared, "shared", 1, &r->is_shared, r->shared) < 0)
         return -1;
+    if (r->is_shared && r->huge == KV_HUGE_EXPLICIT) {
+        PyObject *name = PyUnicode_FromString(r->shared);
+        if (name != NULL)
+            PyErr_Format(PyExc_ValueError,
+                         "huge_pages: 'explicit' cannot be shared (shared=%R): explicit huge pages are not in "
+                         "/dev/shm; shared memory takes transparent huge pages as "
+                         "/sys/kernel/mm/transparent_hugepage/shmem_enabled says (huge_pages='transparent'), or none",
+                         name);
+        Py_XDECREF(name);
+        return -1;
+    }
     /* The strides exported are those of the extents without the zeros
      * (an empty array's too, as NumPy's): they must fit, whatever the count. */
     int64_t span = 1, empty = 0;

@@ -43,6 +43,8 @@ kv_host_buffer *kv_host_buffer_new(PyTypeObject *type, kv_host_pool *pool)
     self->data = pool->base;
     self->registrations = registrations;
     self->numa_node = -1;
+    self->shared = Py_NewRef(Py_None);
+    self->created = 1;
     return self;
 }
 
@@ -80,6 +82,7 @@ static void host_dealloc(kv_host_buffer *self)
     if (let_go(self, why, sizeof why) < 0)
         report_unraisable(why);
     Py_XDECREF(self->registrations);
+    Py_XDECREF(self->shared);
     type->tp_free(self);
     Py_DECREF(type);
 }
@@ -95,8 +98,9 @@ PyDoc_STRVAR(close_doc, KV_HOST_BUFFER_CLOSE_TEXT_SIGNATURE
              "where __array_interface__ was read (a bare address, whose holder keeps only this\n"
              "object alive), when this object goes.  Work queued on a GPU that reads or writes\n"
              "the memory must be finished first (synchronize its streams): freeing it does not\n"
-             "wait for that work.  RuntimeError, after the memory is unmapped, when\n"
-             "unregistering failed.");
+             "wait for that work.  A shared region's name (pinned_empty(shared=NAME)) is\n"
+             "unlinked when the memory goes, where no other process maps it.  RuntimeError,\n"
+             "after the memory is unmapped, when unregistering (or unlinking) failed.");
 
 static PyObject *host_close(kv_host_buffer *self, PyObject *unused)
 {
@@ -216,6 +220,12 @@ static PyObject *get_registrations(kv_host_buffer *self, void *unused)
     return Py_NewRef(self->registrations);
 }
 
+static PyObject *get_shared(kv_host_buffer *self, void *unused)
+{
+    (void)unused;
+    return Py_NewRef(self->shared);
+}
+
 static PyObject *get_numa_node(kv_host_buffer *self, void *unused)
 {
     (void)unused;
@@ -271,6 +281,10 @@ static PyGetSetDef host_getset[] = {
     {"threads", (getter)get_int, NULL, "the threads that touched the pages first", MEMBER(threads)},
     {"seconds", (getter)get_seconds, NULL, "the time the allocation took, registration included", NULL},
     {"closed", (getter)get_flag, NULL, "True after close()", MEMBER(closed)},
+    {"shared", (getter)get_shared, NULL,
+     "the name of the shared region it maps (/dev/shm/<shared>), or None for memory of its own", NULL},
+    {"created", (getter)get_flag, NULL,
+     "True where this process made the memory; False for a shared region another process made", MEMBER(created)},
     {"__array_interface__", (getter)get_array_interface, NULL, "NumPy's array interface (version 3)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -315,20 +329,25 @@ static PyObject *host_repr(kv_host_buffer *self)
 {
     PyObject *shape = shape_tuple(self);
     PyObject *node = shape == NULL ? NULL : get_numa_node(self, NULL);
+    PyObject *shared = node == NULL              ? NULL
+                       : self->shared == Py_None ? PyUnicode_FromString("")
+                                                 : PyUnicode_FromFormat(", shared=%R", self->shared);
     PyObject *repr =
-        node == NULL
+        shared == NULL
             ? NULL
             : PyUnicode_FromFormat("HostBuffer(shape=%R, dtype='%s', nbytes=%lld, pinned=%s, numa_node=%R, "
-                                   "huge_pages='%s'%s)",
+                                   "huge_pages='%s'%s%U)",
                                    shape, self->dtype->name, (long long)self->nbytes, self->pinned ? "True" : "False",
-                                   node, KV_HUGE_NAMES[self->huge_pages], self->closed ? ", closed" : "");
+                                   node, KV_HUGE_NAMES[self->huge_pages], self->closed ? ", closed" : "", shared);
+    Py_XDECREF(shared);
     Py_XDECREF(node);
     Py_XDECREF(shape);
     return repr;
 }
 
 PyDoc_STRVAR(host_doc, "An array in host memory from kvbm_ext.pinned_empty: page-locked (pinned) where a\n"
-                       "GPU can be reached, in any case mapped for it alone, aligned to 2 MiB, C-contiguous.\n\n"
+                       "GPU can be reached, mapped for it alone (or shared by name with other processes:\n"
+                       "`shared`, `created`), aligned to 2 MiB, C-contiguous.\n\n"
                        "Every kvbm_ext function takes it as an array, and so do torch, NumPy, CuPy and\n"
                        "JAX, without a copy: DLPack (torch.from_dlpack(buf); is_pinned() is True when\n"
                        "pinned), the buffer protocol (np.asarray(buf), memoryview(buf)) and\n"
@@ -337,7 +356,8 @@ PyDoc_STRVAR(host_doc, "An array in host memory from kvbm_ext.pinned_empty: page
                        "The memory is released (unregistered, then unmapped) when the last reference to\n"
                        "it goes: this object's, and each export's (see close()).  Releasing does not wait\n"
                        "for GPU work queued on the memory: finish it first.  A with-block closes the\n"
-                       "buffer at its end.");
+                       "buffer at its end.  A shared region (pinned_empty(shared=NAME)) is unlinked\n"
+                       "from /dev/shm when the last process that maps it releases it.");
 
 static PyType_Slot host_slots[] = {
     {Py_tp_doc, (void *)host_doc},

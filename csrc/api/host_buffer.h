@@ -33,6 +33,8 @@ typedef struct {
     int threads;
     double seconds;
     int closed;
+    PyObject *shared;          /* the shared region's name (a str), or None */
+    int created;               /* this process made the memory (not so for a shared region it joined) */
     Py_ssize_t buffer_exports; /* live buffer-protocol views */
     /* __array_interface__ was read: a bare address went out, whose holder
      * keeps only this object alive, so the memory lives as long as it does. */
@@ -51,12 +53,20 @@ typedef struct {
     int64_t threads;
     int huge;   /* a kv_huge_pages */
     int device; /* KV_CURRENT_DEVICE or an index */
+    int is_shared;
+    char shared[KV_SHARED_NAME_MAX + 1]; /* the region's name, without '/' */
 } kv_pool_request;
 
 /* Reads pinned_empty's arguments, as kv_parse_arguments left them (NULL
  * where not given).  Returns 0, or -1 with an exception naming the
  * argument. */
 int kv_read_pool_request(const kv_pinned_empty_args *a, kv_pool_request *r);
+
+/* A shared region's name, `argument`: a str of 1 to KV_SHARED_NAME_MAX
+ * bytes in UTF-8, without '/' or NUL, not "." or "..", copied into `out`
+ * (KV_SHARED_NAME_MAX + 1 bytes); None too where `allow_none` (*given
+ * then 0).  Returns 0, or -1 with an exception naming the argument. */
+int kv_read_shared_name(PyObject *value, const char *argument, int allow_none, int *given, char *out);
 
 /* Creates the HostBuffer type and adds it to `module`; *type receives a
  * strong reference (the module state's).  Returns 0, or -1 with an
@@ -70,6 +80,15 @@ kv_host_buffer *kv_host_buffer_new(PyTypeObject *type, kv_host_pool *pool);
 /* pinned_empty(...) (host_new.c), a module function. */
 PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 extern const char kv_pinned_empty_doc[];
+
+/* unlink_shared(name) (host_unlink.c), a module function. */
+PyObject *kv_unlink_shared(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+extern const char kv_unlink_shared_doc[];
+
+/* Sets OSError, of the subclass `error` makes (PermissionError, ...), with
+ * errno and `message` (a str, stolen; NULL: an exception is set).  Returns
+ * NULL. */
+PyObject *kv_raise_os_error(int error, PyObject *message);
 
 /* The DLPack methods of HostBuffer (host_dlpack.c). */
 PyObject *kv_host_buffer_dlpack(kv_host_buffer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);

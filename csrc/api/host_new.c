@@ -1,5 +1,6 @@
 /* kvbm_ext.pinned_empty: its arguments, the allocation (with the GIL
- * released) and its KVBM_EXT_DEBUG line.  See host_buffer.h. */
+ * released) and its KVBM_EXT_DEBUG line.  See host_buffer.h, and
+ * host_shared.h for shared regions. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h> /* first: its feature macros declare clock_gettime */
 
@@ -15,6 +16,7 @@
 
 #include "args.h"
 #include "debug.h"
+#include "host_shared.h"
 #include "state.h"
 
 /* The device the memory serves: the one asked, by default the current one;
@@ -134,7 +136,9 @@ typedef enum {
     KV_ALLOCATED,
     KV_FAILED_MAP,
     KV_FAILED_BIND,
-    KV_FAILED_REGISTER
+    KV_FAILED_REGISTER,
+    KV_FAILED_SHARED, /* shared_outcome says how */
+    KV_FAILED_NODE    /* a shared region joined is not on the node asked */
 } kv_outcome;
 
 /* One allocation, run without the GIL: what it was asked, what it did. */
@@ -144,9 +148,13 @@ typedef struct {
     const kv_placement *place;
     int device, threads;
     size_t piece_limit, item; /* item: the bytes of one leading-dimension slice */
+    const char *shared;       /* the region's name, or NULL */
     kv_outcome outcome;
+    kv_shared_outcome shared_outcome;
     kv_host_pool *pool;
-    int threads_run, registered, bind_error;
+    int threads_run, registered, bind_error, node; /* node: where the pages are placed, or -1 */
+    int created, replaced, shm_full, error;
+    long long found;
     double seconds;
     char why[256];
 } kv_allocation;
@@ -158,35 +166,89 @@ static double now(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* Unmaps a pool not registered, lets go of its shared region, frees it. */
 static void drop_mapping(kv_host_pool *pool)
 {
-    munmap(pool->base, pool->map_bytes);
-    free(pool);
+    char why[192];
+    kv_host_pool_free(pool, why, sizeof why);
+}
+
+/* An anonymous mapping, placed.  0, or -1 with the outcome (nothing mapped). */
+static int map_private(kv_allocation *a, kv_host_pool *pool, size_t *unit)
+{
+    if (kv_host_map(a->bytes, &a->huge, &pool->base, &pool->map_bytes, unit, a->why, sizeof a->why) != 0)
+        return -1;
+    if (a->place->bind && (a->bind_error = kv_numa_prefer(pool->base, pool->map_bytes, a->place->node)) != 0
+        && a->place->named) {
+        a->outcome = KV_FAILED_BIND;
+        munmap(pool->base, pool->map_bytes);
+        return -1;
+    }
+    a->node = a->bind_error == 0 ? a->place->node : -1;
+    return 0;
+}
+
+/* The shared region a->shared, made (and placed) or joined.  A process
+ * that joins it takes the placement its maker chose: on a machine of
+ * several nodes its node is the object's policy, and a node named that is
+ * not that one fails the call.  0, or -1 with the outcome (nothing mapped). */
+static int map_shared(kv_allocation *a, kv_host_pool *pool)
+{
+    kv_shared_map_args s;
+    memset(&s, 0, sizeof s);
+    s.name = a->shared;
+    s.bytes = kv_round_up(a->bytes > KV_HOST_ALIGN ? a->bytes : KV_HOST_ALIGN, KV_HOST_ALIGN);
+    s.huge = a->huge;
+    s.node = a->place->node;
+    s.bind = a->place->bind;
+    s.named = a->place->named;
+    a->shared_outcome = kv_shared_map(&s);
+    a->huge = s.huge;
+    a->bind_error = s.bind_error;
+    a->found = s.found;
+    a->shm_full = s.shm_full;
+    a->error = s.error;
+    snprintf(a->why, sizeof a->why, "%s", s.why);
+    if (a->shared_outcome != KV_SHARED_MAPPED) {
+        a->outcome = a->shared_outcome == KV_SHARED_NOT_PLACED ? KV_FAILED_BIND : KV_FAILED_SHARED;
+        return -1;
+    }
+    pool->base = s.base;
+    pool->map_bytes = s.bytes;
+    a->created = s.region->created;
+    a->replaced = s.region->replaced;
+    const int one_node = !a->place->bind && a->place->node >= 0;
+    a->node = a->created ? (a->bind_error == 0 ? a->place->node : -1)
+              : one_node ? a->place->node
+                         : kv_numa_policy_node(pool->base);
+    if (!a->created && !one_node && a->place->named && a->node != a->place->node) {
+        a->outcome = KV_FAILED_NODE;
+        munmap(pool->base, pool->map_bytes);
+        kv_shared_release(s.region, a->why, sizeof a->why);
+        return -1;
+    }
+    pool->shared = s.region;
+    return 0;
 }
 
 static void allocate(kv_allocation *a)
 {
     const double start = now();
-    kv_host_pool *pool = malloc(sizeof *pool);
+    kv_host_pool *pool = calloc(1, sizeof *pool);
     a->outcome = KV_FAILED_MAP;
     if (pool == NULL) {
         snprintf(a->why, sizeof a->why, "%s", strerror(ENOMEM));
         return;
     }
-    size_t unit;
-    if (kv_host_map(a->bytes, &a->huge, &pool->base, &pool->map_bytes, &unit, a->why, sizeof a->why) != 0) {
+    size_t unit = KV_HOST_ALIGN;
+    if ((a->shared != NULL ? map_shared(a, pool) : map_private(a, pool, &unit)) != 0) {
         free(pool);
         return;
     }
-    if (a->place->bind && (a->bind_error = kv_numa_prefer(pool->base, pool->map_bytes, a->place->node)) != 0
-        && a->place->named) {
-        a->outcome = KV_FAILED_BIND;
-        drop_mapping(pool);
-        return;
-    }
-    /* A huge page the mapping is made of is allocated by its first write. */
+    /* A huge page the mapping is made of is allocated by its first write.
+     * Shared pages may already hold what another process wrote: kept. */
     const size_t page = a->huge == KV_HUGE_EXPLICIT ? unit : (size_t)sysconf(_SC_PAGESIZE);
-    a->threads_run = kv_host_touch(pool->base, pool->map_bytes, page, unit, a->threads);
+    a->threads_run = kv_host_touch(pool->base, pool->map_bytes, page, unit, a->threads, a->shared != NULL);
     a->registered = kv_gpu_host_register(a->device, pool->base, pool->map_bytes, a->piece_limit, a->item,
                                          &pool->registration, a->why, sizeof a->why);
     if (a->registered < 0) {
@@ -200,12 +262,49 @@ static void allocate(kv_allocation *a)
     a->seconds = now() - start;
 }
 
+/* The exception of a shared region that could not be mapped. */
+static PyObject *raise_shared(const kv_pool_request *r, const kv_allocation *a, const char *shape)
+{
+    PyObject *name = PyUnicode_FromString(r->shared);
+    if (name == NULL)
+        return NULL;
+    const long long map_bytes =
+        (long long)kv_round_up(a->bytes > KV_HOST_ALIGN ? a->bytes : KV_HOST_ALIGN, KV_HOST_ALIGN);
+    if (a->outcome == KV_FAILED_NODE)
+        PyErr_Format(PyExc_ValueError,
+                     "numa_node: the shared region %R is placed on node %d by the process that made it (-1: on no "
+                     "node); this process asked for node %d; nothing was mapped",
+                     name, a->node, a->place->node);
+    else if (a->shared_outcome == KV_SHARED_OTHER_SIZE)
+        PyErr_Format(PyExc_ValueError,
+                     "shared: %R is %lld bytes in /dev/shm; this buffer maps %lld bytes (%lld bytes rounded up to 2 "
+                     "MiB): the processes that share a region must ask for the same size; nothing was mapped",
+                     name, a->found, map_bytes, (long long)r->nbytes);
+    else if (a->shared_outcome == KV_SHARED_NO_ROOM && a->shm_full)
+        PyErr_Format(PyExc_MemoryError,
+                     "shared: %R: /dev/shm has %lld bytes free (the size of its tmpfs), fewer than the %lld bytes "
+                     "this buffer maps; nothing was made",
+                     name, a->found, map_bytes);
+    else if (a->shared_outcome == KV_SHARED_NO_ROOM)
+        PyErr_Format(PyExc_MemoryError,
+                     "shape: %s of %s is %lld bytes, more than the %lld bytes of memory available "
+                     "(MemAvailable in /proc/meminfo, within the memory cgroup's limit); nothing was mapped",
+                     shape, r->dtype->name, (long long)r->nbytes, a->found);
+    else
+        kv_raise_os_error(a->error,
+                          PyUnicode_FromFormat("shared: %R: %s; nothing was mapped or left in /dev/shm", name, a->why));
+    Py_DECREF(name);
+    return NULL;
+}
+
 /* The exception of a failed allocation, naming the argument at fault. */
 static PyObject *raise_failure(const kv_pool_request *r, const kv_allocation *a)
 {
     char shape[160];
     kv_format_shape(r->shape, r->ndim, shape, sizeof shape);
     switch (a->outcome) {
+    case KV_FAILED_SHARED:
+    case KV_FAILED_NODE: return raise_shared(r, a, shape);
     case KV_FAILED_BIND:
         return PyErr_Format(PyExc_OSError, "numa_node: cannot place the pages on node %d (mbind): %s", a->place->node,
                             strerror(a->bind_error));
@@ -235,12 +334,23 @@ static void log_allocation(const kv_pool_request *r, const kv_allocation *a, con
     char placed[224];
     if (a->bind_error != 0)
         snprintf(placed, sizeof placed, "not placed on node %d (mbind: %s)", a->place->node, strerror(a->bind_error));
+    else if (a->shared != NULL && !a->created && a->place->bind)
+        snprintf(placed, sizeof placed, "node %d (placed by the process that made it; -1: none)", a->node);
     else
         snprintf(placed, sizeof placed, "%s", a->place->said);
+    char shared[KV_SHARED_NAME_MAX + 80] = "";
+    if (a->shared != NULL)
+        snprintf(shared, sizeof shared, ", shared '%s' (%s)", a->shared,
+                 !a->created   ? "joined"
+                 : a->replaced ? "created, in place of one no process mapped"
+                               : "created");
     const int dropped = r->huge != (int)a->huge;
-    kv_debug("pinned_empty: %lld bytes (%.2f GiB), huge pages %s%s, %s, %d threads, %.3f s, %s",
+    kv_debug("pinned_empty: %lld bytes (%.2f GiB), huge pages %s%s, %s, %d threads, %.3f s, %s%s",
              (long long)self->nbytes, (double)self->nbytes / (1 << 30), KV_HUGE_NAMES[a->huge],
-             dropped ? " (transparent huge pages are off here)" : "", placed, a->threads_run, a->seconds, pinned);
+             !dropped            ? ""
+             : a->shared != NULL ? " (shmem_enabled gives none here)"
+                                 : " (transparent huge pages are off here)",
+             placed, a->threads_run, a->seconds, pinned, shared);
 }
 
 /* ------------------------------------------------------------ pinned_empty */
@@ -257,10 +367,21 @@ static void describe_buffer(kv_host_buffer *self, const kv_pool_request *r, cons
     self->nbytes = r->nbytes;
     self->dtype = r->dtype;
     self->pinned = a->registered == 0;
-    self->numa_node = a->bind_error == 0 ? a->place->node : -1;
+    self->numa_node = a->node;
     self->huge_pages = a->huge;
     self->threads = a->threads_run;
     self->seconds = a->seconds;
+    self->created = a->shared == NULL || a->created;
+}
+
+/* A shared region this process still maps at a normal exit is unlinked if
+ * it is the last to map it (kv_shared_at_exit, registered once). */
+static void unlink_at_exit(void)
+{
+    static atomic_int registered;
+    if (atomic_exchange(&registered, 1) == 0 && Py_AtExit(kv_shared_at_exit) < 0)
+        kv_debug("pinned_empty: Py_AtExit's table is full: a shared region this process maps when it exits "
+                 "stays in /dev/shm until the next pinned_empty of its name or unlink_shared");
 }
 
 const char kv_pinned_empty_doc[] = KV_PINNED_EMPTY_TEXT_SIGNATURE
@@ -284,7 +405,17 @@ const char kv_pinned_empty_doc[] = KV_PINNED_EMPTY_TEXT_SIGNATURE
     "    reserved in /proc/sys/vm/nr_hugepages; MemoryError where too few are free)\n"
     "    or \"none\".\n"
     "device: the CUDA device the memory serves (an int, \"cuda:N\" or a torch.device;\n"
-    "    None: the current one): registered with it current, placed near it.\n\n"
+    "    None: the current one): registered with it current, placed near it.\n"
+    "shared: None (memory of this process alone), or a name: the memory is then the\n"
+    "    POSIX shared-memory object /dev/shm/<name> of the mapped size (nbytes rounded\n"
+    "    up to 2 MiB), mapped by every process that asks for the name and that size\n"
+    "    (vLLM's tensor-parallel workers sharing one pool).  The first makes it (sized,\n"
+    "    placed, touched), the others join it (`created` says which; ValueError naming\n"
+    "    `shared` for another size); each registers its own mapping for `device`.  The\n"
+    "    name is unlinked when the last process that maps it lets go (close(), the last\n"
+    "    reference, a normal exit); one left by processes killed is replaced by the next\n"
+    "    pinned_empty of the name, or removed by unlink_shared(name).  huge_pages=\n"
+    "    \"explicit\" cannot be shared.\n\n"
     "MemoryError when the memory is not there (more than MemAvailable or the memory\n"
     "cgroup allows, or the mapping fails: errno's text), RuntimeError naming the CUDA\n"
     "error when registering fails; either way nothing is left mapped or registered.\n"
@@ -303,13 +434,17 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
     memset(&a, 0, sizeof a);
     if (kv_parse_arguments(&kv_pinned_empty_signature, args, nargs, kwnames, &given) < 0
         || kv_read_pool_request(&given, &r) < 0 || resolve_device(r.device, &a.device) < 0
-        || choose_node(&r, a.device, &place) < 0 || register_piece_limit(&a.piece_limit) < 0 || check_room(&r) < 0)
+        || choose_node(&r, a.device, &place) < 0 || register_piece_limit(&a.piece_limit) < 0
+        || (!r.is_shared && check_room(&r) < 0)) /* a shared region's maker checks, once it knows it makes it */
         return NULL;
     a.bytes = (size_t)r.nbytes;
     a.item = leading_item_bytes(&r);
     a.huge = (kv_huge_pages)r.huge;
     a.place = &place;
     a.threads = (int)r.threads;
+    a.shared = r.is_shared ? r.shared : NULL;
+    if (r.is_shared)
+        unlink_at_exit();
     Py_BEGIN_ALLOW_THREADS
     allocate(&a);
     Py_END_ALLOW_THREADS
@@ -323,6 +458,14 @@ PyObject *kv_pinned_empty(PyObject *module, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     describe_buffer(self, &r, &a);
+    if (r.is_shared) {
+        PyObject *name = PyUnicode_FromString(r.shared);
+        if (name == NULL) {
+            Py_DECREF(self); /* lets go of the memory */
+            return NULL;
+        }
+        Py_SETREF(self->shared, name);
+    }
     log_allocation(&r, &a, self);
     return (PyObject *)self;
 }

@@ -308,6 +308,8 @@ static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS, build_info_doc},
     {"cuda_devices", cuda_devices, METH_NOARGS, cuda_devices_doc},
     {"pinned_empty", (PyCFunction)(void (*)(void))kv_pinned_empty, METH_FASTCALL | METH_KEYWORDS, kv_pinned_empty_doc},
+    {"unlink_shared", (PyCFunction)(void (*)(void))kv_unlink_shared, METH_FASTCALL | METH_KEYWORDS,
+     kv_unlink_shared_doc},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c, METH_FASTCALL | METH_KEYWORDS, crc32c_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -225,9 +225,16 @@ static const kv_param PINNED_EMPTY[] = {
     KV_PARAM(kv_pinned_empty_args, threads, KV_KEYWORD_ONLY, "None", "SupportsIndex | None"),
     KV_PARAM(kv_pinned_empty_args, huge_pages, KV_KEYWORD_ONLY, "'transparent'", "_HugePages"),
     KV_PARAM(kv_pinned_empty_args, device, KV_KEYWORD_ONLY, "None", "SupportsIndex | str | Any | None"),
+    KV_PARAM(kv_pinned_empty_args, shared, KV_KEYWORD_ONLY, "None", "str | None"),
 };
 const kv_signature kv_pinned_empty_signature =
     KV_SIGNATURE(NULL, "pinned_empty", kv_pinned_empty_args, PINNED_EMPTY, "HostBuffer");
+
+static const kv_param UNLINK_SHARED[] = {
+    KV_PARAM(kv_unlink_shared_args, name, KV_POSITIONAL, KV_REQUIRED, "str"),
+};
+const kv_signature kv_unlink_shared_signature =
+    KV_SIGNATURE(NULL, "unlink_shared", kv_unlink_shared_args, UNLINK_SHARED, "bool");
 
 static const kv_param HOST_BUFFER_DLPACK[] = {
     KV_PARAM(kv_dlpack_args, stream, KV_KEYWORD_ONLY, "None", "int | None"),

@@ -77,7 +77,13 @@ typedef struct {
     PyObject *threads;
     PyObject *huge_pages;
     PyObject *device;
+    PyObject *shared;
 } kv_pinned_empty_args;
+
+/* The arguments of unlink_shared(). */
+typedef struct {
+    PyObject *name;
+} kv_unlink_shared_args;
 
 /* The arguments of HostBuffer.__dlpack__(). */
 typedef struct {
@@ -132,7 +138,9 @@ extern const kv_signature kv_cuda_devices_signature;
 extern const kv_signature kv_crc32c_signature;
 #define KV_CRC32C_TEXT_SIGNATURE "crc32c(data, /, value=0)\n--\n\n"
 extern const kv_signature kv_pinned_empty_signature;
-#define KV_PINNED_EMPTY_TEXT_SIGNATURE "pinned_empty(shape, dtype, *, numa_node=None, threads=None, huge_pages='transparent', device=None)\n--\n\n"
+#define KV_PINNED_EMPTY_TEXT_SIGNATURE "pinned_empty(shape, dtype, *, numa_node=None, threads=None, huge_pages='transparent', device=None, shared=None)\n--\n\n"
+extern const kv_signature kv_unlink_shared_signature;
+#define KV_UNLINK_SHARED_TEXT_SIGNATURE "unlink_shared(name)\n--\n\n"
 extern const kv_signature kv_host_buffer_dlpack_signature;
 #define KV_HOST_BUFFER_DLPACK_TEXT_SIGNATURE "__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\n"
 extern const kv_signature kv_host_buffer_dlpack_device_signature;

@@ -2,6 +2,7 @@
  * placement, the parallel first touch.  See host_pool.h. */
 #define _GNU_SOURCE
 #include "host_pool.h"
+#include "host_shared.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -20,9 +21,7 @@ const char *const KV_HUGE_NAMES[3] = {"transparent", "explicit", "none"};
 
 /* ------------------------------------------------------------ files */
 
-/* The start of a small text file, NUL-terminated.  0, or -1 when it cannot
- * be read. */
-static int read_text(const char *path, char *buf, size_t size)
+int kv_read_text(const char *path, char *buf, size_t size)
 {
     const int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -46,7 +45,7 @@ static int read_text(const char *path, char *buf, size_t size)
 static long long file_number(const char *path)
 {
     char text[64];
-    if (read_text(path, text, sizeof text) < 0)
+    if (kv_read_text(path, text, sizeof text) < 0)
         return -1;
     char *end;
     errno = 0;
@@ -58,7 +57,7 @@ static long long file_number(const char *path)
 static long long meminfo_bytes(const char *field)
 {
     char text[8192];
-    if (read_text("/proc/meminfo", text, sizeof text) < 0)
+    if (kv_read_text("/proc/meminfo", text, sizeof text) < 0)
         return -1;
     const size_t n = strlen(field);
     for (const char *line = text; line != NULL; line = strchr(line, '\n')) {
@@ -78,7 +77,7 @@ static long long meminfo_bytes(const char *field)
 static int transparent_huge_pages_on(void)
 {
     char text[128];
-    return read_text("/sys/kernel/mm/transparent_hugepage/enabled", text, sizeof text) == 0
+    return kv_read_text("/sys/kernel/mm/transparent_hugepage/enabled", text, sizeof text) == 0
            && strstr(text, "[never]") == NULL;
 }
 
@@ -161,7 +160,7 @@ int kv_numa_has(const kv_numa_nodes *nodes, long node)
 void kv_numa_online(kv_numa_nodes *nodes)
 {
     memset(nodes, 0, sizeof *nodes);
-    if (read_text("/sys/devices/system/node/online", nodes->text, sizeof nodes->text) == 0) {
+    if (kv_read_text("/sys/devices/system/node/online", nodes->text, sizeof nodes->text) == 0) {
         nodes->text[strcspn(nodes->text, "\n")] = '\0';
         /* A list of ranges: "0", "0-3", "0-1,4". */
         for (char *at = nodes->text; *at;) {
@@ -212,11 +211,17 @@ int kv_numa_prefer(char *base, size_t bytes, int node)
 typedef struct {
     char *start;
     size_t bytes, page;
+    int keep;
 } kv_share;
 
 static void touch(const kv_share *share)
 {
     volatile char *bytes = share->start;
+    if (share->keep) {
+        for (size_t offset = 0; offset < share->bytes; offset += share->page)
+            __atomic_fetch_add(&bytes[offset], 0, __ATOMIC_RELAXED);
+        return;
+    }
     for (size_t offset = 0; offset < share->bytes; offset += share->page)
         bytes[offset] = 0;
 }
@@ -227,7 +232,7 @@ static void *touch_thread(void *share)
     return NULL;
 }
 
-int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int threads)
+int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int threads, int keep)
 {
     const size_t units = bytes / unit;
     const size_t count = threads < 1 ? 1 : (size_t)threads < units ? (size_t)threads : units;
@@ -237,14 +242,14 @@ int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int thread
     pthread_attr_t attr;
     const int with_attr = pthread_attr_init(&attr) == 0;
     if (shares == NULL || ids == NULL || started == NULL || !with_attr) {
-        touch(&(kv_share){base, bytes, page});
+        touch(&(kv_share){base, bytes, page, keep});
         threads = 1;
         goto done;
     }
     pthread_attr_setstacksize(&attr, (size_t)256 << 10); /* the loop needs little; the default is 8 MiB */
     for (size_t i = 0, first = 0; i < count; i++) {
         const size_t mine = units / count + (i < units % count);
-        shares[i] = (kv_share){base + first * unit, mine * unit, page};
+        shares[i] = (kv_share){base + first * unit, mine * unit, page, keep};
         first += mine;
     }
     threads = 1;
@@ -304,8 +309,14 @@ long long kv_host_available(void)
 
 int kv_host_pool_free(kv_host_pool *pool, char *why, size_t why_size)
 {
-    const int rc = pool->registration.count > 0 ? kv_gpu_host_unregister(&pool->registration, why, why_size) : 0;
+    int rc = pool->registration.count > 0 ? kv_gpu_host_unregister(&pool->registration, why, why_size) : 0;
     munmap(pool->base, pool->map_bytes);
+    /* The first failure is the one told. */
+    char shared_why[192];
+    if (pool->shared != NULL && kv_shared_release(pool->shared, shared_why, sizeof shared_why) < 0 && rc == 0) {
+        snprintf(why, why_size, "%s", shared_why);
+        rc = -1;
+    }
     free(pool);
     return rc;
 }

@@ -1,6 +1,7 @@
-/* The host memory behind kvbm_ext.pinned_empty: an anonymous mapping with
- * huge pages, placed on a NUMA node, first touched by parallel threads, and
- * the record of its registration with the driver (gpu.h).  Nothing here
+/* The host memory behind kvbm_ext.pinned_empty: an anonymous mapping (or a
+ * named shared one, host_shared.h) with huge pages, placed on a NUMA node,
+ * first touched by parallel threads, and the record of its registration
+ * with the driver (gpu.h).  Nothing here
  * needs the GIL: pinned_empty runs it with the GIL released, and the last
  * owner to let go of a pool may be a DLPack consumer on any thread. */
 #ifndef KVBM_HOST_POOL_H
@@ -27,13 +28,21 @@ typedef enum {
 
 extern const char *const KV_HUGE_NAMES[3]; /* "transparent", "explicit", "none" */
 
+/* The longest name of a shared region: one file name in /dev/shm (Linux's
+ * NAME_MAX, which limits.h declares only with POSIX's feature macros). */
+#define KV_SHARED_NAME_MAX 255
+
+struct kv_shared_region; /* host_shared.h */
+
 /* One mapping and its registration, owned by a HostBuffer while it is open
- * and by each DLPack export of it; the last owner unregisters and unmaps. */
+ * and by each DLPack export of it; the last owner unregisters and unmaps
+ * (and lets go of the shared region it maps, if any). */
 typedef struct {
     atomic_long owners;
     char *base;
     size_t map_bytes;
     kv_host_registration registration;
+    struct kv_shared_region *shared; /* NULL: an anonymous mapping */
 } kv_host_pool;
 
 /* Maps at least `bytes` (at least KV_HOST_ALIGN; a multiple of it) as
@@ -68,10 +77,15 @@ int kv_numa_prefer(char *base, size_t bytes, int node);
 
 /* Writes one byte per `page` bytes of [base, base + bytes) from `threads`
  * threads (the calling one among them), each a contiguous share of whole
- * `unit`s (the huge page size).  Returns the threads that ran: fewer where
- * the memory has fewer units, or where a thread could not be started (the
- * calling thread then touches its share). */
-int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int threads);
+ * `unit`s (the huge page size).  With `keep`, each write adds 0 atomically,
+ * which keeps what another process sharing the memory wrote there.  Returns
+ * the threads that ran: fewer where the memory has fewer units, or where a
+ * thread could not be started (the calling thread then touches its share). */
+int kv_host_touch(char *base, size_t bytes, size_t page, size_t unit, int threads, int keep);
+
+/* The start of a small text file (a sysfs or /proc one), NUL-terminated.
+ * 0, or -1 when it cannot be read. */
+int kv_read_text(const char *path, char *buf, size_t size);
 
 /* The CPUs this process may run on (sched_getaffinity), at least 1. */
 int kv_cpu_count(void);
@@ -81,9 +95,10 @@ int kv_cpu_count(void);
  * limit less its usage where /sys/fs/cgroup shows one.  -1 when unknown. */
 long long kv_host_available(void);
 
-/* Unmaps (and, when registered, first unregisters) a pool's memory and
- * frees the pool.  Returns 0, or -1 when unregistering failed (`why` says
- * how; the memory is unmapped all the same). */
+/* Unmaps (and, when registered, first unregisters) a pool's memory, lets
+ * go of its shared region (kv_shared_release) and frees the pool.  Returns
+ * 0, or -1 when unregistering or letting go failed (`why` says how; the
+ * memory is unmapped all the same). */
 int kv_host_pool_free(kv_host_pool *pool, char *why, size_t why_size);
 
 /* Gives up one owner's hold: the last one frees the pool as
