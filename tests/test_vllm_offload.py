@@ -6,6 +6,7 @@ prefix).  Skipped, with the reason, where vLLM is not importable (.ci/run instal
 a venv of its own: tests/requirements-vllm.txt)."""
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -471,6 +472,42 @@ def test_store_evict_prefix_hit_and_load(model_dir, variant, tmp_path):
     loaded = engine.checked_blocks // (2 * engine.tp)
     chunk = engine.spec_workers[0].blocks_per_chunk
     assert loaded >= (first_blocks // chunk) * chunk - 1, f"{loaded} blocks loaded of a {first_blocks}-block prefix"
+
+
+def test_tp_workers_share_one_pinned_region(model_dir):
+    """Two TP workers of one engine map one /dev/shm region of universal blocks of every
+    head: each writes its own heads of a block (worker 1's right after worker 0's), the
+    stored bytes are each worker's KV; the last worker to close it takes the name away.
+    kvbm_shared_pool=False gives each worker a pool of its own."""
+    rng = np.random.default_rng(4)
+    engine = Engine(model_dir, tp=2, num_blocks=32, extra={"kvbm_num_slots": 40})
+    tiers = [worker.tier for worker in engine.spec_workers]
+    name = tiers[0].buffer.shared
+    assert name and name == tiers[1].buffer.shared and os.path.exists(f"/dev/shm/{name}")
+    assert sorted(t.buffer.created for t in tiers) == [False, True]
+    heads = engine.heads
+    assert tiers[0].pool.stride(0) == 2 * heads * tiers[0].pool.stride(1)      # a block holds both workers' heads
+    shared = prompt(rng, 100)
+    first = engine.add_request(shared + [5], max_tokens=2)
+    engine.run()
+    check_clean(engine)
+    key = next(iter(engine.manager._chunks))
+    slot = int(engine.manager.prepare_load([key], None).block_ids[0])
+    # Through worker 0's mapping alone: worker 1's heads are there too.
+    shape = (tiers[0].pool.shape[0], 2 * heads) + tuple(tiers[0].pool.shape[2:])
+    whole = torch.from_dlpack(tiers[0].buffer).view(torch.bfloat16)[:math.prod(shape)].view(shape)
+    for rank in range(2):
+        for layer in engine.group_layers[get_offload_group_idx(key)]:
+            block = whole[slot, rank * heads:(rank + 1) * heads, layer].view(torch.uint8)
+            assert torch.equal(torch.cat([block[:, 0], block[:, 1]], dim=-1).cpu(),
+                               engine.expected(rank, layer, first.all_token_ids, 0))
+    engine.manager.complete_load([key], None)
+    del whole, block            # exports of the region hold it, as the workers' pools do
+    for worker in engine.spec_workers:
+        worker.shutdown()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    private = Engine(model_dir, tp=2, num_blocks=32, extra={"kvbm_num_slots": 40, "kvbm_shared_pool": False})
+    assert [w.tier.buffer for w in private.spec_workers] == [None, None]      # host caches: plain host memory
 
 
 @pytest.mark.slow

@@ -29,9 +29,9 @@ and V packed in the last dimension, MLA pages [N, hd]) the pool holds universal 
 [slot * blocks_per_chunk + j, nh, n_tensors, no, nt, hd]: heads first, so another
 tensor-parallel size can read its own heads of a block as one contiguous slice.
 Otherwise (pages with extra bytes such as quantization scales, Mamba state, no vLLM
-config in reach) it holds vLLM's canonical pages byte for byte.  Each tensor-parallel
-worker keeps its own pool of its own heads (pinned_empty maps private memory; vLLM's own
-CPU tier shares one /dev/shm region between the workers).
+config in reach) it holds vLLM's canonical pages byte for byte.  The tensor-parallel
+workers of a TP-only engine share one pinned region (pinned_empty(..., shared=), as vLLM's
+own CPU tier shares one /dev/shm region): each writes its heads of every universal block.
 
 Written against vLLM 0.33.0 and 0.26.0 (TESTED_VERSIONS).  Importing this module checks
 that vLLM has every class and method it uses and raises ImportError naming the first
@@ -373,11 +373,17 @@ class PinnedTier(Tier):
     the host), one array for every tensor of the worker:
     [num_slots * blocks_per_chunk, nh, n_tensors, no, nt, hd] (universal blocks) or
     [num_slots * blocks_per_chunk, n_tensors, page_bytes] (raw pages, byte for byte).  Each group moves
-    through a PagedKVCache over its tensors' part of the pool."""
+    through a PagedKVCache over its tensors' part of the pool.
+
+    shared=(name, tp_rank, tp_size): the universal pool of every TP worker of the engine is
+    one region, pinned_empty(..., shared=name) in /dev/shm: [blocks, tp_size * nh, n_tensors,
+    no, nt, hd], of which this worker writes and reads its own heads (a contiguous run of
+    each block, heads first), so a pool block holds the model's whole universal block."""
 
     name = "pinned"
 
-    def __init__(self):
+    def __init__(self, shared=None):
+        self.shared = shared
         self.buffer = self.pool = None
         self.pool_caches = []
         self.seconds = 0.0
@@ -388,18 +394,23 @@ class PinnedTier(Tier):
         num_tensors = 1 + max(t for group in groups for t in group.tensor_ids)
         device = torch.device(first.device_name)
         blocks = num_slots * blocks_per_chunk
+        shared = self.shared if groups[0].universal else None
+        ranks, rank = (1, 0) if shared is None else (shared[2], shared[1])
         if groups[0].universal:
-            shape = (blocks, first.num_heads, num_tensors, first.num_outer, first.block_size, first.head_dim)
+            shape = (blocks, ranks * first.num_heads, num_tensors, first.num_outer, first.block_size, first.head_dim)
         else:
             shape = (blocks, num_tensors, max(group.cache.head_dim for group in groups))
         nbytes = int(np.prod(shape)) * first.itemsize
-        if device.type == "cuda":
-            self.buffer = kvbm_ext.pinned_empty((nbytes,), np.uint8, device=device.index)
+        if device.type == "cuda" or shared is not None:
+            self.buffer = kvbm_ext.pinned_empty((nbytes,), np.uint8, device=device.index,
+                                                shared=None if shared is None else shared[0])
             raw = torch.from_dlpack(self.buffer)
         else:
             raw = torch.empty(nbytes, dtype=torch.uint8)
         dtype = first.layers[0].dtype
         self.pool = raw.view(dtype).view(shape)
+        if shared is not None:
+            self.pool = self.pool[:, rank * first.num_heads:(rank + 1) * first.num_heads]
         for group in groups:
             if group.universal and group.tensor_ids == tuple(range(num_tensors)):
                 # Every tensor, in order: each pool block is one universal block of the group,
@@ -726,6 +737,8 @@ class KvbmOffloadingSpec(OffloadingSpec):
       the pool's size);
     - "kvbm_pool_layout": "auto" (default: universal blocks where vLLM's page layout is
       known) or "raw" (vLLM's pages byte for byte);
+    - "kvbm_shared_pool": True (default: the TP workers of a TP-only engine share one
+      pinned region of universal blocks, /dev/shm/kvbm-{engine_id}) or False (a pool each);
     - and vLLM's own: "blocks_per_chunk" or "block_size" (the offloaded chunk)."""
 
     def __init__(self, config):
@@ -749,6 +762,7 @@ class KvbmOffloadingSpec(OffloadingSpec):
         # (vLLM 0.26's spec config has neither: one engine, one worker a directory).
         parallel = getattr(config, "parallel", None)
         self.worker_name = (f"dp{getattr(parallel, 'data_parallel_index', 0)}-rank{getattr(parallel, 'rank', 0)}")
+        self.shared_pool = self._shared_pool(config, parallel, extra)
         self._manager = self._worker = None
 
     def _num_slots(self, config, extra, bytes_key):
@@ -767,9 +781,25 @@ class KvbmOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kv_connector_extra_config: the tier holds {num_slots} chunks; give it at least one")
         return num_slots
 
+    @staticmethod
+    def _shared_pool(config, parallel, extra):
+        """(name, tp_rank, tp_size) where the TP workers share one pinned region, else None
+        with the reason logged: a TP-only engine whose config says who this worker is."""
+        if not extra.get("kvbm_shared_pool", True):
+            why = "kvbm_shared_pool is false"
+        elif parallel is None or not getattr(config, "engine_id", None):
+            why = "vLLM's spec config names no engine and ranks (vLLM 0.26)"
+        elif any(getattr(parallel, size, 1) != 1 for size in ("pp_size", "pcp_size", "dcp_size")):
+            why = "the engine is not TP-only (pipeline or context parallel)"
+        else:
+            name = "kvbm-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in config.engine_id)
+            return name[:255], parallel.rank % parallel.tp_size, parallel.tp_size
+        log.info("KvbmOffloadingSpec: each worker's pinned pool is its own: %s", why)
+        return None
+
     def _tier(self):
         if self.tier_name == "pinned":
-            return PinnedTier()
+            return PinnedTier(shared=self.shared_pool)
         bounce = self.extra_config.get("kvbm_disk_bounce_bytes")
         return DiskTier(self.extra_config["kvbm_disk_path"], self.worker_name, None if bounce is None else int(bounce))
 
