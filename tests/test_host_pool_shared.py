@@ -436,6 +436,7 @@ GPU_PEER = textwrap.dedent(r"""
     import kvbm_ext
 
     name, nbytes = sys.argv[1], int(sys.argv[2])
+    torch.cuda.init()       # torch's is_pinned() says False for any memory before torch has initialized CUDA
     buf = kvbm_ext.pinned_empty(nbytes, "uint8", shared=name, device=0)
     host = torch.from_dlpack(buf)
     assert buf.pinned and host.is_pinned(), (buf.pinned, host.is_pinned())
