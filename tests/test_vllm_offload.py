@@ -290,11 +290,18 @@ def test_disk_tier_round_trip_and_a_corrupted_slot(tmp_path, gen, device):
     worker.wait({10})
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(10, True)]
     dst = [12, 13, 15, 16, 17, 18, 19, 0, 4]
-    for layer in layers:
-        layer.view(torch.uint8)[dst] = 0x5A
-    assert worker.submit_load(11, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
-    worker.wait({11})
-    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(11, True)]
+
+    def load(job_id):
+        """The slots into poisoned blocks dst: whether the job succeeded."""
+        for layer in layers:
+            layer.view(torch.uint8)[dst] = 0x5A
+        assert worker.submit_load(job_id, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
+        worker.wait({job_id})
+        (result,) = worker.get_finished()
+        assert result.job_id == job_id
+        return result.success
+
+    assert load(11)
     for i, (a, b) in enumerate(zip(gpu_ids, dst)):
         for t in (refs[0] if i < 5 else refs[1]):
             assert torch.equal(layers[t.tensor_idx][b].view(torch.int16), layers[t.tensor_idx][a].view(torch.int16))
@@ -305,11 +312,7 @@ def test_disk_tier_round_trip_and_a_corrupted_slot(tmp_path, gen, device):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    for layer in layers:
-        layer.view(torch.uint8)[dst] = 0x5A
-    assert worker.submit_load(12, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
-    worker.wait({12})
-    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(12, False)]
+    assert not load(12)
     for i, (a, b) in enumerate(zip(gpu_ids, dst)):
         for t in (refs[0] if i < 5 else refs[1]):
             got = layers[t.tensor_idx][b].view(torch.uint8)
