@@ -482,6 +482,7 @@ class DiskTier(Tier):
         self.pools = []
 
 
+TIERS = ("disk", "pinned")
 LATER_TIERS = ("peer",)
 
 
@@ -577,10 +578,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
     overwritten by a load before it).  Submission enqueues and returns; get_finished()
     reports, per direction and in submission order, each job whose CUDA event (and any
     handle of its tier's) has completed, once; wait() blocks the host until the named
-    jobs have ended.  The CUDA
-    events are made once and reused: one for the wait on the compute stream, and a
-    pool of completion events, an event going back to it when its job is reported (a
-    job's handles are not used after that)."""
+    jobs have ended.  The CUDA events are made once and reused: one for the wait on the
+    compute stream, and a pool of completion events, an event going back to it when its
+    job is reported (a job's handles are not used after that)."""
 
     def __init__(self, kv_caches, *, tier, num_slots, blocks_per_chunk, page):
         self.tier = tier
@@ -745,10 +745,10 @@ class KvbmOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         extra = self.extra_config
         tier = extra.get("kvbm_tier", "pinned")
-        if tier not in ("pinned", "disk"):
+        if tier not in TIERS:
             later = " (not implemented yet)" if tier in LATER_TIERS else ""
             raise ValueError(f"kv_connector_extra_config['kvbm_tier']: {tier!r}{later}; expected one of "
-                             "['disk', 'pinned']")
+                             f"{sorted(TIERS)}")
         if tier == "disk" and not extra.get("kvbm_disk_path"):
             raise ValueError("kv_connector_extra_config: the disk tier needs 'kvbm_disk_path' (a directory for "
                              "its files)")
@@ -758,11 +758,6 @@ class KvbmOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kv_connector_extra_config['kvbm_pool_layout']: expected 'auto' or 'raw', "
                              f"got {self.pool_layout!r}")
         self.num_slots = self._num_slots(config, extra, "cpu_bytes_to_use" if tier == "pinned" else "kvbm_disk_bytes")
-        # Whose files the disk tier's are: this worker's data-parallel replica and rank
-        # (vLLM 0.26's spec config has neither: one engine, one worker a directory).
-        parallel = getattr(config, "parallel", None)
-        self.worker_name = (f"dp{getattr(parallel, 'data_parallel_index', 0)}-rank{getattr(parallel, 'rank', 0)}")
-        self.shared_pool = self._shared_pool(config, parallel, extra)
         self._manager = self._worker = None
 
     def _num_slots(self, config, extra, bytes_key):
@@ -781,11 +776,11 @@ class KvbmOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kv_connector_extra_config: the tier holds {num_slots} chunks; give it at least one")
         return num_slots
 
-    @staticmethod
-    def _shared_pool(config, parallel, extra):
+    def _shared_pool(self):
         """(name, tp_rank, tp_size) where the TP workers share one pinned region, else None
         with the reason logged: a TP-only engine whose config says who this worker is."""
-        if not extra.get("kvbm_shared_pool", True):
+        config, parallel = self.config, getattr(self.config, "parallel", None)
+        if not self.extra_config.get("kvbm_shared_pool", True):
             why = "kvbm_shared_pool is false"
         elif parallel is None or not getattr(config, "engine_id", None):
             why = "vLLM's spec config names no engine and ranks (vLLM 0.26)"
@@ -798,10 +793,15 @@ class KvbmOffloadingSpec(OffloadingSpec):
         return None
 
     def _tier(self):
+        """The worker's tier (made on the worker side only)."""
         if self.tier_name == "pinned":
-            return PinnedTier(shared=self.shared_pool)
+            return PinnedTier(shared=self._shared_pool())
+        # Whose files they are: this worker's data-parallel replica and rank (vLLM 0.26's
+        # spec config has neither: one engine, one worker a directory).
+        parallel = getattr(self.config, "parallel", None)
+        worker = f"dp{getattr(parallel, 'data_parallel_index', 0)}-rank{getattr(parallel, 'rank', 0)}"
         bounce = self.extra_config.get("kvbm_disk_bounce_bytes")
-        return DiskTier(self.extra_config["kvbm_disk_path"], self.worker_name, None if bounce is None else int(bounce))
+        return DiskTier(self.extra_config["kvbm_disk_path"], worker, None if bounce is None else int(bounce))
 
     def get_manager(self):
         if self._manager is None:
