@@ -3,10 +3,11 @@
 rank 0's back-to-back calls timed after a warm-up (host time a call, and the calls' GPU
 time on rank 0's stream), then under cProfile: the functions by their own time and by
 cumulative time.  --whole sends each message as one piece (kvbm_ext._pieces.cut patched in
-both ranks), to price the pieces.
+both ranks), to price the pieces.  --no-headers drops check=False's pair headers in both ranks
+(a probe of what they cost, not a mode: nothing compares the ranks' calls then).
 
     python3 benchmarks/probes/reshard_host_profile.py [--transport nccl|nixl] [--direction 1to2]
-        [--nb 64] [--check] [--whole] [--calls 50] [--progress-delay-us US] [--device auto|cuda|cpu]
+        [--nb 64] [--check] [--whole] [--no-headers] [--profile-rank 0] [--calls 50] [--progress-delay-us US] [--device auto|cuda|cpu]
 """
 import argparse
 import cProfile
@@ -32,6 +33,8 @@ def parse_args():
     parser.add_argument("--nb", type=int, default=64)
     parser.add_argument("--check", action="store_true", help="check=True (default: check=False)")
     parser.add_argument("--whole", action="store_true", help="every message as one piece")
+    parser.add_argument("--no-headers", action="store_true", help="drop the pair headers (a probe, not a mode)")
+    parser.add_argument("--profile-rank", type=int, default=0, help="the rank cProfile watches")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--progress-delay-us", type=int, help="NixlTransport's progress_delay_us")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -46,6 +49,15 @@ def child(rank, mine, args, folder):
         from kvbm_ext import _pieces
 
         _pieces.cut = lambda nb, block_bytes: ((0, nb),) if nb > 0 else ()
+    if mine.no_headers:
+        from kvbm_ext import _pieces
+
+        made = _pieces.Exchange.__init__
+
+        def without_headers(self, **kwargs):
+            made(self, **{**kwargs, "headers": None})
+
+        _pieces.Exchange.__init__ = without_headers
     me = bench.Rank(rank, args, folder)
     src, dst = bench.DIRECTIONS[mine.direction]
     resharder = bench.kvbm_ext.Resharder(bench.NH, args.layers, src, dst,
@@ -73,7 +85,10 @@ def child(rank, mine, args, folder):
     me.sync()
     total = time.perf_counter() - start
     dist.barrier()
-    profile = cProfile.Profile() if rank == 0 else None
+    print(f"rank {rank}: host {host / mine.calls * 1e6:.0f} us a call, until done {total / mine.calls * 1e6:.0f} us a call",
+          flush=True)
+    dist.barrier()
+    profile = cProfile.Profile() if rank == mine.profile_rank else None
     start = time.perf_counter()
     if profile is not None:
         profile.enable()
@@ -83,8 +98,8 @@ def child(rank, mine, args, folder):
     wall = time.perf_counter() - start
     me.sync()
     dist.barrier()
-    if rank == 0:
-        print(f"{mine.transport} {mine.direction} nb={mine.nb} check={mine.check} whole={mine.whole} on {me.device}, "
+    if rank == mine.profile_rank:
+        print(f"rank {rank}: {mine.transport} {mine.direction} nb={mine.nb} check={mine.check} whole={mine.whole} on {me.device}, "
               f"{mine.calls} calls: host {host / mine.calls * 1e6:.0f} us a call, until done {total / mine.calls * 1e6:.0f}"
               f" us a call; profiled: {wall / mine.calls * 1e6:.0f} us a call")
         for order in ("tottime", "cumulative"):
