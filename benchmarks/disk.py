@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")    # NIXL prints INFO lines on stdout otherwise
 import kvbm_ext  # noqa: E402
 from kvbm_ext import disk  # noqa: E402
+from figures import draw_file  # noqa: E402
 from harness import (HD, NH, NL, NT, Tee, calibrate_sleep_cycles_per_us, fill_random_, int_list,  # noqa: E402
                      output_dir, run_stem)
 
@@ -369,37 +370,6 @@ def measure_beside(run, pool, sources):
     return slowdown
 
 
-def draw(run, stem):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    cases = [r for r in run.rows if r["kind"] in ("store", "load") and r["durable"] is False]
-    labels = sorted({(r["source"], r["blocks"]) for r in cases}, key=lambda k: (k[0], int(k[1])))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, kind, ref in ((axes[0], "store", "dd write"), (axes[1], "load", "dd read")):
-        width = 0.27
-        for i, (source, blocks) in enumerate(labels):
-            on = [r for r in cases if (r["kind"], r["source"], r["blocks"], r["checksums"]) == (kind, source, blocks, "on")]
-            off = [r for r in cases if (r["kind"], r["source"], r["blocks"], r["checksums"]) == (kind, source, blocks, "off")]
-            bars = [(on, "gbs", "checksums on", "tab:blue"), (off, "gbs", "checksums off", "tab:cyan"),
-                    (on, "reference_gbs", ref + " (O_DIRECT, 1 MiB)", "tab:gray")]
-            for j, (rows, key, label, color) in enumerate(bars):
-                if rows and rows[0][key]:
-                    ax.bar(i + (j - 1) * width, float(rows[0][key]), width, color=color, label=label if i == 0 else None)
-        ax.set_xticks(range(len(labels)), [f"{s}\n{b} blocks" for s, b in labels])
-        ax.set_title(f"{kind}: kvbm_ext.disk against {ref}")
-        ax.set_ylabel("GB/s")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Llama-3.1-70B blocks ({run.args.layers} layers) to and from a file: {run.device_name}, {run.date}")
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
-    plt.close(fig)
-    return None
-
-
 def judge(run, results, slowdown):
     print("\ntargets:")
     ok = True
@@ -478,10 +448,11 @@ def main(argv=None):
                 writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
                 writer.writeheader()
                 writer.writerows(run.rows)
-            no_png = draw(run, stem)
+            pngs, no_png = draw_file(stem + ".csv")
             print(f"\n{time.monotonic() - started:.0f} s ({'all targets met' if passed else 'a target missed'})")
             print(f"CSV: {stem}.csv")
-            print(f"PNG: {no_png or stem + '.png'}")
+            for png in pngs or [no_png]:
+                print(f"PNG: {png}")
             print(f"log: {stem}.log")
         finally:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__

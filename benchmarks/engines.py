@@ -31,8 +31,8 @@ bit against a plain torch gather of the engine's tensors before it is timed.
 transformers' continuous batching under GPU-cache pressure with its own CPU offloading and
 with kvbm_ext's (kvbm_ext.integrations.transformers).
 
-Output: a CSV, a PNG and a log in --out (default: see harness.output_dir), PASS/MISS per
-target at the end.  See benchmarks/README.md ("engines.py").
+Output: a CSV, PNGs (figures.py, from the CSV) and a log in --out (default: see
+harness.output_dir), PASS/MISS per target at the end.  See benchmarks/README.md ("engines.py").
 """
 
 import argparse
@@ -59,6 +59,7 @@ from kvbm_ext._no_gpu import require_gpu  # noqa: E402
 from harness import (HD, NH, NT, RepPolicy, Tee, Timing, calibrate_sleep_cycles_per_us,  # noqa: E402
                      cuda_synchronize, fill_random_, int_list, output_dir, run_once, run_stem, steady_host_us,
                      time_gpu_calls)
+from figures import draw_file  # noqa: E402
 from report import csv_cells, fmt  # noqa: E402
 from support import engines as registry  # noqa: E402
 import transformers_e2e  # noqa: E402
@@ -451,51 +452,6 @@ def print_summary(run):
                     print(f"  {name:20s} {direction:8s}" + "".join(cells))
 
 
-def draw_panel(ax, run, model, path, ceiling):
-    """One model and path: a line per engine and direction (memcpys dotted), the ceiling."""
-    for name in run.args.engines + ["memcpy", "memcpy_mla"]:
-        for direction in ("offload", "onload", "copy"):
-            points = sorted((row["nb"], row["gbps"]) for row in run.rows
-                            if (row["model"], row["engine"], row["path"], row["direction"])
-                            == (model, name, path, direction))
-            if points:
-                style = ":" if name.startswith("memcpy") else "-" if direction == "offload" else "--"
-                ax.plot(*zip(*points), marker="o", markersize=3, linestyle=style, label=f"{name} {direction}")
-    if path == "d2d" and ceiling:
-        ax.axhline(ceiling["gbps"], color="black", linewidth=1,
-                   label=f"1 GiB device copy {fmt(ceiling['gbps'])}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(run.args.nb, [str(nb) for nb in run.args.nb])
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("nb, blocks per call")
-    ax.set_ylabel("GB/s (bytes moved once)")
-    ax.set_title(f"{model}, {path}", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-
-
-def plot(run, path):
-    """GB/s against nb, a panel per model and path; returns why no PNG was written, or None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    models = list(dict.fromkeys(row["model"] for row in run.rows if row["model"]))
-    figure, axes = plt.subplots(len(models), 2, figsize=(15, 6 * len(models)), squeeze=False,
-                                constrained_layout=True)
-    ceiling = run.find(model="", engine="memcpy")
-    for r, model in enumerate(models):
-        for c, panel in enumerate(("pinned", "d2d")):
-            axes[r][c].set_prop_cycle(color=plt.get_cmap("tab20").colors)
-            draw_panel(axes[r][c], run, model, panel, ceiling)
-    figure.suptitle(f"kvbm_ext to_cache per engine layout, {run.gpu_name}, {run.date}", fontsize=11)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return None
-
-
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
@@ -550,7 +506,6 @@ def run_grid(args, gpu_name, date, stem):
           f"{sum(line.startswith('MISS') for line in lines)} MISS")
     print(f"all {sum(not row['engine'].startswith('memcpy') and row['path'] != 'd2d_host' for row in run.rows)} "
           "cases verified bit-exact before they were timed")
-    return plot(run, stem + ".png")
 
 
 def main(argv=None):
@@ -568,10 +523,12 @@ def main(argv=None):
             print(f"gpu={gpu_name} torch={torch.__version__} kvbm_ext={info.get('version')} "
                   f"({os.path.dirname(kvbm_ext.__file__)}) cuda={info.get('cuda_version')}", flush=True)
             run_part = transformers_e2e.run if args.transformers else run_grid
-            no_png = run_part(args, gpu_name, date, stem)
+            run_part(args, gpu_name, date, stem)
+            pngs, no_png = draw_file(stem + ".csv")
             print(f"\n{time.monotonic() - started:.0f} s")
             print(f"CSV: {stem}.csv")
-            print(f"PNG: {no_png or stem + '.png'}")
+            for png in pngs or [no_png]:
+                print(f"PNG: {png}")
             print(f"log: {stem}.log")
         finally:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__

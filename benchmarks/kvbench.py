@@ -22,7 +22,7 @@ memcpy.  Every case is checked bit for bit against a pure-torch reference before
 timed.
 
 GB/s count the bytes a call moves, each once (a copy of N bytes moves N bytes), the
-ceilings too.  The run writes a CSV, PNGs (GB/s against nb, one question each) and a log
+ceilings too.  The run writes a CSV, PNGs (GB/s at each nb measured, one question each) and a log
 into --out; --compare OLD.csv prints each row's change against an older run.  The parts:
 cases.py (what is timed), harness.py (how), report.py (the tables, targets, CSV and
 comparison), figures.py (the PNGs).  See benchmarks/README.md.

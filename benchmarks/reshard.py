@@ -65,6 +65,7 @@ import torch.multiprocessing as mp
 # Benchmark the checkout: an in-place build in the repository root comes first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvbm_ext  # noqa: E402
+from figures import draw_file  # noqa: E402
 from harness import HD, NH, NO, Tee, output_dir, run_stem  # noqa: E402
 from kvbm_ext._no_gpu import exit_no_gpu, why_no_gpu  # noqa: E402
 
@@ -389,7 +390,9 @@ def run(rank, args, folder):
     if rank == 0:
         print_targets(rows, targets, args)
         write_csv(rows, args)
-        print(draw(rows, args.stem + ".png") or f"PNG: {args.stem}.png")
+        pngs, no_png = draw_file(args.stem + ".csv")
+        for png in pngs or [no_png]:
+            print(f"PNG: {png}")
     dist.destroy_process_group()
 
 
@@ -444,40 +447,6 @@ def write_csv(rows, args):
         writer.writeheader()
         writer.writerows(rows)
     print(f"\nCSV: {path}")
-
-
-def draw(rows, path):
-    """Link GB/s per method, a panel per transport and direction, nb side by side; returns why no PNG was
-    written, or None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    panels = list(dict.fromkeys((row["transport"], row["direction"]) for row in rows))
-    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False,
-                                constrained_layout=True)
-    for ax, (transport, direction) in zip(axes[0], panels):
-        mine = [row for row in rows if (row["transport"], row["direction"]) == (transport, direction)
-                and row["link_gbps"] != ""]
-        nbs = sorted(dict.fromkeys(row["nb"] for row in mine))
-        methods = [m for m in METHODS if any(row["method"] == m for row in mine)]
-        width = 0.8 / len(nbs)
-        for k, nb in enumerate(nbs):
-            values = [next((row["link_gbps"] for row in mine if row["method"] == m and row["nb"] == nb), 0)
-                      for m in methods]
-            ax.bar([i + k * width for i in range(len(methods))], values, width, label=f"nb={nb}")
-        ax.set_xticks([i + width * (len(nbs) - 1) / 2 for i in range(len(methods))], methods, rotation=30,
-                      ha="right", fontsize=8)
-        ax.set_ylabel("GB/s of the bytes that cross between the ranks")
-        ax.set_title(f"{transport}, {direction}")
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    figure.suptitle("kvbm_ext Resharder, Llama-3.1-70B KV cache (bf16, nt 16)", fontsize=11)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return None
 
 
 def main(argv=None):

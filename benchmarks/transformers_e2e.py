@@ -344,38 +344,6 @@ def print_summary(rows):
                       f"{fmt(min(pcts)):>8s}")
 
 
-def plot(rows, path, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    figure, (left, right) = plt.subplots(1, 2, figsize=(15, 6), constrained_layout=True)
-    runs = [r for r in rows if r["kind"] == "run"]
-    left.bar([r["mode"] for r in runs], [r["tokens_per_s"] for r in runs], color="tab:blue")
-    left.set_ylabel("generated tokens/s")
-    left.set_title("tokens/s (manager construction excluded)", fontsize=10)
-    for mode, marker in zip(OFFLOADING, "ox"):
-        for kind, color in (("offload", "tab:red"), ("restore", "tab:green")):
-            mine = [r for r in rows if r["mode"] == mode and r["kind"] == kind]
-            if mine:
-                right.scatter([r["bytes"] / 2**20 for r in mine], [r["gbps"] for r in mine], marker=marker,
-                              color=color, label=f"{mode} {kind}")
-                right.scatter([r["bytes"] / 2**20 for r in mine], [r["same_size_memcpy_gbps"] for r in mine],
-                              marker=".", color="gray")
-    right.set_xscale("log")
-    right.set_xlabel("MiB per call")
-    right.set_ylabel("GB/s (gray: same-size pinned memcpy)")
-    right.set_title("each offload and restore call", fontsize=10)
-    right.grid(True, alpha=0.3)
-    right.legend(fontsize=8)
-    figure.suptitle(title, fontsize=11)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return None
-
-
 # ----------------------------------------------------------------------------- the part
 
 def run(args, gpu_name, date, stem):
@@ -421,5 +389,3 @@ def run(args, gpu_name, date, stem):
     print("\ntargets:")
     for line in lines:
         print("  " + line)
-    return plot(rows, stem + ".png", f"transformers continuous batching, Llama-3.1-8B shape with {args.tf_layers} "
-                                     f"layers, {gpu_name}, {date}")

@@ -22,7 +22,8 @@ tier) and load (tier to GPU), it measures:
 
 Rounds alternate the four (--rounds, medians kept).  On a GPU the log first names the path
 a store and a load job's to_cache call took, and why (their KVBM_EXT_DEBUG lines).  Output:
-a CSV, a log and a PNG (GB/s against blocks a job, per model and direction) in --out.
+a CSV, a log and a PNG (GB/s of a job, the torch loop and the memcpy, a bar each at every
+job size measured, per model and direction; figures.py draws it from the CSV) in --out.
 Needs a GPU and vLLM's kv_offload files (vllm 0.26 or 0.33 importable); `--device cpu`
 runs the same jobs on host caches (the CPU path: every figure wall time, the memcpy
 between two host buffers), a check that the script runs where there is no GPU.
@@ -40,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from figures import draw_file
 from harness import HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem
 
 MODELS = {"8b": ("Llama-3.1-8B", 32), "70b": ("Llama-3.1-70B", 80)}
@@ -296,34 +298,6 @@ def measure(args, say):
     return gpu_name, date, rows
 
 
-def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    panels = sorted({(r["model"], r["direction"]) for r in rows})
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (model, direction) in zip(axes[0], panels):
-        mine = [r for r in rows if (r["model"], r["direction"]) == (model, direction)]
-        nbs = [r["nb"] for r in mine]
-        for key, label in (("memcpy_gbps", "pinned memcpy, same bytes"), ("worker_gbps", "kvbm_ext worker, one job"),
-                           ("loop_gbps", "torch copy_ per block and layer")):
-            ax.plot(nbs, [r[key] for r in mine], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(nbs, [str(n) for n in nbs])
-        ax.set_title(f"{model}: {direction}")
-        ax.set_xlabel("blocks a job")
-        ax.set_ylabel("GB/s")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    figure.suptitle(f"vLLM offloading jobs through kvbm_ext, {rows[0]['gpu_name']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return f"wrote {path}"
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.device == "cuda":
@@ -340,7 +314,9 @@ def main(argv=None):
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
-        print(plot(rows, stem + ".png"), file=out)
+        pngs, no_png = draw_file(stem + ".csv")
+        for png in pngs or [no_png]:
+            print(f"PNG: {png}", file=out)
     print(f"wrote {stem}.csv and {stem}.log")
     return 0 if all(r["bit_exact"] for r in rows) else 1
 

@@ -1,7 +1,7 @@
 """One meaning of GB/s in the benchmarks (bytes moved, counted once) and the figures drawn
-from kvbench CSVs: a run's rows count bytes once, an older CSV's read + written rates are
-halved on reading, and the figures of the committed runs are one question each with few,
-plainly named lines."""
+from their CSVs: a run's rows count bytes once, an older CSV's read + written rates are
+halved on reading, and the figures of the committed runs are one question each, measured
+values only (no line joins two measured points), with a few plainly named bars."""
 
 import csv
 import math
@@ -17,7 +17,7 @@ BENCH = os.path.join(REPO_ROOT, "benchmarks")
 RESULTS = os.path.join(BENCH, "results")
 ALL_GROUPS_RUN = os.path.join(RESULTS, "kvbench-NVIDIA-H200-2026-11-23.csv")
 PAGED_RUN = os.path.join(RESULTS, "kvbench-paged-nt16-final-NVIDIA-H200-2026-11-23.csv")
-MAX_LEGEND_ENTRIES = 8
+MAX_LEGEND_ENTRIES = 6
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +107,94 @@ def test_a_cpu_run_counts_bytes_once(tmp_path):
         assert math.isclose(float(row["ceiling_gbps"]), float(row["bytes"]) / (memcpy_us * 1e3), rel_tol=1e-3), row
 
 
-def test_every_panel_has_a_few_named_lines_and_a_limit(bench_modules):
+def test_every_panel_has_a_few_named_bars_and_a_reference(bench_modules):
     _, figures = bench_modules
+    references = {"device": 1, "cpu": 1}
     for figure in figures.FIGURES:
+        assert figure.question.endswith("?"), figure.question
         for panel in figure.panels:
-            labels = [line.label for line in panel.lines if line.label]
-            assert 0 < len(labels) + 2 <= MAX_LEGEND_ENTRIES, (figure.name, labels)
+            labels = [series.label for series in panel.series if series.label]
             assert panel.limit in ("device", "pcie", "cpu"), (figure.name, panel.title)
+            entries = len(labels) + references.get(panel.limit, 1 + len(panel.ways))
+            assert 0 < entries <= MAX_LEGEND_ENTRIES, (figure.name, labels)
             assert all(" " in label for label in labels), labels     # words, not codes like "op b2o pin"
+
+
+def figure_faults(figure):
+    """What keeps a drawn figure from answering one question with measured values only: a
+    line from one measured point to another (only horizontal reference lines may cross a
+    panel), a title that asks nothing, a panel without a y label or with a long legend."""
+    faults = []
+    if not figure._suptitle or not figure._suptitle.get_text().splitlines()[0].endswith("?"):
+        faults.append("the title asks no question")
+    for ax in figure.axes:
+        for line in ax.get_lines():
+            if line.get_linestyle() not in ("None", "", " ") and len(set(line.get_ydata())) > 1:
+                faults.append(f"{ax.get_title()!r}: a line joins measured points {list(line.get_xydata())}")
+        if not ax.get_ylabel():
+            faults.append(f"{ax.get_title()!r}: no y label")
+        entries = len(ax.get_legend().get_texts()) if ax.get_legend() else 0
+        if entries > MAX_LEGEND_ENTRIES:
+            faults.append(f"{ax.get_title()!r}: {entries} legend entries")
+    return faults
+
+
+def test_a_line_between_measured_points_is_a_fault():
+    """The check below sees a line drawn from nb 1 to nb 64, as if the values between had
+    been measured; a reference line across the panel passes."""
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the figures are drawn with matplotlib")
+    figure, ax = plt.subplots()
+    figure.suptitle("How fast?")
+    ax.set_ylabel("GB/s")
+    ax.axhline(2139)
+    assert figure_faults(figure) == []
+    ax.plot([1, 64], [671, 1987], marker="o")
+    assert [fault for fault in figure_faults(figure) if "a line joins measured points" in fault]
+    plt.close(figure)
+
+
+FIGURE_RUNS = [
+    "kvbench-NVIDIA-H200-2026-11-23.csv", "engines-NVIDIA-H200-2026-11-25.csv",
+    "engines-transformers-NVIDIA-H200-2026-11-25.csv", "reshard-2xNVIDIA-H200-2026-11-27.csv",
+    "vllm_offload-NVIDIA-H200-2026-11-27.csv", "disk-NVIDIA-H200-2026-11-27.csv", "disk-cpu-2026-11-27.csv"]
+
+
+@pytest.mark.parametrize("name", FIGURE_RUNS)
+def test_each_benchmarks_figures_show_measured_values_only(bench_modules, name, monkeypatch, tmp_path):
+    """Every figure of a committed run of each benchmark, as figures.py draws it from the
+    CSV: a question for a title, no line joining measured points, short legends."""
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the figures are drawn with matplotlib")
+    _, figures = bench_modules
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not in this tree")
+    drawn = []
+    monkeypatch.setattr(figures, "save", lambda figure, png: drawn.append((figure, png)))
+    paths, why_not = figures.draw_file(path, str(tmp_path))
+    assert why_not is None and paths == [png for _, png in drawn] and paths, (why_not, paths)
+    for figure, png in drawn:
+        assert figure_faults(figure) == [], png
+        plt.close(figure)
+
+
+def test_every_committed_png_is_a_figure_of_a_committed_csv(bench_modules):
+    """Each PNG of benchmarks/results/ (and the README's, in docs/images/) is one that
+    figures.py draws from a CSV beside it: <run>-<figure>.png, or <run>.png for a benchmark
+    of one figure; no picture of an older drawing is left."""
+    _, figures = bench_modules
+    if not os.path.isdir(RESULTS):
+        pytest.skip("benchmarks/results/ is not in this tree (the sdist leaves it out)")
+    images = [name for folder in (RESULTS, os.path.join(REPO_ROOT, "docs", "images")) if os.path.isdir(folder)
+              for name in os.listdir(folder) if name.endswith(".png")]
+    for name in images:
+        stem = name[:-len(".png")]
+        runs = [csv_name[:-len(".csv")] for csv_name in os.listdir(RESULTS) if csv_name.endswith(".csv")
+                and (stem == csv_name[:-len(".csv")] or stem.startswith(csv_name[:-len(".csv")] + "-"))]
+        assert runs, f"{name}: no CSV of results/ it is drawn from"
+        run = max(runs, key=len)
+        benchmark = figures.benchmark_of(os.path.join(RESULTS, run + ".csv"))
+        figure_name = stem[len(run) + 1:]
+        assert figure_name in [name for name, _ in benchmark.figures], (name, benchmark.name)
 
 
 @pytest.mark.parametrize("run,names", [
