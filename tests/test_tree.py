@@ -16,8 +16,9 @@ CUDA = os.path.join(REPO_ROOT, "cuda")
 # The layers, top to bottom.  A file may include a header of its own layer or of any layer
 # below it, never one above.  Folders of one entry are one layer: csrc/gpu/ (the CUDA
 # runtime) and csrc/host/ (host memory and the CPU copies) lean on each other (the pinned
-# pool's registration is gpu.h's, its alignment host_pool.h's).  cuda/'s headers, the
-# kernels' C interface, lie below them all.
+# pool's registration is gpu.h's; the move kinds gpu.h declares are defined in
+# host/cpu_copy.c beside their CPU twins).  cuda/'s headers, the kernels' C interface, lie
+# below them all.
 LAYERS = [
     ("api",),          # the module, its public functions and HostBuffer
     ("paged",),        # PagedKVCache: the type, its construction and calls, to_cache

@@ -227,7 +227,7 @@ static int map_shared(kv_allocation *a, kv_host_pool *pool)
         kv_shared_release(s.region, a->why, sizeof a->why);
         return -1;
     }
-    pool->shared = s.region;
+    kv_shared_attach(pool, s.region);
     return 0;
 }
 

@@ -1,10 +1,11 @@
 /* Registering host memory with the driver for kvbm_ext.pinned_empty, and
  * what the driver says of an address.  See gpu.h. */
 #include "gpu_internal.h"
-#include "host_pool.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+
+#include "align.h"
 
 /* The smallest piece a refused registration is split into: below it, the
  * refusal is not about size. */

@@ -2,7 +2,6 @@
  * placement, the parallel first touch.  See host_pool.h. */
 #define _GNU_SOURCE
 #include "host_pool.h"
-#include "host_shared.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -312,9 +311,9 @@ int kv_host_pool_free(kv_host_pool *pool, char *why, size_t why_size)
     int rc = pool->registration.count > 0 ? kv_gpu_host_unregister(&pool->registration, why, why_size) : 0;
     munmap(pool->base, pool->map_bytes);
     /* The first failure is the one told. */
-    char shared_why[192];
-    if (pool->shared != NULL && kv_shared_release(pool->shared, shared_why, sizeof shared_why) < 0 && rc == 0) {
-        snprintf(why, why_size, "%s", shared_why);
+    char release_why[192];
+    if (pool->release != NULL && pool->release(pool->release_arg, release_why, sizeof release_why) < 0 && rc == 0) {
+        snprintf(why, why_size, "%s", release_why);
         rc = -1;
     }
     free(pool);

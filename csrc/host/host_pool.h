@@ -1,24 +1,17 @@
 /* The host memory behind kvbm_ext.pinned_empty: an anonymous mapping (or a
- * named shared one, host_shared.h) with huge pages, placed on a NUMA node,
- * first touched by parallel threads, and the record of its registration
- * with the driver (gpu.h).  Nothing here
- * needs the GIL: pinned_empty runs it with the GIL released, and the last
- * owner to let go of a pool may be a DLPack consumer on any thread. */
+ * named shared one, which host_shared.h maps and attaches) with huge pages,
+ * placed on a NUMA node, first touched by parallel threads, and the record
+ * of its registration with the driver (gpu.h).  Nothing here needs the
+ * GIL: pinned_empty runs it with the GIL released, and the last owner to
+ * let go of a pool may be a DLPack consumer on any thread. */
 #ifndef KVBM_HOST_POOL_H
 #define KVBM_HOST_POOL_H
 
 #include <stdatomic.h>
 #include <stddef.h>
 
+#include "align.h"
 #include "gpu.h"
-
-/* Mappings start and end on this boundary (the usual huge page size on
- * x86-64 and arm64), so that transparent huge pages can back all of one
- * and the touching threads' shares never split a huge page. */
-#define KV_HOST_ALIGN ((size_t)2 << 20)
-
-/* `n` rounded up to a multiple of `unit`. */
-static inline size_t kv_round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
 
 typedef enum {
     KV_HUGE_TRANSPARENT, /* madvise(MADV_HUGEPAGE): the kernel backs the mapping with huge pages where it can */
@@ -32,17 +25,21 @@ extern const char *const KV_HUGE_NAMES[3]; /* "transparent", "explicit", "none" 
  * NAME_MAX, which limits.h declares only with POSIX's feature macros). */
 #define KV_SHARED_NAME_MAX 255
 
-struct kv_shared_region; /* host_shared.h */
+/* What the last owner of a pool calls once its memory is unmapped, to let
+ * go of what the mapping came from (a shared region: kv_shared_attach sets
+ * it), with the argument the pool keeps beside it.  0, or -1 with `why`. */
+typedef int (*kv_host_release_hook)(void *arg, char *why, size_t why_size);
 
 /* One mapping and its registration, owned by a HostBuffer while it is open
  * and by each DLPack export of it; the last owner unregisters and unmaps
- * (and lets go of the shared region it maps, if any). */
+ * (and calls its release hook, if any). */
 typedef struct {
     atomic_long owners;
     char *base;
     size_t map_bytes;
     kv_host_registration registration;
-    struct kv_shared_region *shared; /* NULL: an anonymous mapping */
+    kv_host_release_hook release; /* NULL: an anonymous mapping, nothing to let go of */
+    void *release_arg;
 } kv_host_pool;
 
 /* Maps at least `bytes` (at least KV_HOST_ALIGN; a multiple of it) as
@@ -95,10 +92,10 @@ int kv_cpu_count(void);
  * limit less its usage where /sys/fs/cgroup shows one.  -1 when unknown. */
 long long kv_host_available(void);
 
-/* Unmaps (and, when registered, first unregisters) a pool's memory, lets
- * go of its shared region (kv_shared_release) and frees the pool.  Returns
- * 0, or -1 when unregistering or letting go failed (`why` says how; the
- * memory is unmapped all the same). */
+/* Unmaps (and, when registered, first unregisters) a pool's memory, calls
+ * its release hook and frees the pool.  Returns 0, or -1 when unregistering
+ * or the hook failed (`why` says how; the memory is unmapped all the
+ * same). */
 int kv_host_pool_free(kv_host_pool *pool, char *why, size_t why_size);
 
 /* Gives up one owner's hold: the last one frees the pool as

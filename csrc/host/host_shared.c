@@ -110,6 +110,15 @@ int kv_shared_release(kv_shared_region *region, char *why, size_t why_size)
     return rc;
 }
 
+/* The pool's release hook: its argument is the region. */
+static int release_region(void *region, char *why, size_t why_size) { return kv_shared_release(region, why, why_size); }
+
+void kv_shared_attach(kv_host_pool *pool, kv_shared_region *region)
+{
+    pool->release = release_region;
+    pool->release_arg = region;
+}
+
 void kv_shared_at_exit(void)
 {
     pthread_mutex_lock(&live_lock);

@@ -68,6 +68,11 @@ kv_shared_outcome kv_shared_map(kv_shared_map_args *a);
  * freed all the same). */
 int kv_shared_release(kv_shared_region *region, char *why, size_t why_size);
 
+/* Makes `region` (mapped at pool->base) the pool's to let go of: its last
+ * owner releases it, as kv_shared_release does, once the memory is
+ * unmapped (kv_host_pool_free). */
+void kv_shared_attach(kv_host_pool *pool, kv_shared_region *region);
+
 /* Unlinks NAME (without the '/').  1 where it was unlinked, 0 where there
  * was none, -1 with `why` (errno's text) otherwise. */
 int kv_shared_unlink(const char *name, char *why, size_t why_size);

@@ -1,7 +1,8 @@
 /* What the files of kvbm_ext.PagedKVCache share: paged_cache.c
- * (construction and lifetime), paged_call.c (reading and checking a call),
- * paged_run.c (planning and running it) and paged_type.c (the methods,
- * attributes and the type). */
+ * (construction and lifetime), paged_dtype_device.c (the dtype and device
+ * it reports), paged_call.c (reading and checking a call), paged_run.c
+ * (planning and running it) and paged_type.c (the methods, attributes and
+ * the type). */
 #ifndef KVBM_PAGED_INTERNAL_H
 #define KVBM_PAGED_INTERNAL_H
 
@@ -93,15 +94,20 @@ int kv_paged_traverse(kv_paged_cache *self, visitproc visit, void *arg);
 int kv_paged_clear(kv_paged_cache *self);
 void kv_paged_dealloc(kv_paged_cache *self);
 
-/* paged_type.c: self->dtype_object and self->device_object from the
- * cache's element type and device (set before): for a torch tensor (the
- * first array), torch's dtype and a torch.device; for a NumPy array,
+/* paged_dtype_device.c: self->dtype_object and self->device_object from
+ * the cache's element type and device (set before): for a torch tensor
+ * (the first array), torch's dtype and a torch.device; for a NumPy array,
  * numpy.dtype where NumPy has the type, and the device's name; else the
  * names.  Made from what the array's protocol reported, never from the
  * array's own dtype or device attributes, and with a framework the caller
  * has imported (none is imported here).  Returns 0, or -1 with an
  * exception. */
 int kv_paged_name_types(kv_paged_cache *self, kv_protocols *protocols);
+
+/* The element type's name, e.g. "bfloat16", and the device's, "cuda:N"
+ * or "cpu" (new references). */
+PyObject *kv_paged_dtype_name(const kv_paged_cache *self);
+PyObject *kv_paged_device_name(const kv_paged_cache *self);
 
 /* What distinguishes the four methods. */
 typedef struct {
@@ -114,6 +120,9 @@ typedef struct {
 /* paged_call.c: one call of a method (`form`). */
 PyObject *kv_paged_transfer(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                             const kv_paged_form *form);
+
+/* to_cache.c: the to_cache method (METH_FASTCALL | METH_KEYWORDS). */
+PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 
 /* paged_select.c: a layers= or heads= argument (NULL: not given) among
  * the cache's n layers or heads, `what` naming one ("layer", "head"):

@@ -1,12 +1,13 @@
-/* PagedKVCache.to_cache: reading and checking one call.  See to_cache.h;
- * to_cache_run.c runs it. */
-#include "to_cache.h"
+/* PagedKVCache.to_cache: reading and checking one call.  See
+ * to_cache_run.h; to_cache_run.c runs it. */
+#include "paged_internal.h"
 
 #include <string.h>
 
 #include "args.h"
 #include "state.h"
 #include "stream.h"
+#include "to_cache_run.h"
 
 /* dst is a cache of this cache's (no, nt, hd, dtype), writable. */
 static int check_dst(const kv_to_cache_call *call, PyObject *dst)

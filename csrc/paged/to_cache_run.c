@@ -1,7 +1,7 @@
 /* PagedKVCache.to_cache: planning and running a checked call, on the GPU
  * (one kernel, or staged through device memory where a cache is in pinned
- * host memory) or the CPU.  See to_cache.h. */
-#include "to_cache.h"
+ * host memory) or the CPU.  See to_cache_run.h. */
+#include "to_cache_run.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -1,8 +1,9 @@
 /* PagedKVCache.to_cache: blocks of one cache moved into blocks of another,
- * both addressed by id.  to_cache.c reads and checks a call, to_cache_run.c
- * plans and runs it. */
-#ifndef KVBM_TO_CACHE_CALL_H
-#define KVBM_TO_CACHE_CALL_H
+ * both addressed by id.  to_cache.c reads and checks a call (the method,
+ * kv_paged_to_cache, is declared in paged_internal.h), to_cache_run.c
+ * plans and runs it: the call they hand on, and the run. */
+#ifndef KVBM_TO_CACHE_RUN_H
+#define KVBM_TO_CACHE_RUN_H
 
 #include "paged_internal.h"
 
@@ -22,10 +23,7 @@ typedef struct {
     kv_array *located;
 } kv_to_cache_call;
 
-/* The method (METH_FASTCALL | METH_KEYWORDS). */
-PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-
 /* to_cache_run.c: moves the bytes of a checked call.  Returns 0 or -1. */
 int kv_to_cache_run(kv_to_cache_call *call);
 
-#endif /* KVBM_TO_CACHE_CALL_H */
+#endif /* KVBM_TO_CACHE_RUN_H */
