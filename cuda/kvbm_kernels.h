@@ -81,6 +81,19 @@ cudaError_t kvbm_load_copy_pairs(void);
 cudaError_t kvbm_load_paged(void);
 cudaError_t kvbm_load_to_cache(void);
 
+/* Loads every kernel above, in turn, until one fails: the one list of the
+ * kernels, kept beside their declarations so that a new kernel joins it
+ * where it declares its launch. */
+static inline cudaError_t kvbm_load_kernels(void)
+{
+    cudaError_t (*const loads[])(void) = {kvbm_load_copy_pairs, kvbm_load_block_universal, kvbm_load_paged,
+                                          kvbm_load_to_cache};
+    cudaError_t error = cudaSuccess;
+    for (size_t i = 0; error == cudaSuccess && i < sizeof loads / sizeof *loads; i++)
+        error = loads[i]();
+    return error;
+}
+
 /* Vectors of 16 bytes that one CTA of kvbm_launch_copy_pairs moves per step:
  * the slice size a caller aims for when it picks `slices`. */
 #define KVBM_COPY_TILE_BYTES (256 * 4 * 16)

@@ -1,7 +1,8 @@
-/* The block <-> universal layout definition, shared by the CPU implementation
- * (csrc/host/cpu_copy.c) and the CUDA kernels (cuda/block_universal.cu), so the two
- * cannot disagree about where a byte goes; and what one launch of any kernel
- * can take, which the C side checks before it launches.
+/* The block <-> universal layout definition, shared by the CPU twin
+ * (csrc/moves/move_block_universal.c) and the CUDA kernels
+ * (cuda/block_universal.cu), so the two cannot disagree about where a byte
+ * goes; and what one launch of any kernel can take, which the C side checks
+ * before it launches.
  *
  * A block stack holds `nchunks = nl * no` chunks per block, chunk c = l*no + o,
  * each [nt, nh, hd] (NHD) or [nh, nt, hd] (HND), each its own allocation.  An

@@ -1,5 +1,5 @@
 /* Where a paged KV cache's rows go in universal and operational blocks,
- * shared by the CPU implementation (csrc/host/cpu_copy.c) and the CUDA kernel
+ * shared by the CPU twin (csrc/moves/move_paged.c) and the CUDA kernel
  * (cuda/paged.cu).
  *
  * A paged cache is what a serving worker allocates: one array per layer (or

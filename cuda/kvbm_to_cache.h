@@ -1,6 +1,6 @@
 /* Where a row goes when blocks move from one paged cache to another
- * (PagedKVCache.to_cache), shared by the CPU implementation
- * (csrc/host/cpu_copy.c) and the CUDA kernel (cuda/to_cache.cu).
+ * (PagedKVCache.to_cache), shared by the CPU twin
+ * (csrc/moves/move_to_cache.c) and the CUDA kernel (cuda/to_cache.cu).
  *
  * Both sides are caches addressed by block id, each described as the cache
  * side of a kvbm_paged (kvbm_paged.h) with split_outer set: moved layer i,

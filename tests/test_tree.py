@@ -24,6 +24,7 @@ LAYERS = [
     ("paged",),        # PagedKVCache: the type, its construction and calls, to_cache
     ("plan",),         # a call's run: aliasing, the route, the module state
     ("args",),         # reading arguments: arrays, address lists, options, streams, targets
+    ("moves",),        # each kind of layout move: its descriptor, kernel side and CPU twin
     ("gpu", "host"),   # where the bytes move
     ("common",),       # arrays, argument paths and errors, protocols, locks, the debug log
 ]
@@ -125,13 +126,35 @@ def test_the_layer_rule_can_fail():
     assert include_problems(os.path.join("common", "x.h"), '#include "gpu.h"\n', ranks)[0] != []
 
 
+def unguarded_includes(text, name):
+    """The lines of `text` that include `name` outside #ifdef KVBM_CUDA_VERSION (set in CUDA
+    builds alone)."""
+    guarded, found = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        directive = line.strip().replace(" ", "")
+        if directive.startswith("#if"):
+            guarded.append(directive == "#ifdefKVBM_CUDA_VERSION")
+        elif directive.startswith("#else"):
+            guarded[-1] = False
+        elif directive.startswith("#endif"):
+            guarded.pop()
+        elif INCLUDE.findall(line) == [name] and not any(guarded):
+            found.append(number)
+    return found
+
+
 def test_only_the_gpu_folder_includes_the_cuda_runtime():
     """The CPU-only build compiles every folder but gpu/ (and gpu/gpu_stub.c) without a CUDA
-    header in reach."""
+    header in reach: elsewhere the kernels' C ABI (kvbm_kernels.h, which includes the runtime)
+    only where KVBM_CUDA_VERSION is defined, as a descriptor's kernel side (csrc/moves/)."""
     cuda_headers = re.compile(r"^\s*#\s*include\s+<(cuda\w*|driver_types|vector_types)\.h>", re.MULTILINE)
-    outside = [path for path in csrc_files()
-               if cuda_headers.search(read(path)) and (folder_of(path) != "gpu" or path.endswith("gpu_stub.c"))]
-    assert outside == []
+    cpu_built = [path for path in csrc_files() if folder_of(path) != "gpu" or path.endswith("gpu_stub.c")]
+    assert [path for path in cpu_built if cuda_headers.search(read(path))] == []
+    unguarded = {path: unguarded_includes(read(path), "kvbm_kernels.h") for path in cpu_built}
+    assert {path: lines for path, lines in unguarded.items() if lines} == {}
+    assert unguarded_includes('#include "kvbm_kernels.h"\n', "kvbm_kernels.h") == [1]
+    guarded = '#ifdef KVBM_CUDA_VERSION\n#include "kvbm_kernels.h"\n#else\n#include "kvbm_kernels.h"\n#endif\n'
+    assert unguarded_includes(guarded, "kvbm_kernels.h") == [4]
 
 
 def test_no_file_is_over_500_lines():

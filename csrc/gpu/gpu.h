@@ -5,9 +5,6 @@
 #define KVBM_GPU_H
 
 #include "array.h"
-#include "kvbm_layout.h"
-#include "kvbm_paged.h"
-#include "kvbm_to_cache.h"
 
 /* Per-module GPU resources (pointer-table staging, events), created lazily
  * per device. */
@@ -81,49 +78,30 @@ typedef struct {
 #define KV_LEAD_BYTES ((int64_t)1 << 20)
 
 /* A layout move, described for the whole call: its kind (kv_move_kind),
- * the kind's description of the call (`args`, one of the structs below) and
- * the call's pointer table in host memory.  A staged piece runs the same
- * kernel over part of the call (the kind's launch_piece rewrites the
- * description for it). */
+ * the kind's description of the call (`args`) and the call's pointer
+ * table in host memory.  A staged piece runs the same kernel over part of
+ * the call (the kind's launch_piece rewrites the description for it). */
 typedef struct kv_move_kind kv_move_kind;
 
 typedef struct {
     const kv_move_kind *kind;
-    const void *args;  /* the kind's description (kv_block_move, kv_paged_move, kv_to_cache_move) */
+    const void *args;  /* the kind's description (kv_paged_move, ...: csrc/moves/move_<kind>.h) */
     const void *table; /* host memory: void * entries (block) or uint64_t (paged, to_cache), `entries` of them */
     int64_t entries;
     int vector_bytes; /* the loads' and stores' width, which every address allows */
 } kv_move;
 
-/* kv_move_block_universal: block stacks or operationals <-> universals. */
-typedef struct {
-    const kvbm_block_dims *dims;
-    kvbm_direction direction;
-} kv_block_move;
-
-/* kv_move_paged: a paged cache <-> universals or operationals. */
-typedef struct {
-    const kvbm_paged *paged;
-    const kvbm_paged_addresses *addresses;
-} kv_paged_move;
-
-/* kv_move_to_cache: blocks of one paged cache into another (gpu_to_cache.h). */
-struct kv_packing;
-typedef struct {
-    const kvbm_to_cache *move;
-    const kvbm_to_cache_ids *ids;
-    const struct kv_packing *packing; /* staged: how the pinned cache packs into units */
-} kv_to_cache_move;
-
 struct kv_box;
 
 /* One kind of layout move: everything that differs between kinds, in one
  * place, so that a new kernel is its .cu file, its descriptor and its
- * tests.  The kernel side is built with nvcc only (NULL in a build
- * without); its functions return a cudaError_t as an int and take the
- * stream as a void *, so that this header needs no CUDA header.  The
- * descriptors are defined beside their CPU twins (cpu_copy.c), the kernel
- * sides in csrc/gpu/ (KV_MOVE_KERNEL). */
+ * tests.  Each kind is a file of csrc/moves/ (move_<kind>.c) that defines
+ * its descriptor, with its header (move_<kind>.h) declaring it and the
+ * description its call fills.  The kernel side is built with nvcc only
+ * (NULL in a build without); its functions return a cudaError_t as an int
+ * and take the stream as a void *, so that this header needs no CUDA
+ * header.  The kernels themselves load with the others
+ * (kvbm_load_kernels). */
 struct kv_move_kind {
     const char *what; /* the launch step a CUDA error names */
     /* The kernel over the whole call: its table by value (device_table
@@ -138,32 +116,17 @@ struct kv_move_kind {
      * packed. */
     int (*launch_piece)(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,
                         uint32_t num_ctas, void *stream);
-    int (*load)(void); /* loads every instance of the kernel on the current device */
     /* The CPU twin, every address in host memory (needs no GIL), and the
      * bytes it moves (whether the GIL is released for it, gil.h). */
     void (*cpu)(const kv_move *move);
     int64_t (*cpu_bytes)(const kv_move *move);
 };
 
-/* The kinds, in the order their kernels load (kv_gpu_reserve_staging). */
-extern const kv_move_kind kv_move_block_universal, kv_move_paged, kv_move_to_cache;
-extern const kv_move_kind *const kv_move_kinds[];
-extern const int kv_move_kind_count;
-
-/* The kernel side of kind `name` (kv_<name>_launch, ..._piece_blocks,
- * ..._launch_piece, ..._load, defined in csrc/gpu/), declared and, in a
- * build with nvcc, put in a descriptor. */
-#define KV_MOVE_KERNEL_DECLARE(name)                                                                                   \
-    int kv_##name##_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,   \
-                           void *stream);                                                                              \
-    int64_t kv_##name##_piece_blocks(const kv_move *move, char *why, size_t why_size);                                 \
-    int kv_##name##_launch_piece(const kv_move *move, const kv_staged *staged, const struct kv_box *box, char *slot,   \
-                                 uint32_t num_ctas, void *stream);                                                     \
-    int kv_##name##_load(void)
+/* A descriptor's kernel side, in a build with nvcc: the static functions
+ * <name>_launch, <name>_piece_blocks and <name>_launch_piece of its file. */
 #ifdef KVBM_CUDA_VERSION
 #define KV_MOVE_KERNEL(name)                                                                                           \
-    .launch = kv_##name##_launch, .piece_blocks = kv_##name##_piece_blocks, .launch_piece = kv_##name##_launch_piece,  \
-    .load = kv_##name##_load
+    .launch = name##_launch, .piece_blocks = name##_piece_blocks, .launch_piece = name##_launch_piece
 #else
 #define KV_MOVE_KERNEL(name) .launch = NULL
 #endif

@@ -1,8 +1,8 @@
 /* What the files behind gpu.h share: the per-device resources and their
  * table ring (gpu_ring.c), how every GPU entry point holds its device and
  * carries a failed CUDA step back to Python (gpu_launch.c), a layout
- * move's kernels (move_kernels.c) and its staging (staging.c).  Only files
- * built with the CUDA toolkit include it. */
+ * move's kernels, launched through its kind (gpu.h, kv_move_kind), and its
+ * staging (staging.c).  Only files built with the CUDA toolkit include it. */
 #ifndef KVBM_GPU_INTERNAL_H
 #define KVBM_GPU_INTERNAL_H
 

@@ -29,14 +29,8 @@ int kv_gpu_set_staging(kv_gpu *gpu, int64_t bytes, int lanes)
 /* Every kernel of the extension loaded on the current device. */
 static int load_kernels(kv_failure *f)
 {
-    /* The raw copies' kernel, then each kind of layout move's (gpu.h). */
-    f->error = kvbm_load_copy_pairs();
-    for (int i = 0; f->error == cudaSuccess && i < kv_move_kind_count; i++)
-        f->error = (cudaError_t)kv_move_kinds[i]->load();
-    if (f->error == cudaSuccess)
-        return 0;
-    f->what = "loading the kernels";
-    return -1;
+    CUDA_STEP(f, kvbm_load_kernels(), "loading the kernels");
+    return 0;
 }
 
 int kv_gpu_reserve_staging(kv_gpu *gpu, int device)

@@ -1,7 +1,6 @@
 /* The GPU interface of a build without nvcc: host arrays still work, any
  * device array raises RuntimeError. */
 #include "gpu.h"
-#include "gpu_to_cache.h"
 
 #include <stdio.h>
 

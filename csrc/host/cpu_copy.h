@@ -1,6 +1,5 @@
-/* The CPU implementation, for calls whose arrays all live in host memory:
- * each kind of layout move's CPU twin, defined with the kind's descriptor
- * (gpu.h, kv_move_kind), and the raw copies. */
+/* Raw copies for calls whose arrays all live in host memory.  (Each kind
+ * of layout move's CPU twin is its descriptor's: csrc/moves/.) */
 #ifndef KVBM_CPU_COPY_H
 #define KVBM_CPU_COPY_H
 

@@ -10,6 +10,7 @@
 
 #include "address_list.h"
 #include "args.h"
+#include "move_paged.h"
 #include "options.h"
 #include "overlap.h"
 #include "paged_layout.h"

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_to_cache.h"
+#include "move_to_cache.h"
 #include "route.h"
 #include "state.h"
 
@@ -136,7 +136,7 @@ static const char *pack_table(const int64_t count[KV_MOVED_DIMS], const int64_t 
 }
 
 /* Describes the pinned cache's part of each block for the staged path
- * (gpu.h, kv_staged; gpu_to_cache.h, kv_packing; both zeroed by the
+ * (gpu.h, kv_staged; move_to_cache.h, kv_packing; both zeroed by the
  * callers): units of contiguous rows,
  * addressed from `addresses` (nb entries for one array, else one per (block,
  * layer, outer)).  Returns NULL, or why it cannot be staged. */

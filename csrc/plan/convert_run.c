@@ -7,6 +7,7 @@
 
 #include "cpu_copy.h"
 #include "gil.h"
+#include "move_block_universal.h"
 #include "overlap.h"
 #include "route.h"
 

@@ -3,6 +3,7 @@
 #ifndef KVBM_CONVERT_RUN_H
 #define KVBM_CONVERT_RUN_H
 
+#include "kvbm_layout.h"
 #include "options.h"
 #include "state.h"
 

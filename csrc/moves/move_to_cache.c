@@ -1,20 +1,45 @@
-/* The staged pieces of PagedKVCache.to_cache.  See gpu_to_cache.h.
+/* Blocks of one paged cache into another: the kind's descriptor (gpu.h,
+ * kv_move_kind), its kernel side (cuda/to_cache.cu over the whole call,
+ * cuda/paged.cu over one staged piece, built with nvcc only) and its CPU
+ * twin.  See move_to_cache.h.
  *
- * A piece is the paged kernel (kvbm_launch_paged) run between the
+ * A staged piece is the paged kernel (kvbm_launch_paged) run between the
  * device cache and the piece's slot: the device cache is its cache side,
  * and the slot, which holds the piece's units of the pinned cache packed
  * ([bn][mn][in][unit], pieces.h), its flat side, with the strides the
  * packing gives each moved dimension. */
-#include "gpu_to_cache.h"
+#include "move_to_cache.h"
 
-#include <stdio.h>
 #include <string.h>
 
-#include "gpu_internal.h"
+#ifdef KVBM_CUDA_VERSION
+#include <stdio.h>
+
 #include "kvbm_kernels.h"
 #include "pieces.h"
 
-KV_MOVE_KERNEL_DECLARE(to_cache);
+static int to_cache_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,
+                           void *stream)
+{
+    const kv_to_cache_move *a = move->args;
+    return kvbm_launch_to_cache(a->move, a->ids, host_table, device_table, move->vector_bytes, num_ctas,
+                                (cudaStream_t)stream);
+}
+
+static int64_t to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size)
+{
+    /* A piece's bases, and its host ids, travel by value. */
+    const kv_to_cache_move *a = move->args;
+    const kvbm_to_cache_ids *ids = a->ids;
+    const int64_t bases = kvbm_to_cache_bases(a->move);
+    if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
+        snprintf(why, why_size, "a table of %lld (layer, K/V) bases does not fit in a launch's parameters",
+                 (long long)bases);
+        return 0;
+    }
+    const int device_ids = a->packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
+    return device_ids ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
+}
 
 /* The device cache of a staged move: its strides, bases and ids. */
 typedef struct {
@@ -66,8 +91,8 @@ static kv_device_side device_side(const kv_move *move)
  * mid and inner, the box's ranges, between the device cache and `slot`.
  * Its table, by value: the piece's (layer, outer) bases of the device
  * cache, then its host ids. */
-int kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const kv_box *box, char *slot,
-                             uint32_t num_ctas, void *stream)
+static int to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const kv_box *box, char *slot,
+                                 uint32_t num_ctas, void *stream)
 {
     const kv_to_cache_move *a = move->args;
     const kv_packing *k = a->packing;
@@ -112,28 +137,40 @@ int kv_to_cache_launch_piece(const kv_move *move, const kv_staged *staged, const
         memcpy(table + n, dev.host_ids + box->b0, (size_t)box->bn * sizeof *table);
     return kvbm_launch_paged(&p, &addresses, table, NULL, move->vector_bytes, num_ctas, (cudaStream_t)stream);
 }
+#endif /* KVBM_CUDA_VERSION */
 
-int64_t kv_to_cache_piece_blocks(const kv_move *move, char *why, size_t why_size)
+/* The CPU twin: the same arguments as the kernel's, the ids in the table,
+ * one memcpy per segment. */
+static void to_cache_cpu(const kv_move *move)
 {
-    /* A piece's bases, and its host ids, travel by value. */
-    const kv_to_cache_move *a = move->args;
-    const kvbm_to_cache_ids *ids = a->ids;
-    const int64_t bases = kvbm_to_cache_bases(a->move);
-    if (bases >= KVBM_TABLE_BY_VALUE_MAX) {
-        snprintf(why, why_size, "a table of %lld (layer, K/V) bases does not fit in a launch's parameters",
-                 (long long)bases);
-        return 0;
+    const kvbm_to_cache *m = ((const kv_to_cache_move *)move->args)->move;
+    const uint64_t *table = move->table;
+    const kvbm_paged *p = &m->p;
+    const int64_t bases = kvbm_to_cache_bases(m);
+    const uint64_t *src_ids = table + kvbm_to_cache_src_ids_at(m), *dst_ids = src_ids + p->nb;
+    for (int64_t b = 0; b < p->nb; b++) {
+        /* Each (layer, outer) has a base of its own: the outer strides are 0. */
+        for (int64_t entry = 0; entry < bases; entry++) {
+            const char *src = (const char *)(uintptr_t)table[entry] + kvbm_paged_cache_chunk(p, (int64_t)src_ids[b], 0);
+            char *dst = (char *)(uintptr_t)table[bases + entry] + kvbm_to_cache_dst_chunk(m, (int64_t)dst_ids[b], 0);
+            for (uint32_t s = 0; s < (uint32_t)p->segments; s++) {
+                int64_t src_off, dst_off;
+                kvbm_paged_segment(p, s, &src_off, &dst_off);
+                memcpy(dst + dst_off, src + src_off, (size_t)p->segment_bytes);
+            }
+        }
     }
-    const int device_ids = a->packing->pinned_is_dst ? ids->src_ids != NULL : ids->dst_ids != NULL;
-    return device_ids ? INT64_MAX : KVBM_TABLE_BY_VALUE_MAX - bases;
 }
 
-int kv_to_cache_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,
-                       void *stream)
+static int64_t to_cache_bytes(const kv_move *move)
 {
-    const kv_to_cache_move *a = move->args;
-    return kvbm_launch_to_cache(a->move, a->ids, host_table, device_table, move->vector_bytes, num_ctas,
-                                (cudaStream_t)stream);
+    const kvbm_paged *p = &((const kv_to_cache_move *)move->args)->move->p;
+    return p->nb * p->nl * p->no * p->nh * p->nt * p->row_bytes;
 }
 
-int kv_to_cache_load(void) { return kvbm_load_to_cache(); }
+const kv_move_kind kv_move_to_cache = {
+    .what = "launching the cache-to-cache kernel",
+    KV_MOVE_KERNEL(to_cache),
+    .cpu = to_cache_cpu,
+    .cpu_bytes = to_cache_bytes,
+};
