@@ -218,7 +218,7 @@ class _Engine:
         return ("GDS_MT registers the file, but is not used: each slot's checksum is computed on the host "
                 "bytes of the bounce buffer, which GPUDirect Storage would not pass through")
 
-    def post(self, op: str, pieces: list[tuple[int, int, int]]) -> Any:
+    def post(self, op: str, pieces: list[tuple[int, int, int]], far: Any = None) -> Any:
         """Posts one transfer of (bounce offset, bytes, file offset) pieces; its NIXL handle."""
         dram = self.agent.get_xfer_descs([(self.bounce_addr + at, n, 0) for at, n, _ in pieces], "DRAM")
         file = self.agent.get_xfer_descs([(offset, n, self.fd) for _, n, offset in pieces], "FILE")
@@ -245,13 +245,14 @@ class _Engine:
 class _Transfer:
     """One posted engine transfer and the slots it serves."""
 
-    def __init__(self, pool: _SlotPool, op: str, pieces: list[tuple[int, int, int]], slots: list[int]) -> None:
+    def __init__(self, pool: _SlotPool, op: str, pieces: list[tuple[int, int, int]], slots: list[int],
+                 far: Any = None) -> None:
         self.pool, self.op, self.pieces, self.slots = pool, op, pieces, slots
         self.error: BaseException | None = None
         self.ended = False
         self.nbytes = sum(n for _, n, _ in pieces)
         try:
-            self.handle = pool._engine.post(op, pieces)
+            self.handle = pool._engine.post(op, pieces, far)
         except Exception as failure:  # NIXL raises its own exception types
             self.handle, self.ended = None, True
             self.error = pool._explain(op, pieces, slots, failure)
@@ -289,9 +290,10 @@ class _Job:
         self.pool, self.handle, self.slots, self.unit = pool, handle, slots, units
         self.transfers: list[_Transfer] = []
         self.stall_at = pool._job_deadline()    # fails when nothing of it ends before (None: never)
+        self.far = pool._far_now()              # where its transfers go, for the job's life
 
     def _post(self, op: str, pieces: list[tuple[int, int, int]], indices: list[int]) -> _Transfer:
-        t = _Transfer(self.pool, op, pieces, [self.slots[i] for i in indices])
+        t = _Transfer(self.pool, op, pieces, [self.slots[i] for i in indices], self.far)
         self.transfers.append(t)
         return t
 
@@ -568,6 +570,10 @@ class _SlotPool:
     def _beyond_end(self, slots: list[int]) -> dict[int, str]:
         """Slots the far side cannot hold whole (a truncated file), and why."""
         return {}
+
+    def _far_now(self) -> Any:
+        """What a job's transfers go to, taken when the job is made (the engine's post gets it)."""
+        return None
 
     def _job_deadline(self) -> float | None:
         """When a job that has not moved since now fails (time.monotonic()), or None: a far
