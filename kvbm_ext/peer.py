@@ -365,10 +365,6 @@ class PeerPool(_SlotPool):
         """The incarnation of the peer's memory now (another after it restarted)."""
         return self._record.incarnation
 
-    @property
-    def engine(self) -> str:
-        return self._engine.description
-
     def _peer_words(self) -> str:
         r = getattr(self, "_record", None)
         return f"peer {self.name!r}" + (f" (NIXL agent {r.agent!r} on {r.host})" if r is not None else "")

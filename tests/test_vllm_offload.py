@@ -278,6 +278,23 @@ def test_worker_reports_failures(gen, caplog):
     assert "job 3: group sizes [1] cover 1 of 1 GPU blocks and 1 of 2 slots" in caplog.text
 
 
+def run_two_group_job(worker, job_id, layers, slots, gpu_ids, store):
+    """A store of GPU blocks `gpu_ids` into `slots`, or a load of them into blocks
+    `gpu_ids` poisoned first (group 0: 5 blocks from index 4, group 1: 4 from index 2),
+    waited for: whether the job succeeded."""
+    spec = GPULoadStoreSpec(gpu_ids, [5, 4], [4, 2])
+    if store:
+        assert worker.submit_store(job_id, spec, slots)
+    else:
+        for layer in layers:
+            layer.view(torch.uint8)[gpu_ids] = 0x5A
+        assert worker.submit_load(job_id, slots, spec)
+    worker.wait({job_id})
+    (result,) = worker.get_finished()
+    assert result.job_id == job_id
+    return result.success
+
+
 def disk_worker(tmp_path, device, gen, **options):
     """A worker over two groups of their own tensors (3 blocks a chunk) and a DiskTier."""
     needs_nixl()
@@ -310,14 +327,7 @@ def test_disk_tier_round_trip_and_a_corrupted_slot(tmp_path, gen, device):
     dst = [12, 13, 15, 16, 17, 18, 19, 0, 4]
 
     def load(job_id):
-        """The slots into poisoned blocks dst: whether the job succeeded."""
-        for layer in layers:
-            layer.view(torch.uint8)[dst] = 0x5A
-        assert worker.submit_load(job_id, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
-        worker.wait({job_id})
-        (result,) = worker.get_finished()
-        assert result.job_id == job_id
-        return result.success
+        return run_two_group_job(worker, job_id, layers, slots, dst, store=False)
 
     assert load(11)
     for i, (a, b) in enumerate(zip(gpu_ids, dst)):
@@ -365,16 +375,7 @@ def test_peer_tier_round_trip_and_a_dead_peer(peer_served, gen):
     expected = [layer.clone() for layer in layers]
 
     def run(job_id, store):
-        if store:
-            assert worker.submit_store(job_id, GPULoadStoreSpec(gpu_ids, [5, 4], [4, 2]), slots)
-        else:
-            for layer in layers:
-                layer.view(torch.uint8)[dst] = 0x5A
-            assert worker.submit_load(job_id, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
-        worker.wait({job_id})
-        (result,) = worker.get_finished()
-        assert result.job_id == job_id
-        return result.success
+        return run_two_group_job(worker, job_id, layers, slots, gpu_ids if store else dst, store)
 
     def written():
         """Whether every dst block holds its source block (True), or every one the poison (False)."""

@@ -441,7 +441,23 @@ class PinnedTier(Tier):
             self.buffer = None
 
 
-class DiskTier(Tier):
+class _PoolTier(Tier):
+    """A tier of one kvbm_ext.disk-style pool per KV cache group (`pools[group.index]`),
+    whose store and load return the pool's handles."""
+
+    def store(self, group, src_ids, slot_block_ids, stream):
+        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream)
+
+    def load(self, group, slot_block_ids, dst_ids, stream):
+        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream)
+
+    def close(self):
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
+
+
+class DiskTier(_PoolTier):
     """Files of slots through kvbm_ext.disk.DiskPool (NIXL's POSIX backend; each slot's
     header and checksum verified before its block is written back): one pool per KV cache
     group, `{directory}/kvbm-{worker}-group{index}.pool`, one GPU block a slot, in the
@@ -470,19 +486,8 @@ class DiskTier(Tier):
             self.pools.append(self._open(path, num_slots * blocks_per_chunk, like=group.cache, create=True,
                                          bounce_bytes=self.bounce_bytes))
 
-    def store(self, group, src_ids, slot_block_ids, stream):
-        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream)
 
-    def load(self, group, slot_block_ids, dst_ids, stream):
-        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream)
-
-    def close(self):
-        for pool in self.pools:
-            pool.close()
-        self.pools = []
-
-
-class PeerTier(Tier):
+class PeerTier(_PoolTier):
     """Slots in another process's memory through kvbm_ext.peer.PeerPool (NIXL UCX, one-sided
     READs and WRITEs; each slot's header and checksum verified before its block is written
     back): the memory a `python -m kvbm_ext.peer --name NAME --bytes N --store HOST:PORT`
@@ -521,17 +526,6 @@ class PeerTier(Tier):
             self.pools.append(self._open(self.peer_name, store, blocks, like=group.cache, create=True, offset=at,
                                          bounce_bytes=self.bounce_bytes, **options))
             at += size
-
-    def store(self, group, src_ids, slot_block_ids, stream):
-        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream)
-
-    def load(self, group, slot_block_ids, dst_ids, stream):
-        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream)
-
-    def close(self):
-        for pool in self.pools:
-            pool.close()
-        self.pools = []
 
 
 TIERS = ("disk", "peer", "pinned")
