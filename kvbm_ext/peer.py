@@ -474,7 +474,7 @@ class PeerPool(_SlotPool):
             out[at:at + n] = self._scratch_np[:n].tobytes()
         return memoryview(out)
 
-    def _write_far(self, offset: int, data: bytes) -> None:
+    def _write_far(self, offset: int, data: bytes | bytearray) -> None:
         self._scratch_np[:len(data)] = np.frombuffer(bytes(data), np.uint8)
         self._sync("WRITE", offset, len(data))
 
