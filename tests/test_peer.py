@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from support.disk import D, expect_round_trip, make, poisoned_copy, snapshot
+from support.disk import expect_round_trip, make, poisoned_copy, snapshot
 from support.engines import Dims
 from support.peer import UCX_ENV, Server, needs_nixl, store_here
 
