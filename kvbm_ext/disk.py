@@ -473,6 +473,33 @@ class _LoadJob(_Job):
         self.pool._release(self, reuse=idle)
 
 
+class _Reclaim:
+    """The bounce units of a failed job whose transfers the engine could not cancel yet
+    (a peer that hangs): polled by the driver until they end, then given back; dropped
+    when the pool closes.  The pool's lock is held while polling, so that close() never
+    releases the engine under a poll."""
+
+    deadline = None
+
+    def __init__(self, pool: _SlotPool, job: _Job) -> None:
+        self.pool, self.job = pool, job
+        self.handle = _driver.Handle(f"the bounce slots of {job.handle.what}")
+
+    def step(self) -> str:
+        pool = self.pool
+        with pool._cond:
+            if pool._closed or pool.closed:
+                return _driver.DONE
+            if self.job._in_flight():
+                return _driver.WAITING
+            pool._give_back(list(self.job.unit.values()))
+        _log(f"{pool._kind} {pool._where}: the bounce slots of {self.job.handle.what} are back")
+        return _driver.DONE
+
+    def abandon(self, error: BaseException) -> None:
+        _log(f"{self.pool._kind} {self.pool._where}: {len(self.job.unit)} bounce slots stay out of use ({error})")
+
+
 def _check_cache(cache: Any) -> None:
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a kvbm_ext.PagedKVCache, got {type(cache).__name__}")
@@ -997,18 +1024,23 @@ class _SlotPool:
         return job.handle
 
     def _release(self, job: _Job, reuse: bool = True) -> None:
-        """A job's end: its bounce units back, unless something may still use them."""
-        if job._in_flight():
-            reuse = False
-            _log(f"{self._kind} {self._where}: the engine could not cancel a failed transfer of {job.handle.what}")
-        if not reuse:
+        """A job's end: its bounce units back, unless something may still use them: those
+        of transfers the engine could not cancel come back once it reports them ended
+        (_Reclaim, in the driver)."""
+        pending = job._in_flight()
+        if pending:
+            _log(f"{self._kind} {self._where}: the engine could not cancel a failed transfer of {job.handle.what}; "
+                 f"its {len(job.unit)} bounce slots come back once the engine ends it")
+        elif not reuse:
             _log(f"{self._kind} {self._where}: {len(job.unit)} bounce slots stay out of use")
         with self._cond:
             self._jobs.discard(job)
             if isinstance(job, _LoadJob):
                 self._loading.subtract(job.slots)
-            if reuse:
+            if reuse and not pending:
                 self._give_back(list(job.unit.values()))
+        if reuse and pending:
+            _driver.submit(_Reclaim(self, job))
 
     def _stored(self, job: _StoreJob, error: BaseException | None) -> None:
         with self._cond:

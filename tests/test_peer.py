@@ -112,7 +112,8 @@ def test_arguments_and_a_missing_peer(served):
 def test_a_peer_that_hangs_then_dies_mid_use(own, gen):
     """Slots stored; the peer stopped (SIGSTOP): a load fails once nothing of it completed
     within the pool's timeout, naming the peer, and writes no block; the peer killed: the
-    next load fails at once, naming it, and writes no block."""
+    next load fails at once, naming it, and writes no block, and the bounce slots of the
+    hung load's transfers come back once they end."""
     from kvbm_ext.peer import PeerLostError
 
     store, server = own
@@ -134,6 +135,11 @@ def test_a_peer_that_hangs_then_dies_mid_use(own, gen):
         pool.load([0, 1], dst_cache, [3, 4]).wait(30)
     assert time.monotonic() - started < 15
     expect_round_trip(e, snapshot(memory), e, dst_mem, dst_want, [], [], what="blocks after a dead peer")
+    # The hung load's transfers ended with the peer: their bounce slots are back.
+    deadline = time.monotonic() + 15
+    while len(pool._free) < pool.bounce_slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pool._free) == pool.bounce_slots
     pool.close(timeout=10)
 
 
