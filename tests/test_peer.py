@@ -173,3 +173,20 @@ def test_a_restarted_peer(own, gen):
     pool.close()
     with PeerPool("own", store, create=False) as again:
         assert sorted(again.stored()) == [1, 4]
+
+
+@pytest.mark.gpu
+def test_gpu_cache_round_trip(served, gen):
+    """A CUDA cache's blocks through the peer and back into another CUDA cache, the load
+    ordered on the caller's stream by wait_stream."""
+    store, _ = served
+    e, memory, cache = make("vllm_packed", gen, device="cuda")
+    before = snapshot(memory)
+    with peer_pool(store, "shared", cache, create=True, offset=16 << 20) as pool:
+        pool.store(cache, [1, 2, 6], [0, 3, 4]).wait(ROUND_TRIP_S)
+        _, dst_mem, dst_cache, dst_want = poisoned_copy("vllm_packed", gen, device="cuda")
+        h = pool.load([4, 0, 3], dst_cache, [5, 0, 1])
+        h.wait_stream(torch.cuda.current_stream())
+        h.wait(ROUND_TRIP_S)
+        torch.cuda.synchronize()
+        expect_round_trip(e, before, e, dst_mem, dst_want, [6, 1, 2], [5, 0, 1])

@@ -443,13 +443,18 @@ class PinnedTier(Tier):
 
 class _PoolTier(Tier):
     """A tier of one kvbm_ext.disk-style pool per KV cache group (`pools[group.index]`),
-    whose store and load return the pool's handles."""
+    whose store and load return the pool's handles.  `bounce_wait`: seconds a job waits at
+    submission for bounce space (None: as long as it takes)."""
+
+    bounce_wait = None
 
     def store(self, group, src_ids, slot_block_ids, stream):
-        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream)
+        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream,
+                                             timeout=self.bounce_wait)
 
     def load(self, group, slot_block_ids, dst_ids, stream):
-        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream)
+        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream,
+                                            timeout=self.bounce_wait)
 
     def close(self):
         for pool in self.pools:
@@ -502,16 +507,19 @@ class PeerTier(_PoolTier):
     in flight with kvbm_ext.peer.PeerLostError naming it, within `timeout` seconds, and a
     slot that fails verification (a restarted peer's fresh memory) fails its job without
     its block being written; the pool looks the peer up again at its next job.  A job that
-    finds a pool's pinned bounce buffer full waits at submission (bounce_bytes)."""
+    finds a pool's pinned bounce buffer full waits at submission (bounce_bytes), at most
+    `timeout` seconds (a peer that hangs holds the bounce slots of its failed transfers
+    until it dies or answers): then the job is not submitted."""
 
     name = "peer"
 
     def __init__(self, peer_name, store, worker_index=0, offset=0, bounce_bytes=None, timeout=None):
-        from kvbm_ext.peer import PeerPool
+        from kvbm_ext.peer import TRANSFER_TIMEOUT_S, PeerPool
 
         self._open = PeerPool
         self.peer_name, self.rendezvous, self.worker_index = peer_name, store, int(worker_index)
         self.offset, self.bounce_bytes, self.timeout = int(offset), bounce_bytes, timeout
+        self.bounce_wait = float(TRANSFER_TIMEOUT_S if timeout is None else timeout)
         self.pools = []
 
     def attach(self, groups, num_slots, blocks_per_chunk):
