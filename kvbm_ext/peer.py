@@ -377,7 +377,10 @@ class PeerPool(_SlotPool):
         seen = b""
         while True:
             if not hasattr(self._store, "check") or self._store.check([key]):
-                seen = bytes(self._store.get(key))
+                try:
+                    seen = bytes(self._store.get(key))
+                except (LookupError, RuntimeError, TimeoutError):   # a store without check(): not there yet
+                    seen = b""
                 if seen:
                     return PeerRecord.decode(seen)
             if time.monotonic() > deadline:
