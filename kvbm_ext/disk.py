@@ -30,6 +30,7 @@ import mmap
 import operator
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -217,7 +218,7 @@ class _Engine:
         return ("GDS_MT registers the file, but is not used: each slot's checksum is computed on the host "
                 "bytes of the bounce buffer, which GPUDirect Storage would not pass through")
 
-    def post(self, op: str, pieces: list[tuple[int, int, int]]) -> Any:
+    def post(self, op: str, pieces: list[tuple[int, int, int]], far: Any = None) -> Any:
         """Posts one transfer of (bounce offset, bytes, file offset) pieces; its NIXL handle."""
         dram = self.agent.get_xfer_descs([(self.bounce_addr + at, n, 0) for at, n, _ in pieces], "DRAM")
         file = self.agent.get_xfer_descs([(offset, n, self.fd) for _, n, offset in pieces], "FILE")
@@ -244,13 +245,14 @@ class _Engine:
 class _Transfer:
     """One posted engine transfer and the slots it serves."""
 
-    def __init__(self, pool: DiskPool, op: str, pieces: list[tuple[int, int, int]], slots: list[int]) -> None:
+    def __init__(self, pool: _SlotPool, op: str, pieces: list[tuple[int, int, int]], slots: list[int],
+                 far: Any = None) -> None:
         self.pool, self.op, self.pieces, self.slots = pool, op, pieces, slots
         self.error: BaseException | None = None
         self.ended = False
         self.nbytes = sum(n for _, n, _ in pieces)
         try:
-            self.handle = pool._engine.post(op, pieces)
+            self.handle = pool._engine.post(op, pieces, far)
         except Exception as failure:  # NIXL raises its own exception types
             self.handle, self.ended = None, True
             self.error = pool._explain(op, pieces, slots, failure)
@@ -282,20 +284,33 @@ class _Job:
     """What store and load jobs share: the pool, the handle, the call's slots, bounce units
     (`unit[i]` for the call's i-th slot), the transfers posted, and their errors."""
 
-    deadline = None     # a disk request ends by itself; handle.wait(timeout) bounds the caller
+    deadline = None     # the driver's: none (a disk request ends by itself; a peer's job checks its own)
 
-    def __init__(self, pool: DiskPool, handle: DiskHandle, slots: list[int], units: dict[int, int]) -> None:
+    def __init__(self, pool: _SlotPool, handle: DiskHandle, slots: list[int], units: dict[int, int]) -> None:
         self.pool, self.handle, self.slots, self.unit = pool, handle, slots, units
         self.transfers: list[_Transfer] = []
+        self.stall_at = pool._job_deadline()    # fails when nothing of it ends before (None: never)
+        self.far = pool._far_now()              # where its transfers go, for the job's life
 
     def _post(self, op: str, pieces: list[tuple[int, int, int]], indices: list[int]) -> _Transfer:
-        t = _Transfer(self.pool, op, pieces, [self.slots[i] for i in indices])
+        t = _Transfer(self.pool, op, pieces, [self.slots[i] for i in indices], self.far)
         self.transfers.append(t)
         return t
 
     def _in_flight(self) -> bool:
-        """Polls every transfer (each poll lets the engine queue more of it)."""
-        return not all([t.poll() for t in self.transfers])
+        """Polls every transfer (each poll lets the engine queue more of it); a transfer
+        that ended moves the job's stall deadline on."""
+        was = [t.ended for t in self.transfers]
+        busy = not all([t.poll() for t in self.transfers])
+        if self.stall_at is not None and was != [t.ended for t in self.transfers]:
+            self.stall_at = self.pool._job_deadline()
+        return busy
+
+    def _check_stall(self) -> None:
+        """Fails the job where nothing of it ended by its stall deadline (a far side that
+        stopped answering: a peer that hangs)."""
+        if self.stall_at is not None and time.monotonic() > self.stall_at:
+            raise self.pool._stalled(self)
 
     def _io_error(self) -> BaseException | None:
         return next((t.error for t in self.transfers if t.ended and t.error is not None), None)
@@ -307,7 +322,7 @@ class _StoreJob(_Job):
     payload has completed: every header in one transfer -> committed.  A header goes out
     only after its payload completed, and the store's slots commit together."""
 
-    def __init__(self, pool: DiskPool, handle: DiskHandle, slots: list[int], units: dict[int, int],
+    def __init__(self, pool: _SlotPool, handle: DiskHandle, slots: list[int], units: dict[int, int],
                  keys: list[bytes], groups: list[list[int]]) -> None:
         super().__init__(pool, handle, slots, units)
         self.keys, self.groups = keys, groups
@@ -318,6 +333,7 @@ class _StoreJob(_Job):
         self.headers: _Transfer | None = None
 
     def step(self) -> str:
+        self._check_stall()
         failure = self.aborted or self._io_error()
         moved = failure is None and self._advance()
         if self._in_flight() or not all(e is None or e.query() for e in self.copied):
@@ -361,7 +377,7 @@ class _LoadJob(_Job):
     submission).  A block whose slot fails is never written; the handle's error names each
     such slot, once the blocks written are in place."""
 
-    def __init__(self, pool: DiskPool, handle: DiskHandle, slots: list[int], units: dict[int, int],
+    def __init__(self, pool: _SlotPool, handle: DiskHandle, slots: list[int], units: dict[int, int],
                  cache: PagedKVCache, block_ids: Any, selection: dict[str, Any], after: Any,
                  refused: dict[int, str], groups: list[list[int]]) -> None:
         super().__init__(pool, handle, slots, units)
@@ -374,6 +390,7 @@ class _LoadJob(_Job):
         self.written: Any = None        # the event after the last GPU write
 
     def step(self) -> str:
+        self._check_stall()
         pool = self.pool
         in_flight = self._in_flight()
         if len(self.reads) < len(self.groups) and pool._room():
@@ -456,14 +473,41 @@ class _LoadJob(_Job):
         self.pool._release(self, reuse=idle)
 
 
+class _Reclaim:
+    """The bounce units of a failed job whose transfers the engine could not cancel yet
+    (a peer that hangs): polled by the driver until they end, then given back; dropped
+    when the pool closes.  The pool's lock is held while polling, so that close() never
+    releases the engine under a poll."""
+
+    deadline = None
+
+    def __init__(self, pool: _SlotPool, job: _Job) -> None:
+        self.pool, self.job = pool, job
+        self.handle = _driver.Handle(f"the bounce slots of {job.handle.what}")
+
+    def step(self) -> str:
+        pool = self.pool
+        with pool._cond:
+            if pool._closed or pool.closed:
+                return _driver.DONE
+            if self.job._in_flight():
+                return _driver.WAITING
+            pool._give_back(list(self.job.unit.values()))
+        _log(f"{pool._kind} {pool._where}: the bounce slots of {self.job.handle.what} are back")
+        return _driver.DONE
+
+    def abandon(self, error: BaseException) -> None:
+        _log(f"{self.pool._kind} {self.pool._where}: {len(self.job.unit)} bounce slots stay out of use ({error})")
+
+
 def _check_cache(cache: Any) -> None:
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a kvbm_ext.PagedKVCache, got {type(cache).__name__}")
 
 
-def _nothing(what: str) -> DiskHandle:
+def _nothing(what: str, kind: str = "DiskPool") -> DiskHandle:
     """The handle of a call with no slot: done."""
-    handle = DiskHandle(f"DiskPool.{what} of no slot", 0, (), ())
+    handle = DiskHandle(f"{kind}.{what} of no slot", 0, (), ())
     handle.finish()
     return handle
 
@@ -486,72 +530,40 @@ def _groups(indices: list[int], stride: int) -> list[list[int]]:
     return [indices[i:i + per] for i in range(0, len(indices), per)]
 
 
-class DiskPool:
-    """A file of `num_slots` slots, each one KV block in the layout `dims` (universal
-    `"bhlktd"` by default) of the sizes of `like`, moved to and from PagedKVCaches by
-    `store` and `load` through NIXL's POSIX backend.  docs/disk.md says it all.
+class _SlotPool:
+    """What a pool of slots is, whatever holds its bytes: the slots' layout and header
+    table (kvbm_ext/_disk_format.py), the pinned bounce buffer, store and load jobs driven
+    by kvbm_ext._driver, and the verification of every slot before a load writes its
+    block.  Its far side -- the bytes laid out as the pool file is, superblock, header
+    table and payloads -- is a subclass's: DiskPool (a file, NIXL POSIX) and
+    kvbm_ext.peer.PeerPool (a serving process's registered memory, NIXL UCX).  A subclass
+    opens its far side, calls `_open_slots`, and gives `_read_far` (synchronous reads while
+    opening), `_format` (the superblock of a new pool), `_make_engine` (posts (bounce
+    offset, bytes, far offset) pieces: post / done / release / close / description),
+    `_explain` (the error of a failed transfer) and `_close_far`."""
 
-    path: the pool file.  num_slots: its slots (needed to create; checked when opening).
-    like: a PagedKVCache, or a mapping of num_heads, num_layers, num_outer,
-    tokens_per_block, head_dim and dtype, giving the slots' sizes (needed to create;
-    checked when opening).  dims: the slot's layout letters, b first and d last.
-    create: None opens the pool at `path` or creates one where no file is; True creates a
-    new pool, replacing any file there; False opens an existing pool.
-    direct: None uses O_DIRECT where the filesystem accepts it and buffered I/O where it
-    does not (`pool.direct` says which, `pool.direct_reason` why); True requires it.
-    durable: True opens the file O_DSYNC, so a store's handle reports done only once its
-    slots are on stable storage; False (default) leaves that to `flush()`.
-    bounce_bytes: the bounce buffer (default: 1 GiB, at most every slot's worth), in whole
-    slots; a store or load needs room for all its slots at once.
-    engine: "auto" (NIXL POSIX, after trying GDS_MT to say why it is not used: `pool.gds`)
-    or "POSIX".  engine_params: parameters of NIXL's POSIX backend, over POSIX_DEFAULTS.
-    """
+    _kind = "pool"                      # the class's name in messages
+    _scan_bytes = SCAN_CHUNK_BYTES      # header table bytes read at a time when a pool is opened
+    _where = "?"                        # the far side in messages: a path, a peer
+    _released = False
 
-    def __init__(self, path: str | os.PathLike[str], num_slots: int | None = None, like: Any = None, *,
-                 dims: str = "bhlktd", create: bool | None = None, direct: bool | None = None,
-                 durable: bool = False, bounce_bytes: int | None = None, engine: str = "auto",
-                 engine_params: Mapping[str, str] | None = None) -> None:
-        self.path = os.fspath(path)
-        for name, value in (("create", create), ("direct", direct)):
-            if not (value is None or value is True or value is False):
-                raise TypeError(f"{name}: expected None, True or False, got {value!r}")
-        if not (durable is True or durable is False):
-            raise TypeError(f"durable: expected True or False, got {durable!r}")
-        if engine not in ("auto", "POSIX"):
-            raise ValueError(f"engine: expected 'auto' or 'POSIX', got {engine!r}")
-        params = dict(engine_params or {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
-            raise TypeError(f"engine_params: expected a mapping of str to str, got {engine_params!r}")
-        layout = _layout(like, dims) if like is not None else None
-        if num_slots is not None:
-            num_slots = operator.index(num_slots)
-            if num_slots < 1:
-                raise ValueError(f"num_slots: expected at least 1, got {num_slots}")
-        if create is None:
-            create = not os.path.exists(self.path)
-        if create and (layout is None or num_slots is None):
-            raise ValueError(f"{self.path}: creating a pool needs num_slots and like")
-        api = _import_nixl()     # before the file is touched
-        self.durable = durable
-        self._fd = -1
-        self._open(create, direct)
-        try:
-            if create:
-                assert layout is not None and num_slots is not None
-                self._geometry = new_geometry(layout, num_slots)
-                self._format()
-            else:
-                self._geometry = parse_superblock(self._read_aligned(0, ALIGN), self.path)
-                self._check_expected(layout, num_slots)
-            self._scan(fresh=create)
-            self._make_bounce(bounce_bytes)
-            self._engine = _Engine(api, self._fd, self._geometry, self._bounce_addr, self._bounce.nbytes, engine, params,
-                                   self.direct)
-        except BaseException:
-            self._release_resources()
-            if create:              # a pool this call made and could not open is no pool
-                os.unlink(self.path)
-            raise
+    def _open_slots(self, create: bool, layout: dict[str, Any] | None, num_slots: int | None,
+                    bounce_bytes: int | None) -> None:
+        """The geometry (a new pool's, written; or the far side's superblock, checked against
+        what the caller expects), the header table scanned, the bounce buffer, the engine."""
+        if create:
+            assert layout is not None and num_slots is not None
+            self._geometry = new_geometry(layout, num_slots)
+            self._format()
+        else:
+            self._geometry = parse_superblock(self._read_far(0, ALIGN), self._where)
+            self._check_expected(layout, num_slots)
+        self._scan(fresh=create)
+        self._make_bounce(bounce_bytes)
+        self._engine = self._make_engine()
+
+    def _init_state(self) -> None:
+        """What store and load share, once the pool is open."""
         self._cond = threading.Condition()
         self._free = list(range(self.bounce_slots - 1, -1, -1))
         self._storing: set[int] = set()
@@ -560,71 +572,58 @@ class DiskPool:
         self._streams: dict[Any, Any] = {}
         self._in_flight_bytes = 0           # of the engine requests posted and not ended (the driver's)
         self._closed = False
-        _log(f"disk pool {self.path}: {self.num_slots} slots of {self.slot_bytes} bytes ({describe(self.layout)}), "
-             f"{'O_DIRECT' if self.direct else 'buffered: ' + self.direct_reason}, "
-             f"{'durable (O_DSYNC)' if durable else 'not durable until flush()'}, {self.engine}; GDS: {self.gds}; "
-             f"bounce {self.bounce_slots} slots{' (pinned)' if self._bounce.pinned else ''}; "
-             f"{sum(1 for g in self._generation if g)} slots stored")
 
-    # ------------------------------------------------------------------ opening
+    # ------------------------------------------------------------------ the far side's
 
-    def _open(self, create: bool, direct: bool | None) -> None:
-        flags = os.O_RDWR | (os.O_CREAT if create else 0) | (os.O_DSYNC if self.durable else 0)
-        self.direct, self.direct_reason, self.writable = direct is not False, "", True
-        self._refused_writing = 0           # the errno that made the pool read-only
-        if direct is False:
-            self.direct_reason = "direct=False"
-        try:
-            self._fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-        except OSError as error:
-            if error.errno == errno.EINVAL and direct is None:
-                self.direct, self.direct_reason = False, "the filesystem refuses O_DIRECT (EINVAL)"
-                _log(f"disk pool {self.path}: O_DIRECT refused (EINVAL), buffered I/O instead")
-            elif error.errno == errno.EINVAL and direct:
-                raise OSError(errno.EINVAL, f"{self.path}: direct=True, but its filesystem refuses O_DIRECT") \
-                    from None
-            elif error.errno in (errno.EACCES, errno.EROFS, errno.EPERM) and not create:
-                self.writable, self._refused_writing = False, error.errno
-                flags = os.O_RDONLY
-            else:
-                raise
-            self._fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-        try:
-            fcntl.flock(self._fd, (fcntl.LOCK_EX if self.writable else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            self._fd = -1
-            raise BlockingIOError(errno.EWOULDBLOCK, f"{self.path}: another DiskPool, in this process or another, "
-                                  "has the file open (close it first)") from None
+    def _read_far(self, offset: int, nbytes: int) -> memoryview:
+        raise NotImplementedError
 
     def _format(self) -> None:
-        g = self._geometry
-        os.ftruncate(self._fd, 0)
-        try:
-            os.posix_fallocate(self._fd, 0, g.file_bytes)
-        except OSError as error:
-            free = os.statvfs(self.path)
-            raise OSError(error.errno, f"{self.path}: cannot reserve {g.file_bytes} bytes for {g.num_slots} slots "
-                          f"of {g.stride} bytes: {error.strerror} ({free.f_bavail * free.f_frsize} "
-                          "bytes free on its filesystem)") from None
-        block = mmap.mmap(-1, ALIGN)
-        block[:] = pack_superblock(g)
-        os.pwrite(self._fd, block, 0)
-        os.fdatasync(self._fd)
+        raise NotImplementedError
 
-    def _read_aligned(self, offset: int, nbytes: int) -> memoryview:
-        """nbytes at offset (both multiples of ALIGN), into aligned memory; fewer at the file's end."""
-        block = mmap.mmap(-1, nbytes)
-        got = os.preadv(self._fd, [block], offset)
-        return memoryview(block)[:got]
+    def _make_engine(self) -> Any:
+        raise NotImplementedError
+
+    def _explain(self, op: str, pieces: list[tuple[int, int, int]], slots: list[int],
+                 failure: BaseException) -> BaseException:
+        raise NotImplementedError
+
+    def _close_far(self) -> None:
+        return
+
+    def _check_writable(self) -> None:
+        return
+
+    def _beyond_end(self, slots: list[int]) -> dict[int, str]:
+        """Slots the far side cannot hold whole (a truncated file), and why."""
+        return {}
+
+    def _far_now(self) -> Any:
+        """What a job's transfers go to, taken when the job is made (the engine's post gets it)."""
+        return None
+
+    def _job_deadline(self) -> float | None:
+        """When a job that has not moved since now fails (time.monotonic()), or None: a far
+        side whose requests end by themselves (a disk's) needs none."""
+        return None
+
+    def _stalled(self, job: Any) -> BaseException:
+        return TimeoutError(f"{job.handle.what}: no progress by its deadline")
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has released the pool."""
+        return self._released
+
+    # ------------------------------------------------------------------ opening
 
     def _check_expected(self, layout: dict[str, Any] | None, num_slots: int | None) -> None:
         g = self._geometry
         if layout is not None and layout != g.layout:
-            raise ValueError(f"like: {self.path} holds slots of {describe(g.layout)}; like describes "
+            raise ValueError(f"like: {self._where} holds slots of {describe(g.layout)}; like describes "
                              f"{describe(layout)}")
         if num_slots is not None and num_slots != g.num_slots:
-            raise ValueError(f"num_slots: {self.path} holds {g.num_slots} slots, not {num_slots}")
+            raise ValueError(f"num_slots: {self._where} holds {g.num_slots} slots, not {num_slots}")
 
     def _scan(self, fresh: bool) -> None:
         """The generation and key of every slot whose header is valid; why the others hold
@@ -635,10 +634,10 @@ class DiskPool:
         self._why: dict[int, str] = {}
         newest = 0
         if not fresh:
-            per_chunk = SCAN_CHUNK_BYTES // HEADER_BYTES
+            per_chunk = self._scan_bytes // HEADER_BYTES
             for first in range(0, g.num_slots, per_chunk):
                 count = min(per_chunk, g.num_slots - first)
-                table = self._read_aligned(g.header_offset(first), count * HEADER_BYTES)
+                table = self._read_far(g.header_offset(first), count * HEADER_BYTES)
                 table = table[:len(table) - len(table) % HEADER_BYTES]      # a header cut by the file's end
                 rows = np.frombuffer(table, np.uint8).reshape(-1, HEADER_BYTES)
                 for slot in range(first + len(rows), first + count):
@@ -736,16 +735,6 @@ class DiskPool:
         """The I/O engine moving the bytes, e.g. 'NIXL POSIX (Linux AIO)'."""
         return self._engine.description
 
-    @property
-    def gds(self) -> str:
-        """Why GPUDirect Storage is not used."""
-        return self._engine.gds
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() has released the pool."""
-        return self._fd < 0
-
     def generation(self, slot: int) -> int:
         """The generation of the last store of `slot` that completed (0: none)."""
         return self._generation[self._slot_index(slot, "slot")]
@@ -756,10 +745,6 @@ class DiskPool:
         with self._cond:
             return {s: (g, self._keys.get(s, b"")) for s, g in enumerate(self._generation)
                     if g and s not in self._storing}
-
-    def __repr__(self) -> str:
-        return (f"<kvbm_ext.disk.DiskPool {self.path!r}: {self.num_slots} slots of {self.slot_bytes} bytes, "
-                f"{'closed' if self.closed else self.engine}>")
 
     # ------------------------------------------------------------------ store and load
 
@@ -775,10 +760,7 @@ class DiskPool:
         bounce buffer before the call returns.  timeout: seconds to wait for bounce space
         (None: as long as it takes).  Every argument is checked before anything is written."""
         self._check_usable("store")
-        if not self.writable:
-            raise OSError(self._refused_writing, f"DiskPool.store: {self.path} is open read-only: opening it for "
-                          f"writing failed with {errno.errorcode[self._refused_writing]} "
-                          f"({os.strerror(self._refused_writing)}); loads work, stores cannot")
+        self._check_writable()
         _check_cache(cache)
         slots = self._slot_list(slot_ids, distinct=True)
         n = self._count(block_ids, slots)
@@ -790,7 +772,7 @@ class DiskPool:
         self._dry_run("store", cache, self._bounce_cache, caller, selection)
         self._check_whole_slots(cache, selection)
         if not n:
-            return _nothing("store")
+            return _nothing("store", self._kind)
         with self._cond:
             units = self._take(n, timeout, "store")
             busy = [s for s in slots if s in self._storing or self._loading[s]]
@@ -804,7 +786,7 @@ class DiskPool:
             for s in slots:
                 self._generation[s] = 0
                 self._why[s] = "a store of it is in flight"
-        handle = DiskHandle(f"DiskPool.store of {n} slots to {self.path}", n * self.slot_bytes, slots, generations)
+        handle = DiskHandle(f"{self._kind}.store of {n} slots to {self._where}", n * self.slot_bytes, slots, generations)
         job = _StoreJob(self, handle, slots, dict(enumerate(units)), key_list,
                         _groups(list(range(n)), self._geometry.stride))
         self._submit(job)
@@ -855,7 +837,7 @@ class DiskPool:
             if len(expected) != n:
                 raise ValueError(f"generations: {len(expected)} entries for {n} slots")
         if not n:
-            return _nothing("load")
+            return _nothing("load", self._kind)
         refused = self._beyond_end(slots)
         with self._cond:
             busy = [s for s in slots if s in self._storing]
@@ -874,16 +856,11 @@ class DiskPool:
 
             after = torch.cuda.Event()
             after.record(caller)
-        handle = DiskHandle(f"DiskPool.load of {n} slots from {self.path}", n * self.slot_bytes, slots, expected)
+        handle = DiskHandle(f"{self._kind}.load of {n} slots from {self._where}", n * self.slot_bytes, slots, expected)
         if caller is None:
             handle.gpu_enqueued(None)
         return self._submit(_LoadJob(self, handle, slots, dict(zip(readable, units)), cache, ids, selection, after,
                                      refused, _groups(readable, self._geometry.stride)))
-
-    def flush(self) -> None:
-        """Makes every completed store durable (fdatasync): what `durable=True` does per store."""
-        self._check_usable("flush")
-        os.fdatasync(self._fd)
 
     def close(self, timeout: float | None = None) -> None:
         """Waits for the pool's transfers (TimeoutError after `timeout` seconds, the pool left
@@ -896,19 +873,14 @@ class DiskPool:
             pending = [job.handle for job in self._jobs]
         for handle in pending:
             if not handle._finished.wait(timeout):
-                raise TimeoutError(f"DiskPool.close: {handle.what} did not finish within {timeout} s")
+                raise TimeoutError(f"{self._kind}.close: {handle.what} did not finish within {timeout} s")
         self._release_resources()
 
-    def __enter__(self) -> DiskPool:
+    def __enter__(self) -> _SlotPool:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        # Jobs hold their pool, so none is pending here: only the file is left to close.
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
 
     # ------------------------------------------------------------------ helpers
 
@@ -920,13 +892,12 @@ class DiskPool:
             self.__dict__.pop("_bounce_cache", None)
             self.__dict__.pop("_bounce_np", None)
             self._bounce.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close_far()
+        self._released = True
 
     def _check_usable(self, what: str) -> None:
         if self.closed or self._closed:
-            raise ValueError(f"DiskPool.{what}: the pool {self.path} is closed")
+            raise ValueError(f"{self._kind}.{what}: the pool {self._where} is closed")
 
     def _slot_index(self, slot: Any, what: str) -> int:
         s = operator.index(slot)
@@ -1011,7 +982,7 @@ class DiskPool:
             src.to_cache(dst, [], [], **({"stream": stream} if stream is not None else {}), **selection)
         except (TypeError, ValueError) as error:
             side = "dst" if what == "store" else "src"
-            raise type(error)(f"DiskPool.{what}: {error} ({side} is the pool's slots: {describe(self.layout)})") \
+            raise type(error)(f"{self._kind}.{what}: {error} ({side} is the pool's slots: {describe(self.layout)})") \
                 from None
 
     def _check_whole_slots(self, cache: PagedKVCache, selection: dict[str, Any]) -> None:
@@ -1029,21 +1000,15 @@ class DiskPool:
             raise ValueError(f"heads: a store writes whole slots, but the {heads} heads moved land on slot heads "
                              f"{selection['head_offset']} on, not exactly the slot's {self.num_heads}")
 
-    def _beyond_end(self, slots: list[int]) -> dict[int, str]:
-        size = os.fstat(self._fd).st_size
-        g = self._geometry
-        return {s: f"the file ends at byte {size}, before its payload does (the file was truncated)"
-                for s in slots if g.payload_offset(s) + g.stride > size}
-
     def _take(self, n: int, timeout: float | None, what: str) -> list[int]:
         """n bounce units (the lock held); waits while fewer are free."""
         if n > self.bounce_slots:
-            raise ValueError(f"DiskPool.{what}: {n} slots need {n} bounce slots, and the pool has "
+            raise ValueError(f"{self._kind}.{what}: {n} slots need {n} bounce slots, and the pool has "
                              f"{self.bounce_slots} (bounce_bytes)")
         if not n:
             return []
         if not self._cond.wait_for(lambda: len(self._free) >= n or self._closed, timeout):
-            raise TimeoutError(f"DiskPool.{what}: waited {timeout} s for {n} bounce slots ({len(self._free)} of "
+            raise TimeoutError(f"{self._kind}.{what}: waited {timeout} s for {n} bounce slots ({len(self._free)} of "
                                f"{self.bounce_slots} free): earlier transfers still hold them")
         self._check_usable(what)
         return [self._free.pop() for _ in range(n)]
@@ -1059,18 +1024,23 @@ class DiskPool:
         return job.handle
 
     def _release(self, job: _Job, reuse: bool = True) -> None:
-        """A job's end: its bounce units back, unless something may still use them."""
-        if job._in_flight():
-            reuse = False
-            _log(f"disk pool {self.path}: the engine could not cancel a failed transfer of {job.handle.what}")
-        if not reuse:
-            _log(f"disk pool {self.path}: {len(job.unit)} bounce slots stay out of use")
+        """A job's end: its bounce units back, unless something may still use them: those
+        of transfers the engine could not cancel come back once it reports them ended
+        (_Reclaim, in the driver)."""
+        pending = job._in_flight()
+        if pending:
+            _log(f"{self._kind} {self._where}: the engine could not cancel a failed transfer of {job.handle.what}; "
+                 f"its {len(job.unit)} bounce slots come back once the engine ends it")
+        elif not reuse:
+            _log(f"{self._kind} {self._where}: {len(job.unit)} bounce slots stay out of use")
         with self._cond:
             self._jobs.discard(job)
             if isinstance(job, _LoadJob):
                 self._loading.subtract(job.slots)
-            if reuse:
+            if reuse and not pending:
                 self._give_back(list(job.unit.values()))
+        if reuse and pending:
+            _driver.submit(_Reclaim(self, job))
 
     def _stored(self, job: _StoreJob, error: BaseException | None) -> None:
         with self._cond:
@@ -1082,7 +1052,7 @@ class DiskPool:
                     self._why[s] = f"its last store (generation {job.handle.generations[i]}) failed: {error}"
             self._storing.difference_update(job.slots)
         if error is not None:
-            _log(f"disk pool {self.path}: {job.handle.what} failed: {error}")
+            _log(f"{self._kind} {self._where}: {job.handle.what} failed: {error}")
         self._release(job)
 
     def _room(self) -> bool:
@@ -1117,8 +1087,172 @@ class DiskPool:
 
     def _slot_error(self, reasons: Mapping[int, str]) -> SlotError:
         listed = "; ".join(f"slot {s}: {why}" for s, why in sorted(reasons.items()))
-        return SlotError(f"DiskPool.load from {self.path}: {len(reasons)} slot(s) cannot be loaded, and their blocks "
+        return SlotError(f"{self._kind}.load from {self._where}: {len(reasons)} slot(s) cannot be loaded, and their blocks "
                          f"were not written: {listed}", reasons)
+
+
+class DiskPool(_SlotPool):
+    """A file of `num_slots` slots, each one KV block in the layout `dims` (universal
+    `"bhlktd"` by default) of the sizes of `like`, moved to and from PagedKVCaches by
+    `store` and `load` through NIXL's POSIX backend.  docs/disk.md says it all.
+
+    path: the pool file.  num_slots: its slots (needed to create; checked when opening).
+    like: a PagedKVCache, or a mapping of num_heads, num_layers, num_outer,
+    tokens_per_block, head_dim and dtype, giving the slots' sizes (needed to create;
+    checked when opening).  dims: the slot's layout letters, b first and d last.
+    create: None opens the pool at `path` or creates one where no file is; True creates a
+    new pool, replacing any file there; False opens an existing pool.
+    direct: None uses O_DIRECT where the filesystem accepts it and buffered I/O where it
+    does not (`pool.direct` says which, `pool.direct_reason` why); True requires it.
+    durable: True opens the file O_DSYNC, so a store's handle reports done only once its
+    slots are on stable storage; False (default) leaves that to `flush()`.
+    bounce_bytes: the bounce buffer (default: 1 GiB, at most every slot's worth), in whole
+    slots; a store or load needs room for all its slots at once.
+    engine: "auto" (NIXL POSIX, after trying GDS_MT to say why it is not used: `pool.gds`)
+    or "POSIX".  engine_params: parameters of NIXL's POSIX backend, over POSIX_DEFAULTS.
+    """
+
+    _kind = "DiskPool"
+
+    def __init__(self, path: str | os.PathLike[str], num_slots: int | None = None, like: Any = None, *,
+                 dims: str = "bhlktd", create: bool | None = None, direct: bool | None = None,
+                 durable: bool = False, bounce_bytes: int | None = None, engine: str = "auto",
+                 engine_params: Mapping[str, str] | None = None) -> None:
+        self.path = self._where = os.fspath(path)
+        for name, value in (("create", create), ("direct", direct)):
+            if not (value is None or value is True or value is False):
+                raise TypeError(f"{name}: expected None, True or False, got {value!r}")
+        if not (durable is True or durable is False):
+            raise TypeError(f"durable: expected True or False, got {durable!r}")
+        if engine not in ("auto", "POSIX"):
+            raise ValueError(f"engine: expected 'auto' or 'POSIX', got {engine!r}")
+        params = dict(engine_params or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
+            raise TypeError(f"engine_params: expected a mapping of str to str, got {engine_params!r}")
+        layout = _layout(like, dims) if like is not None else None
+        if num_slots is not None:
+            num_slots = operator.index(num_slots)
+            if num_slots < 1:
+                raise ValueError(f"num_slots: expected at least 1, got {num_slots}")
+        if create is None:
+            create = not os.path.exists(self.path)
+        if create and (layout is None or num_slots is None):
+            raise ValueError(f"{self.path}: creating a pool needs num_slots and like")
+        api = _import_nixl()     # before the file is touched
+        self.durable = durable
+        self._fd = -1
+        self._open(create, direct)
+        self._engine_args = (api, engine, params)
+        try:
+            self._open_slots(create, layout, num_slots, bounce_bytes)
+        except BaseException:
+            self._release_resources()
+            if create:              # a pool this call made and could not open is no pool
+                os.unlink(self.path)
+            raise
+        self._init_state()
+        _log(f"disk pool {self.path}: {self.num_slots} slots of {self.slot_bytes} bytes ({describe(self.layout)}), "
+             f"{'O_DIRECT' if self.direct else 'buffered: ' + self.direct_reason}, "
+             f"{'durable (O_DSYNC)' if durable else 'not durable until flush()'}, {self.engine}; GDS: {self.gds}; "
+             f"bounce {self.bounce_slots} slots{' (pinned)' if self._bounce.pinned else ''}; "
+             f"{sum(1 for g in self._generation if g)} slots stored")
+
+
+    def _open(self, create: bool, direct: bool | None) -> None:
+        flags = os.O_RDWR | (os.O_CREAT if create else 0) | (os.O_DSYNC if self.durable else 0)
+        self.direct, self.direct_reason, self.writable = direct is not False, "", True
+        self._refused_writing = 0           # the errno that made the pool read-only
+        if direct is False:
+            self.direct_reason = "direct=False"
+        try:
+            self._fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as error:
+            if error.errno == errno.EINVAL and direct is None:
+                self.direct, self.direct_reason = False, "the filesystem refuses O_DIRECT (EINVAL)"
+                _log(f"disk pool {self.path}: O_DIRECT refused (EINVAL), buffered I/O instead")
+            elif error.errno == errno.EINVAL and direct:
+                raise OSError(errno.EINVAL, f"{self.path}: direct=True, but its filesystem refuses O_DIRECT") \
+                    from None
+            elif error.errno in (errno.EACCES, errno.EROFS, errno.EPERM) and not create:
+                self.writable, self._refused_writing = False, error.errno
+                flags = os.O_RDONLY
+            else:
+                raise
+            self._fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        try:
+            fcntl.flock(self._fd, (fcntl.LOCK_EX if self.writable else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = -1
+            raise BlockingIOError(errno.EWOULDBLOCK, f"{self.path}: another DiskPool, in this process or another, "
+                                  "has the file open (close it first)") from None
+
+    def _format(self) -> None:
+        g = self._geometry
+        os.ftruncate(self._fd, 0)
+        try:
+            os.posix_fallocate(self._fd, 0, g.file_bytes)
+        except OSError as error:
+            free = os.statvfs(self.path)
+            raise OSError(error.errno, f"{self.path}: cannot reserve {g.file_bytes} bytes for {g.num_slots} slots "
+                          f"of {g.stride} bytes: {error.strerror} ({free.f_bavail * free.f_frsize} "
+                          "bytes free on its filesystem)") from None
+        block = mmap.mmap(-1, ALIGN)
+        block[:] = pack_superblock(g)
+        os.pwrite(self._fd, block, 0)
+        os.fdatasync(self._fd)
+
+    def _read_far(self, offset: int, nbytes: int) -> memoryview:
+        """nbytes at offset (both multiples of ALIGN), into aligned memory; fewer at the file's end."""
+        block = mmap.mmap(-1, nbytes)
+        got = os.preadv(self._fd, [block], offset)
+        return memoryview(block)[:got]
+
+    def _make_engine(self) -> _Engine:
+        api, engine, params = self._engine_args
+        return _Engine(api, self._fd, self._geometry, self._bounce_addr, self._bounce.nbytes, engine, params,
+                       self.direct)
+
+    def _close_far(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _check_writable(self) -> None:
+        if not self.writable:
+            raise OSError(self._refused_writing, f"{self._kind}.store: {self._where} is open read-only: opening it for "
+                          f"writing failed with {errno.errorcode[self._refused_writing]} "
+                          f"({os.strerror(self._refused_writing)}); loads work, stores cannot")
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has released the pool."""
+        return self._fd < 0
+
+    @property
+    def gds(self) -> str:
+        """Why GPUDirect Storage is not used."""
+        return self._engine.gds
+
+    def __repr__(self) -> str:
+        return (f"<kvbm_ext.disk.DiskPool {self.path!r}: {self.num_slots} slots of {self.slot_bytes} bytes, "
+                f"{'closed' if self.closed else self.engine}>")
+
+    def flush(self) -> None:
+        """Makes every completed store durable (fdatasync): what `durable=True` does per store."""
+        self._check_usable("flush")
+        os.fdatasync(self._fd)
+
+    def __del__(self) -> None:
+        # Jobs hold their pool, so none is pending here: only the file is left to close.
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+
+    def _beyond_end(self, slots: list[int]) -> dict[int, str]:
+        size = os.fstat(self._fd).st_size
+        g = self._geometry
+        return {s: f"the file ends at byte {size}, before its payload does (the file was truncated)"
+                for s in slots if g.payload_offset(s) + g.stride > size}
 
     def _explain(self, op: str, pieces: list[tuple[int, int, int]], slots: list[int],
                  failure: BaseException) -> OSError:

@@ -45,7 +45,7 @@ MARK = re.compile(r"^<!-- snippet: (.*?) ?-->$")
 KNOWN = {"gpu", "requires", "ranks", "skip", "reason"}
 # Each optional module a mark may require: how it is installed (what a skip says), and the
 # modules whose import needs it (a required module's snippet imports one of them).
-EXTRAS = {"nixl_cu13": ('pip install "kvbm_ext[nixl]"', ("nixl_cu13", "kvbm_ext.nixl", "kvbm_ext.disk")),
+EXTRAS = {"nixl_cu13": ('pip install "kvbm_ext[nixl]"', ("nixl_cu13", "kvbm_ext.nixl", "kvbm_ext.disk", "kvbm_ext.peer")),
           "transformers": ('pip install "kvbm_ext[transformers]"',
                            ("transformers", "kvbm_ext.integrations.transformers"))}
 RANKS_TIMEOUT = 120

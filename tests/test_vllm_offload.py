@@ -41,7 +41,21 @@ KEYS = [make_offload_key(bytes([i]) * 32, i % 2) for i in range(16)]
 
 
 def needs_nixl():
-    pytest.importorskip("nixl_cu13", reason="the disk tier needs NIXL (pip install 'kvbm_ext[nixl]')")
+    pytest.importorskip("nixl_cu13", reason="the disk and peer tiers need NIXL (pip install 'kvbm_ext[nixl]')")
+
+
+@pytest.fixture
+def peer_served(monkeypatch):
+    """A serving process of kvbm_ext.peer (support/peer.py: UCX over TCP), and the
+    kv_connector_extra_config keys of the peer tier naming it."""
+    needs_nixl()
+    from support.peer import UCX_ENV, Server, store_here
+
+    for key, value in UCX_ENV.items():
+        monkeypatch.setenv(key, value)
+    server = Server(store_here(), "vllm")
+    yield {"kvbm_tier": "peer", "kvbm_peer_name": "vllm", "kvbm_peer_store": server.address}, server
+    server.kill()
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +140,13 @@ def test_interface_check_warns_on_another_version(monkeypatch):
 
 
 def test_spec_names_what_it_expects(model_dir):
-    with pytest.raises(ValueError, match=r"\['kvbm_tier'\]: 'peer' \(not implemented yet\); expected one of "
-                                         r"\['disk', 'pinned'\]"):
+    with pytest.raises(ValueError, match=r"\['kvbm_tier'\]: 'tape'; expected one of \['disk', 'peer', 'pinned'\]"):
+        Engine(model_dir, extra={"kvbm_tier": "tape"})
+    with pytest.raises(ValueError, match="the peer tier needs 'kvbm_peer_name' and 'kvbm_peer_store'"):
         Engine(model_dir, extra={"kvbm_tier": "peer"})
+    with pytest.raises(ValueError, match="expected 'kvbm_peer_bytes' .bytes for the whole engine. or 'kvbm_num_slots'"):
+        Engine(model_dir, extra={"kvbm_tier": "peer", "kvbm_peer_name": "m", "kvbm_peer_store": "h:1",
+                                 "kvbm_num_slots": None})
     with pytest.raises(ValueError, match="the disk tier needs 'kvbm_disk_path'"):
         Engine(model_dir, extra={"kvbm_tier": "disk"})
     with pytest.raises(ValueError, match="expected 'kvbm_disk_bytes' .bytes for the whole engine. or 'kvbm_num_slots'"):
@@ -462,6 +480,23 @@ def test_worker_shutdown_with_jobs_in_flight(gen, caplog):
     assert "store job 4 was not submitted" in caplog.text
 
 
+def run_two_group_job(worker, job_id, layers, slots, gpu_ids, store):
+    """A store of GPU blocks `gpu_ids` into `slots`, or a load of them into blocks
+    `gpu_ids` poisoned first (group 0: 5 blocks from index 4, group 1: 4 from index 2),
+    waited for: whether the job succeeded."""
+    spec = GPULoadStoreSpec(gpu_ids, [5, 4], [4, 2])
+    if store:
+        assert worker.submit_store(job_id, spec, slots)
+    else:
+        for layer in layers:
+            layer.view(torch.uint8)[gpu_ids] = 0x5A
+        assert worker.submit_load(job_id, slots, spec)
+    worker.wait({job_id})
+    (result,) = worker.get_finished()
+    assert result.job_id == job_id
+    return result.success
+
+
 def disk_worker(tmp_path, device, gen, **options):
     """A worker over two groups of their own tensors (3 blocks a chunk) and a DiskTier."""
     needs_nixl()
@@ -494,14 +529,7 @@ def test_disk_tier_round_trip_and_a_corrupted_slot(tmp_path, gen, device):
     dst = [12, 13, 15, 16, 17, 18, 19, 0, 4]
 
     def load(job_id):
-        """The slots into poisoned blocks dst: whether the job succeeded."""
-        for layer in layers:
-            layer.view(torch.uint8)[dst] = 0x5A
-        assert worker.submit_load(job_id, slots, GPULoadStoreSpec(dst, [5, 4], [4, 2]))
-        worker.wait({job_id})
-        (result,) = worker.get_finished()
-        assert result.job_id == job_id
-        return result.success
+        return run_two_group_job(worker, job_id, layers, slots, dst, store=False)
 
     assert load(11)
     for i, (a, b) in enumerate(zip(gpu_ids, dst)):
@@ -524,6 +552,51 @@ def test_disk_tier_round_trip_and_a_corrupted_slot(tmp_path, gen, device):
                 assert torch.equal(got, layers[t.tensor_idx][a].view(torch.uint8)), (i, t.tensor_idx)
     worker.shutdown()
     assert worker.tier.pools == []
+
+
+def test_peer_tier_round_trip_and_a_dead_peer(peer_served, gen):
+    """Two groups, unaligned chunks, through a PeerTier on a serving process: blocks come
+    back into other blocks bit-exact; with the peer killed, the next load job fails and
+    writes no block (they keep the poison); with the peer started again (fresh memory),
+    a load of the old slots fails verification and writes none either, and a new store
+    and load work."""
+    keys, server = peer_served
+    nh, nt, hd = 2, 4, 8
+    layers, canonical, page = vllm_caches(4, 20, nh, nt, hd, "cpu", gen, pad=64)
+    refs = [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(2, page)],
+            [CanonicalKVCacheRef(1, page), CanonicalKVCacheRef(3, page)]]
+    tier = integration.PeerTier(keys["kvbm_peer_name"], keys["kvbm_peer_store"], worker_index=1, timeout=5)
+    worker = integration.KvbmOffloadingWorker(CanonicalKVCaches(tensors=canonical, group_data_refs=refs), tier=tier,
+                                              num_slots=6, blocks_per_chunk=3,
+                                              page=(torch.bfloat16, True, nh, nt, 2, hd))
+    sizes = [pool.file_bytes for pool in tier.pools]
+    assert [pool.offset for pool in tier.pools] == [sum(sizes), sum(sizes) + sizes[0]]       # worker 1's
+    gpu_ids = [7, 3, 11, 5, 9, 2, 14, 6, 1]
+    slots = integration.KvbmLoadStoreSpec([4, 1, 0, 5])
+    dst = [12, 13, 15, 16, 17, 18, 19, 0, 4]
+    expected = [layer.clone() for layer in layers]
+
+    def run(job_id, store):
+        return run_two_group_job(worker, job_id, layers, slots, gpu_ids if store else dst, store)
+
+    def written():
+        """Whether every dst block holds its source block (True), or every one the poison (False)."""
+        moved = [(t.tensor_idx, a, b) for i, (a, b) in enumerate(zip(gpu_ids, dst)) for t in refs[i >= 5]]
+        same = [torch.equal(layers[t][b].view(torch.int16), expected[t][a].view(torch.int16)) for t, a, b in moved]
+        poisoned = [bool((layers[t][b].view(torch.uint8) == 0x5A).all()) for t, _, b in moved]
+        assert all(same) or all(poisoned), "some blocks written, some not"
+        return all(same)
+
+    assert run(10, store=True)
+    assert run(11, store=False) and written()
+    server.kill()
+    assert not run(12, store=False) and not written()
+    server.start()
+    assert not run(13, store=False) and not written()      # looks the peer up again: blank headers
+    assert run(14, store=True)
+    assert run(15, store=False) and written()
+    worker.shutdown()
+    assert tier.pools == []
 
 
 class SplitLog:
@@ -667,26 +740,35 @@ def check_clean(engine):
     pytest.param({"extra": {"kvbm_pool_layout": "raw"}}, id="raw_pages"),
     pytest.param({"extra": {"kvbm_tier": "disk", "blocks_per_chunk": 2}, "tp": 2}, id="disk_tier_two_tp_ranks"),
     pytest.param({"extra": {"kvbm_tier": "disk", "kvbm_pool_layout": "raw"}, "groups": 2}, id="disk_tier_raw_pages"),
+    pytest.param({"extra": {"kvbm_tier": "peer", "blocks_per_chunk": 2}, "tp": 2}, id="peer_tier_two_tp_ranks"),
+    pytest.param({"extra": {"kvbm_tier": "peer", "kvbm_pool_layout": "raw"}, "groups": 2}, id="peer_tier_raw_pages"),
 ])
-def test_store_evict_prefix_hit_and_load(model_dir, variant, tmp_path):
+def test_store_evict_prefix_hit_and_load(model_dir, variant, tmp_path, request):
     """A prompt is stored, pushed out of the GPU by others, and comes back through a
-    prefix hit into other GPU blocks, bit-exact; the stored pool blocks are the GPU's."""
+    prefix hit into other GPU blocks, bit-exact; the stored pool blocks are the GPU's.
+    The peer tier's memory is served by a process started apart (support/peer.py)."""
     rng = np.random.default_rng(1)
     variant = dict(variant)
     extra = {"kvbm_num_slots": 160, **variant.pop("extra", {})}
-    disk = extra.get("kvbm_tier") == "disk"
+    disk, peer = extra.get("kvbm_tier") == "disk", extra.get("kvbm_tier") == "peer"
     if disk:
         needs_nixl()
         extra["kvbm_disk_path"] = str(tmp_path)
+    if peer:
+        extra.update(request.getfixturevalue("peer_served")[0])
     engine = Engine(model_dir, num_blocks=32, extra=extra, **variant)
     if disk:        # each worker's files of its own
         assert len(list(tmp_path.iterdir())) == engine.tp * variant.get("groups", 1)
+    if peer:        # each worker's pools one after another in the peer's memory
+        pools = [pool for worker in engine.spec_workers for pool in worker.tier.pools]
+        assert len(pools) == engine.tp * variant.get("groups", 1)
+        assert [pool.offset for pool in pools] == [sum(p.file_bytes for p in pools[:i]) for i in range(len(pools))]
     shared = prompt(rng, 100)
     first = engine.add_request(shared + [5], max_tokens=2)
     engine.run()
     first_blocks = 100 // 16
     assert engine.manager.num_stored >= 1
-    if "kvbm_pool_layout" not in extra and not disk:
+    if "kvbm_pool_layout" not in extra and not disk and not peer:
         # The pool blocks of the first chunk stored (the prompt's first), against the prefix they hold.
         key = next(iter(engine.manager._chunks))
         bpc = engine.spec_workers[0].blocks_per_chunk
@@ -743,8 +825,8 @@ def test_tp_workers_share_one_pinned_region(model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["pinned", "disk"])
-def test_thousand_requests_with_eviction(model_dir, tier, tmp_path):
+@pytest.mark.parametrize("tier", ["pinned", "disk", "peer"])
+def test_thousand_requests_with_eviction(model_dir, tier, tmp_path, request):
     """1,000 requests over 150 shared prefixes, more than the GPU cache holds and than the
     tier holds (it evicts all along): every job reported once, none failed, every loaded
     block bit-exact."""
@@ -753,6 +835,8 @@ def test_thousand_requests_with_eviction(model_dir, tier, tmp_path):
     if tier == "disk":
         needs_nixl()
         extra.update(kvbm_tier="disk", kvbm_disk_path=str(tmp_path))
+    if tier == "peer":
+        extra.update(request.getfixturevalue("peer_served")[0])
     engine = Engine(model_dir, num_blocks=48, extra=extra, max_batched_tokens=512)
     prefixes = [prompt(rng, int(rng.integers(32, 96))) for _ in range(150)]
     started = time.perf_counter()

@@ -21,9 +21,9 @@ for a scheduler-side manager and a worker-side worker (docs/vllm.md):
   through a CUDA event per job (fence and completion events from a pool; a job is never
   reported before its bytes are in place, each once, in submission order per direction);
 - the tier is named by kv_connector_extra_config["kvbm_tier"]: "pinned" (the default,
-  a pinned pool from kvbm_ext.pinned_empty) or "disk" (files of checksummed slots,
-  kvbm_ext.disk); "peer" plugs in through the Tier interface below and is not
-  implemented yet.
+  a pinned pool from kvbm_ext.pinned_empty), "disk" (files of checksummed slots,
+  kvbm_ext.disk) or "peer" (the same slots in another process's memory over NIXL,
+  kvbm_ext.peer: a memory node serving several engines).
 
 Where vLLM's page layout is known (attention pages [H, N, 2*hd] or [N, H, 2*hd] with K
 and V packed in the last dimension, MLA pages [N, hd]) the pool holds universal blocks,
@@ -53,7 +53,7 @@ import torch
 import kvbm_ext
 
 __all__ = ["TESTED_VERSIONS", "KvbmLoadStoreSpec", "KvbmOffloadingManager", "KvbmOffloadingSpec",
-           "KvbmOffloadingWorker", "DiskTier", "PinnedTier", "Tier", "TransferHandle", "check_vllm"]
+           "KvbmOffloadingWorker", "DiskTier", "PeerTier", "PinnedTier", "Tier", "TransferHandle", "check_vllm"]
 
 TESTED_VERSIONS = ("0.33.0", "0.26.0")
 
@@ -444,7 +444,28 @@ class PinnedTier(Tier):
             self.buffer = None
 
 
-class DiskTier(Tier):
+class _PoolTier(Tier):
+    """A tier of one kvbm_ext.disk-style pool per KV cache group (`pools[group.index]`),
+    whose store and load return the pool's handles.  `bounce_wait`: seconds a job waits at
+    submission for bounce space (None: as long as it takes)."""
+
+    bounce_wait = None
+
+    def store(self, group, src_ids, slot_block_ids, stream):
+        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream,
+                                             timeout=self.bounce_wait)
+
+    def load(self, group, slot_block_ids, dst_ids, stream):
+        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream,
+                                            timeout=self.bounce_wait)
+
+    def close(self):
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
+
+
+class DiskTier(_PoolTier):
     """Files of slots through kvbm_ext.disk.DiskPool (NIXL's POSIX backend; each slot's
     header and checksum verified before its block is written back): one pool per KV cache
     group, `{directory}/kvbm-{worker}-group{index}.pool`, one GPU block a slot, in the
@@ -473,20 +494,55 @@ class DiskTier(Tier):
             self.pools.append(self._open(path, num_slots * blocks_per_chunk, like=group.cache, create=True,
                                          bounce_bytes=self.bounce_bytes))
 
-    def store(self, group, src_ids, slot_block_ids, stream):
-        return self.pools[group.index].store(group.cache, src_ids, slot_block_ids, stream=stream)
 
-    def load(self, group, slot_block_ids, dst_ids, stream):
-        return self.pools[group.index].load(slot_block_ids, group.cache, dst_ids, stream=stream)
+class PeerTier(_PoolTier):
+    """Slots in another process's memory through kvbm_ext.peer.PeerPool (NIXL UCX, one-sided
+    READs and WRITEs; each slot's header and checksum verified before its block is written
+    back): the memory a `python -m kvbm_ext.peer --name NAME --bytes N --store HOST:PORT`
+    process serves (kvbm_ext.peer.PeerMemory), found through `store` (a TCPStore's
+    "host:port", or a store object).  One pool per KV cache group, one GPU block a slot, in
+    the group cache's universal order (or its raw pages), laid one after another in the
+    peer's memory from byte `offset`; worker `worker_index`'s pools after those of the
+    workers before it (the workers of a TP-only engine have pools of one size), so the
+    workers of an engine, and engines given offsets apart, share one region.  The pools are
+    made anew when the worker attaches (the manager's LRU starts empty).  Stores and loads
+    answer with the pool's handles, as DiskTier's: a peer that dies or hangs fails the jobs
+    in flight with kvbm_ext.peer.PeerLostError naming it, within `timeout` seconds, and a
+    slot that fails verification (a restarted peer's fresh memory) fails its job without
+    its block being written; the pool looks the peer up again at its next job.  A job that
+    finds a pool's pinned bounce buffer full waits at submission (bounce_bytes), at most
+    `timeout` seconds (a peer that hangs holds the bounce slots of its failed transfers
+    until it dies or answers): then the job is not submitted."""
 
-    def close(self):
-        for pool in self.pools:
-            pool.close()
+    name = "peer"
+
+    def __init__(self, peer_name, store, worker_index=0, offset=0, bounce_bytes=None, timeout=None):
+        from kvbm_ext.peer import TRANSFER_TIMEOUT_S, PeerPool
+
+        self._open = PeerPool
+        self.peer_name, self.rendezvous, self.worker_index = peer_name, store, int(worker_index)
+        self.offset, self.bounce_bytes, self.timeout = int(offset), bounce_bytes, timeout
+        self.bounce_wait = float(TRANSFER_TIMEOUT_S if timeout is None else timeout)
         self.pools = []
 
+    def attach(self, groups, num_slots, blocks_per_chunk):
+        from kvbm_ext.peer import open_store
 
-TIERS = ("disk", "pinned")
-LATER_TIERS = ("peer",)
+        store = open_store(self.rendezvous) if isinstance(self.rendezvous, str) else self.rendezvous
+        blocks = num_slots * blocks_per_chunk
+        sizes = [self._open.bytes_needed(group.cache, blocks) for group in groups]
+        at = self.offset + self.worker_index * sum(sizes)
+        options = {} if self.timeout is None else {"timeout": float(self.timeout)}
+        for group, size in zip(groups, sizes):
+            self.pools.append(self._open(self.peer_name, store, blocks, like=group.cache, create=True, offset=at,
+                                         bounce_bytes=self.bounce_bytes, **options))
+            at += size
+
+
+TIERS = ("disk", "peer", "pinned")
+LATER_TIERS = ()
+# What each tier's size is given in (bytes for the whole engine), beside kvbm_num_slots.
+SIZE_KEYS = {"pinned": "cpu_bytes_to_use", "disk": "kvbm_disk_bytes", "peer": "kvbm_peer_bytes"}
 
 
 # ----------------------------------------------------------------------------------
@@ -771,14 +827,20 @@ class KvbmOffloadingSpec(OffloadingSpec):
     kv_connector_extra_config {"spec_name": "KvbmOffloadingSpec", "spec_module_path":
     "kvbm_ext.integrations.vllm"}.  Its own keys there:
 
-    - "kvbm_tier": "pinned" (default) or "disk";
+    - "kvbm_tier": "pinned" (default), "disk" or "peer";
     - its size: "cpu_bytes_to_use" (vLLM's CPU tier's key, the same meaning) for the
-      pinned tier, "kvbm_disk_bytes" for the disk tier: bytes for the whole engine, every
-      worker's share together; or, for either, "kvbm_num_slots": the chunks it holds;
+      pinned tier, "kvbm_disk_bytes" for the disk tier, "kvbm_peer_bytes" for the peer
+      tier: bytes for the whole engine, every worker's share together; or, for any,
+      "kvbm_num_slots": the chunks it holds;
     - for the disk tier, "kvbm_disk_path" (a directory, made if missing; each worker's
       files are its own) and optionally "kvbm_disk_bounce_bytes" (each pool's pinned
       bounce buffer; a job needs room for all its blocks at once: default 1 GiB, at most
       the pool's size);
+    - for the peer tier, "kvbm_peer_name" (the name the serving process publishes its
+      memory under) and "kvbm_peer_store" (the TCPStore's "host:port" it publishes in),
+      optionally "kvbm_peer_offset" (where this engine's pools start in the peer's
+      memory, for engines sharing it: default 0), "kvbm_peer_bounce_bytes" (as the disk
+      tier's) and "kvbm_peer_timeout" (seconds a job may go without progress: default 30);
     - "kvbm_pool_layout": "auto" (default: universal blocks where vLLM's page layout is
       known) or "raw" (vLLM's pages byte for byte);
     - "kvbm_shared_pool": True (default: the TP workers of a TP-only engine share one
@@ -796,12 +858,18 @@ class KvbmOffloadingSpec(OffloadingSpec):
         if tier == "disk" and not extra.get("kvbm_disk_path"):
             raise ValueError("kv_connector_extra_config: the disk tier needs 'kvbm_disk_path' (a directory for "
                              "its files)")
+        if tier == "peer":
+            missing = [key for key in ("kvbm_peer_name", "kvbm_peer_store") if not extra.get(key)]
+            if missing:
+                raise ValueError(f"kv_connector_extra_config: the peer tier needs {' and '.join(map(repr, missing))} "
+                                 "(the name a `python -m kvbm_ext.peer` process serves its memory under, and the "
+                                 "TCPStore's 'host:port' it publishes it in)")
         self.tier_name = tier
         self.pool_layout = extra.get("kvbm_pool_layout", "auto")
         if self.pool_layout not in ("auto", "raw"):
             raise ValueError(f"kv_connector_extra_config['kvbm_pool_layout']: expected 'auto' or 'raw', "
                              f"got {self.pool_layout!r}")
-        self.num_slots = self._num_slots(config, extra, "cpu_bytes_to_use" if tier == "pinned" else "kvbm_disk_bytes")
+        self.num_slots = self._num_slots(config, extra, SIZE_KEYS[tier])
         self._manager = self._worker = None
 
     def _num_slots(self, config, extra, bytes_key):
@@ -840,9 +908,16 @@ class KvbmOffloadingSpec(OffloadingSpec):
         """The worker's tier (made on the worker side only)."""
         if self.tier_name == "pinned":
             return PinnedTier(shared=self._shared_pool())
-        # Whose files they are: this worker's data-parallel replica and rank (vLLM 0.26's
-        # spec config has neither: one engine, one worker a directory).
+        # Whose files or bytes they are: this worker's data-parallel replica and rank (vLLM
+        # 0.26's spec config has neither: one engine, one worker).
         parallel = getattr(self.config, "parallel", None)
+        if self.tier_name == "peer":
+            extra = self.extra_config
+            index = (getattr(parallel, "data_parallel_index", 0) * getattr(parallel, "world_size", 1)
+                     + getattr(parallel, "rank", 0))
+            bounce, timeout = extra.get("kvbm_peer_bounce_bytes"), extra.get("kvbm_peer_timeout")
+            return PeerTier(extra["kvbm_peer_name"], extra["kvbm_peer_store"], index,
+                            int(extra.get("kvbm_peer_offset", 0)), None if bounce is None else int(bounce), timeout)
         worker = f"dp{getattr(parallel, 'data_parallel_index', 0)}-rank{getattr(parallel, 'rank', 0)}"
         bounce = self.extra_config.get("kvbm_disk_bounce_bytes")
         return DiskTier(self.extra_config["kvbm_disk_path"], worker, None if bounce is None else int(bounce))
