@@ -1,7 +1,8 @@
 """A serving process of kvbm_ext.peer for the peer tier's tests (tests/test_peer.py,
 tests/test_vllm_offload.py): `python -m kvbm_ext.peer` started apart, meeting its clients
-at a TCPStore this process hosts, over UCX's TCP transport (UCX_TLS=tcp: no GPU, no RDMA
-here), which can be stopped, killed and started again."""
+at a TCPStore this process hosts, over UCX's TCP transport (no RDMA here), which can be
+stopped, killed and started again.  Where a GPU is present NIXL's UCX backend refuses a
+UCX_TLS without a CUDA transport, so cuda_copy comes with tcp there."""
 
 import importlib.util
 import os
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from support import REPO_ROOT
 
@@ -19,7 +21,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl_cu13") is None,
                                 reason="NIXL is not installed: pip install \"kvbm_ext[nixl]\" (nixl-cu13)")
-UCX_ENV = {"UCX_TLS": "tcp"}
+UCX_ENV = {"UCX_TLS": "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"}
 START_TIMEOUT = 60
 
 
