@@ -479,7 +479,7 @@ class _Reclaim:
     when the pool closes.  The pool's lock is held while polling, so that close() never
     releases the engine under a poll."""
 
-    deadline = None
+    deadline: float | None = None
 
     def __init__(self, pool: _SlotPool, job: _Job) -> None:
         self.pool, self.job = pool, job
