@@ -547,6 +547,22 @@ class _SlotPool:
     _where = "?"                        # the far side in messages: a path, a peer
     _released = False
 
+    @staticmethod
+    def _expected(like: Any, dims: str, num_slots: int | None) -> tuple[dict[str, Any] | None, int | None]:
+        """The slots' layout (from `like`) and count a caller asks for, checked; None where
+        not given."""
+        layout = _layout(like, dims) if like is not None else None
+        if num_slots is not None:
+            num_slots = operator.index(num_slots)
+            if num_slots < 1:
+                raise ValueError(f"num_slots: expected at least 1, got {num_slots}")
+        return layout, num_slots
+
+    def _need_shape(self, layout: dict[str, Any] | None, num_slots: int | None) -> None:
+        """A new pool is made of num_slots slots of like's sizes: both must be given."""
+        if layout is None or num_slots is None:
+            raise ValueError(f"{self._where}: creating a pool needs num_slots and like")
+
     def _open_slots(self, create: bool, layout: dict[str, Any] | None, num_slots: int | None,
                     bounce_bytes: int | None) -> None:
         """The geometry (a new pool's, written; or the far side's superblock, checked against
@@ -1129,15 +1145,11 @@ class DiskPool(_SlotPool):
         params = dict(engine_params or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
             raise TypeError(f"engine_params: expected a mapping of str to str, got {engine_params!r}")
-        layout = _layout(like, dims) if like is not None else None
-        if num_slots is not None:
-            num_slots = operator.index(num_slots)
-            if num_slots < 1:
-                raise ValueError(f"num_slots: expected at least 1, got {num_slots}")
+        layout, num_slots = self._expected(like, dims, num_slots)
         if create is None:
             create = not os.path.exists(self.path)
-        if create and (layout is None or num_slots is None):
-            raise ValueError(f"{self.path}: creating a pool needs num_slots and like")
+        if create:
+            self._need_shape(layout, num_slots)
         api = _import_nixl()     # before the file is touched
         self.durable = durable
         self._fd = -1
@@ -1156,7 +1168,6 @@ class DiskPool(_SlotPool):
              f"{'durable (O_DSYNC)' if durable else 'not durable until flush()'}, {self.engine}; GDS: {self.gds}; "
              f"bounce {self.bounce_slots} slots{' (pinned)' if self._bounce.pinned else ''}; "
              f"{sum(1 for g in self._generation if g)} slots stored")
-
 
     def _open(self, create: bool, direct: bool | None) -> None:
         flags = os.O_RDWR | (os.O_CREAT if create else 0) | (os.O_DSYNC if self.durable else 0)

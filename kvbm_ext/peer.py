@@ -317,11 +317,7 @@ class PeerPool(_SlotPool):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{what}: expected a positive number of seconds, got {value!r}")
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
-        layout = _layout(like, dims) if like is not None else None
-        if num_slots is not None:
-            num_slots = operator.index(num_slots)
-            if num_slots < 1:
-                raise ValueError(f"num_slots: expected at least 1, got {num_slots}")
+        layout, num_slots = self._expected(like, dims, num_slots)
         self._store, self._prefix = store, prefix
         self._agent, self._errors = _make_agent(f"kvbm_ext.peerpool-{os.getpid()}-{next(_agents)}-"
                                                 f"{secrets.token_hex(4)}", progress_delay_us)
@@ -336,8 +332,8 @@ class PeerPool(_SlotPool):
             self._connect(self._fetch(time.monotonic() + self.connect_timeout))
             if create is None:
                 create = bytes(self._read_far(0, ALIGN)) == bytes(ALIGN)
-            if create and (layout is None or num_slots is None):
-                raise ValueError(f"{self._where}: creating a pool needs num_slots and like")
+            if create:
+                self._need_shape(layout, num_slots)
             self._open_slots(create, layout, num_slots, bounce_bytes)
         except BaseException:
             self._release_resources()

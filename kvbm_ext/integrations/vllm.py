@@ -536,10 +536,8 @@ class PeerTier(_PoolTier):
             at += size
 
 
-TIERS = ("disk", "peer", "pinned")
-LATER_TIERS = ()
-# What each tier's size is given in (bytes for the whole engine), beside kvbm_num_slots.
-SIZE_KEYS = {"pinned": "cpu_bytes_to_use", "disk": "kvbm_disk_bytes", "peer": "kvbm_peer_bytes"}
+# The tiers, and the key each one's size is given in (bytes for the whole engine), beside kvbm_num_slots.
+SIZE_KEYS = {"disk": "kvbm_disk_bytes", "peer": "kvbm_peer_bytes", "pinned": "cpu_bytes_to_use"}
 
 
 # ----------------------------------------------------------------------------------
@@ -807,10 +805,9 @@ class KvbmOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         extra = self.extra_config
         tier = extra.get("kvbm_tier", "pinned")
-        if tier not in TIERS:
-            later = " (not implemented yet)" if tier in LATER_TIERS else ""
-            raise ValueError(f"kv_connector_extra_config['kvbm_tier']: {tier!r}{later}; expected one of "
-                             f"{sorted(TIERS)}")
+        if tier not in SIZE_KEYS:
+            raise ValueError(f"kv_connector_extra_config['kvbm_tier']: {tier!r}; expected one of "
+                             f"{sorted(SIZE_KEYS)}")
         if tier == "disk" and not extra.get("kvbm_disk_path"):
             raise ValueError("kv_connector_extra_config: the disk tier needs 'kvbm_disk_path' (a directory for "
                              "its files)")
