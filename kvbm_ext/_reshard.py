@@ -374,6 +374,9 @@ class Resharder:
             if theirs != gathered[0][0]:
                 raise ValueError(f"rank {rank} built its Resharder for (num_heads, num_layers, src, dst) = {theirs}, "
                                  f"rank 0 for {gathered[0][0]}: every rank must plan the same transfer")
+        prepare = getattr(self.transport, "prepare", None)
+        if prepare is not None:
+            prepare(seconds)     # collective, as this construction is
 
     def _plan(self, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout) -> None:
         """Plans the transfer and what this rank's part of it is."""
@@ -529,6 +532,9 @@ class Resharder:
                 raise _CallError(ValueError, f"rank {self.rank}: src_block_ids has {src_desc[0]} ids and "
                                              f"dst_block_ids {dst_desc[0]}: one id per moved block on each side")
             device = self._device(src_cache, dst_cache)
+            check_device = getattr(self.transport, "check_device", None)
+            if check_device is not None and description != (None, None):
+                check_device(device)
             cuda_stream = self._stream(stream, device, description != (None, None))
             # Whatever a pack or an unpack would refuse, found now, before anything is sent.
             if dst_desc is not None:
@@ -992,5 +998,9 @@ def reshard(src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: Paged
 
     It plans and allocates staging buffers on every call: to move blocks repeatedly,
     build a `Resharder` once and call it (it keeps its plan and its buffers)."""
-    resharder = Resharder(num_heads, num_layers, src, dst, group=group, transport=transport, timeout=timeout)
+    if transport is None and group is None:
+        transport = TorchTransport(own_nccl=False)      # a communicator of its own would cost more than the call
+    elif transport is None:
+        transport = TorchTransport(group, own_nccl=False)
+    resharder = Resharder(num_heads, num_layers, src, dst, transport=transport, timeout=timeout)
     return resharder(src_cache, src_block_ids, dst_cache, dst_block_ids, stream=stream, check=check, timeout=timeout)

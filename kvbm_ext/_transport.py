@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 import struct
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ._driver import DONE, WAITING, Handle, submit
 
@@ -43,7 +43,9 @@ class Transport(Protocol):
       goes on (`kvbm_ext._driver`), and `handle.wait_stream(stream)` orders a stream after
       its device work.  Bounded by `call.timeout` either way (TimeoutError).
 
-    Optional: `pairwise` (default False): True for a transport whose ranks share no
+    Optional: `prepare(timeout)`: called collectively on every rank once a Resharder built
+    on a collective transport agreed on its plan, before its first call (TorchTransport
+    opens its NCCL communicators there).  `pairwise` (default False): True for a transport whose ranks share no
     collective (engines that start and restart on their own): a Resharder built on it
     gathers nothing, and each of its calls, checked or not, compares its headers pair by
     pair (`call.headers`).  `staging_device(device)` (default `device`): where the staging
@@ -59,6 +61,11 @@ class Transport(Protocol):
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]: ...
     def exchange(self, call: Exchange, background: bool) -> Handle: ...
 
+
+# The records our header communicator swaps (kvbm_ext._reshard.HEADER.size).
+HEADER_BYTES = 128
+# The NCCL communicators of each (group, device), kept for the life of the process.
+_communicators: dict[tuple[Any, int], tuple[Any, Any]] = {}
 
 # all_gather_object sends each rank's pickled object in a slot of this many bytes, one
 # round; only an object that does not fit costs a second round at the largest size.
@@ -90,6 +97,20 @@ class TorchTransport:
     driver thread (`kvbm_ext._driver`): the group must then carry nothing else from
     other threads.
 
+    NCCL of its own (`own_nccl=True`, the default): where the group has an NCCL backend,
+    GPU messages go over two NCCL communicators of the group's ranks, posted from C
+    rather than through batch_isend_irecv, whose host time (about 60 us a post) would
+    outweigh a call's GPU work: one carries the payloads, the other check=False's
+    headers, which the host waits for without waiting behind a payload.  They are
+    opened on the current CUDA device by the first Resharder built over the group
+    (collectively, as its construction is), shared by every later one, and kept until
+    the process ends: a communicator's teardown frees device memory, which waits for the
+    whole device.  The caches of a GPU call must be on their device.  Where NCCL cannot
+    be loaded, torch's path serves (`KVBM_EXT_DEBUG` says which).  A header that does
+    not come in time aborts both: every later call over them raises, and the next
+    Resharder built over the group opens new ones.  `own_nccl=False`: torch's path
+    always (nothing to open, as for a one-shot `reshard()`).
+
     A TimeoutError (the other ranks did not take part in time) leaves operations of
     the group pending with no peer to complete them: torch.distributed gives no way
     to cancel them, so the group is unusable afterwards (destroy it and build another).
@@ -97,7 +118,7 @@ class TorchTransport:
 
     pairwise = False
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, own_nccl: bool = True) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -110,6 +131,9 @@ class TorchTransport:
         self._carries_host_tensors = "gloo" in str(dist.get_backend(group))
         self._post_streams: dict[Any, Any] = {}     # per device: the stream pieces are posted from
         self._waiter_pool: Any = None
+        self._nccl: tuple[Any, Any] | None = None   # our communicators (payloads, headers), see prepare
+        self._nccl_device = ""
+        self._nccl_tried = not own_nccl
 
     @property
     def rank(self) -> int:
@@ -118,6 +142,68 @@ class TorchTransport:
     @property
     def world_size(self) -> int:
         return len(self._global_ranks)
+
+    def prepare(self, timeout: float) -> None:
+        """Finds or opens the NCCL communicators of the group on the current device, once per
+        transport; collective over every rank of the group (the `Transport` protocol's
+        `prepare`, which a Resharder's construction calls).  Nothing where the group has no
+        NCCL backend; torch's batch_isend_irecv serves where a rank cannot load NCCL."""
+        import torch
+        import torch.distributed as dist
+
+        if self._nccl_tried or "nccl" not in str(dist.get_backend(self.group)) or not torch.cuda.is_available():
+            return
+        self._nccl_tried = True
+        from . import _C
+        from ._debug import emit, enabled
+
+        comm = _C._NcclComm
+        device = torch.cuda.current_device()
+        key = (dist.group.WORLD if self.group is None else self.group, device)
+        held = _communicators.get(key)
+        try:
+            comm.load()
+            why = None
+        except RuntimeError as error:
+            why = f"rank {self._rank}: {error}"
+        # Every rank decides alike: reuse where every rank's pair is whole, else open anew.
+        gathered = self.all_gather_object((why, held is not None and not any(c.aborted for c in held)), timeout)
+        refused = [why for why, _ in gathered if why is not None]
+        if refused:
+            if enabled():
+                emit(f"reshard: rank {self._rank} posts through torch's batch_isend_irecv ({'; '.join(refused)})")
+            return
+        if not all(whole for _, whole in gathered):
+            held = _communicators[key] = self._open(comm, device, timeout)
+        self._nccl, self._nccl_device = held, f"cuda:{device}"
+        if enabled():
+            emit(f"reshard: rank {self._rank} posts through NCCL communicators of its own on cuda:{device}")
+
+    def _open(self, comm: Any, device: int, timeout: float) -> tuple[Any, Any]:
+        """Two new communicators over the group (collective): payloads, then headers."""
+        ids = self.all_gather_object((comm.unique_id(), comm.unique_id()) if self._rank == 0 else None, timeout)[0]
+        # Blocks until every rank opened its own: all reached this point together.
+        opened = (comm(ids[0], self.world_size, self._rank, device), comm(ids[1], self.world_size, self._rank, device))
+        # NCCL connects a pair at its first operation, and waits for the peer on the host there:
+        # connected now, while every rank is here, a call's wait is only ever for its records.
+        others = tuple(rank for rank in range(self.world_size) if rank != self._rank)
+        for one in opened:
+            one.swap(others, bytes(len(others) * HEADER_BYTES), timeout)
+        return opened
+
+    def check_device(self, device: str) -> None:
+        """Refuses, as a rank's own argument error, caches on a device other than our
+        communicators' (NCCL moves a device's memory on that device's communicator)."""
+        if self._nccl is not None and device.startswith("cuda") and device != self._nccl_device:
+            raise ValueError(f"the caches are on {device}, but this transport's NCCL "
+                             f"communicators on {self._nccl_device}, the current device when its first Resharder "
+                             "was built: build it with the caches' device current (torch.cuda.set_device), or "
+                             "pass transport=TorchTransport(group, own_nccl=False)")
+
+    def _abort_nccl(self) -> None:
+        if self._nccl is not None:
+            for comm in self._nccl:
+                comm.abort()
 
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]:
         """As torch.distributed.all_gather_object, with every wait bounded by `timeout`
@@ -233,9 +319,10 @@ class _TorchCall:
             self._unpack_stream = _side_stream(call.device)
             # The unpacks write the destination: after what the caller queued before this call.
             self._unpack_stream.wait_stream(call.stream)
-        self._received: dict[int, bytearray] = {}
-        header_works = []
-        if call.headers is not None:
+        self._received: dict[int, bytes | bytearray] = {}
+        self._nccl = transport._nccl if self._gpu else None
+        header_works: list[Any] = []
+        if call.headers is not None and self._nccl is None:
             ops = []
             for peer, record in call.headers.items():
                 into = self._received[peer] = bytearray(len(record))
@@ -256,11 +343,27 @@ class _TorchCall:
                     call.pack(i, p, call.stream)
             if self._gpu:
                 self._events[p + 1].record(call.stream)
+        # Our own communicator's headers cross on the host's wait, after the packs are queued.
+        wait: Callable[[], None] = (lambda: self._wait_all(header_works)) if self._nccl is None else self._swap
         self._headers: Any = None
-        if header_works and background:
-            self._headers = transport._waiter().submit(self._wait_all, header_works)
-        else:
-            self._wait_all(header_works)
+        if call.headers is not None and background:
+            self._headers = transport._waiter().submit(wait)
+        elif call.headers is not None:
+            wait()
+
+    def _swap(self) -> None:
+        """check=False's headers over our header communicator; a timeout aborts both."""
+        assert self._nccl is not None and self.call.headers is not None
+        peers = tuple(self.call.headers)
+        left = max(self._until - time.monotonic(), 0.001)
+        try:
+            received = self._nccl[1].swap(peers, b"".join(self.call.headers[peer] for peer in peers), left)
+        except TimeoutError as error:
+            self.transport._abort_nccl()
+            raise self.transport._timeout_error(self.call.timeout, "messages", error) from error
+        size = len(received) // max(len(peers), 1)
+        for i, peer in enumerate(peers):
+            self._received[peer] = received[i * size:(i + 1) * size]
 
     def step(self) -> str:
         if self._headers is not None:
@@ -304,6 +407,9 @@ class _TorchCall:
         pieces = max((len(m.pieces) for m in sends + [m for _, m in recvs]), default=0)
         writes = call.allow_writes(self._unpack_stream) if self._gpu else False
         post = transport._post_stream(torch.device(call.device)) if self._gpu else None
+        if self._nccl is not None:
+            self._post_nccl(sends, recvs, pieces, writes, post)
+            return []
         batches = []
         for p in range(pieces):
             ops = [dist.P2POp(dist.isend, m.chunks[p], transport._global_ranks[m.peer], transport.group)
@@ -327,12 +433,40 @@ class _TorchCall:
                 if writes:
                     for j, message in recvs:
                         if p < len(message.pieces):
-                            call.unpack(j, p, self._unpack_stream)
-        if self._unpack_stream is not call.stream:
+                            self.call.unpack(j, p, self._unpack_stream)
+        self._after_unpacks()
+        return []
+
+    def _post_nccl(self, sends: list[Any], recvs: list[Any], pieces: int, writes: bool, post: Any) -> None:
+        """The pieces over our payload communicator: piece p's group is posted on the post
+        stream once its packs are done, and the unpack stream unpacks it once the group
+        (its sends included, whose staging the next call rewrites) completed."""
+        call = self.call
+        arrived = call.events(-2, pieces)
+        bases = [(m, m.buffer.data_ptr(), 1) for m in sends] + [(m, m.buffer.data_ptr(), 0) for _, m in recvs]
+        for p in range(pieces):
+            ops = tuple((m.peer, send, base + m.pieces[p][0], m.pieces[p][1] - m.pieces[p][0])
+                        for m, base, send in bases if p < len(m.pieces))
+            post.wait_event(self._events[min(p + 1, self._packed)])
+            if ops:
+                self._nccl[0].post(post.cuda_stream, ops)
+            arrived[p].record(post)
+        for p in range(pieces):
+            self._unpack_stream.wait_event(arrived[p])
+            if writes:
+                for j, message in recvs:
+                    if p < len(message.pieces):
+                        call.unpack(j, p, self._unpack_stream)
+        self._after_unpacks()
+
+    def _after_unpacks(self) -> None:
+        """A call in the background: the event its handle orders streams after."""
+        import torch
+
+        if self._unpack_stream is not self.call.stream:
             event = torch.cuda.Event()
             event.record(self._unpack_stream)
             self.handle.gpu_enqueued(event)
-        return []
 
 
 _side_streams: dict[str, Any] = {}

@@ -212,6 +212,7 @@ class Case:
     nb: int = 5
     group: list | None = None   # world ranks of a subgroup the layouts' ranks are ranks of (None: the world)
     one_shot: bool = False  # kvbm_ext.reshard() for each call instead of one Resharder
+    torch_posts: bool = False   # NCCL: torch's batch_isend_irecv, not the transport's own communicators
 
 
 NB_SRC, NB_DST = 12, 10
@@ -264,6 +265,7 @@ NCCL_CASES = {
     "mla tp1->tp2": Case(L(1), L(2), 1, 1, heads=1, no=1, hd=576, nt=16, src_dims="btd", dst_dims="btd"),
     "gqa 1 head tp1->tp2": Case(L(1), L(2), 1, 1, heads=1, hd=128, nt=16, dst_dims="kbhtd"),
     "gqa 1 head tp2->tp1": Case(L(2), L(1), 0, 1, heads=1, hd=128, nt=16, ids="host-int64"),
+    "tp1->tp2 through torch's posts": Case(L(1), L(2), 1, 1, heads=8, layers=6, hd=64, nt=16, torch_posts=True),
 }
 # Four GPUs (nvidia-h200-x4): TP 2 <-> 4 with Llama-3.1-70B's heads, fewer layers.
 NCCL4_WORLD = 4
@@ -281,6 +283,9 @@ NCCL_ERRORS = {
     "id out of range": (1, "dst_ids_range", ValueError, r"dst_block_ids\[4\] on rank 1: block id 10 is out of range"),
     "block count": (0, "src_ids_short", ValueError, r"number of block ids differs across the ranks: 4 \(src_block_ids "
                                                      r"on rank 0\), 5"),
+    "caches off the communicators' device": (0, "other_device", ValueError, r"rank 0: the caches are on cuda:1, but "
+                                                                            r"this transport's NCCL communicators on "
+                                                                            r"cuda:0"),
 }
 ERRORS = {"gloo": (GLOO_ERROR_BASE, GLOO_ERRORS), "nccl": (NCCL_ERROR_BASE, NCCL_ERRORS)}
 
@@ -383,6 +388,12 @@ class Recording:
         self.calls = []
         self.headers = []
 
+    def prepare(self, timeout):
+        self.inner.prepare(timeout)
+
+    def check_device(self, device):
+        self.inner.check_device(device)
+
     @property
     def _carries_host_tensors(self):
         return self.inner._carries_host_tensors
@@ -447,7 +458,7 @@ def _run_case(name, case, rank, device, stream=None):
                     kvbm_ext.ReshardStats())] * 2, "dst_ok": True, "src_ok": True, "plan_messages": case.messages}
         rank = dist.get_rank(group)                 # the layouts name ranks of the group
     src_model, dst_model, ids, src, dst = _setup(name, case, rank, device)
-    transport = Recording(kvbm_ext.TorchTransport(group))
+    transport = Recording(kvbm_ext.TorchTransport(group, own_nccl=not case.torch_posts))
     resharder = Resharder(case.heads, case.layers, case.src, case.dst, transport=transport)
     expected = [t.clone() for t in dst_model]
     if stream is not None:
@@ -470,7 +481,7 @@ def _run_case(name, case, rank, device, stream=None):
     return {"involved": src is not None or dst is not None, "me": transport.rank, "posted": transport.calls,
             "headers": transport.headers, "staging": staging,
             "stats": stats, "dst_ok": dst is None or dst.matches(expected), "src_ok": src is None or src.matches(src_model),
-            "plan_messages": resharder.num_messages}
+            "plan_messages": resharder.num_messages, "own_nccl": transport.inner._nccl is not None}
 
 
 def _run_error(backend, name, rank, device):
@@ -499,6 +510,8 @@ def _run_error(backend, name, rank, device):
             dst_layout = L(2, ranks=[2, 1])
         elif how == "src_not_cache":
             src_cache = list(src.arrays)
+        elif how == "other_device":
+            src_cache = Side(src_model, src.heads, src.layers, case.src_dims, f"cuda:{1 - rank}").cache
         elif how == "bystander_cache":
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
     stream = 1 if rank == bad_rank and how == "host_stream" else None
@@ -548,6 +561,9 @@ def _worker(rank, world, backend, store_path, out_dir, names):
     if backend == "nccl" and world == NCCL_WORLD:
         results["async"] = _run_async(rank, device)
         _save(results, out_dir, rank)
+        dist.barrier()
+        results["header timeout"] = _run_header_timeout(rank, device)
+        _save(results, out_dir, rank)
     dist.destroy_process_group()
 
 
@@ -592,6 +608,31 @@ def _run_async(rank, device):
         for l in range(case.layers):
             expected[l][:, ids[0][1]] = src_model[l][:, ids[0][0]]
         return {"ok": True, "pending": all(pending), "host_s": host_s, "dst_ok": dst.matches(expected)}
+    except Exception:
+        return {"ok": False, "traceback": traceback.format_exc()}
+
+
+def _run_header_timeout(rank, device):
+    """check=False over the transport's own communicators, rank 0 never calling: rank 1 raises
+    TimeoutError within its timeout, writes nothing, and its next call raises at once."""
+    try:
+        case = NCCL_CASES["tp1->tp2"]
+        src_model, dst_model, ids, src, dst = _setup("header timeout", case, rank, device)
+        resharder = Resharder(case.heads, case.layers, case.src, case.dst)
+        outcome = {"ok": True, "own_nccl": resharder.transport._nccl is not None}
+        if rank == 1:
+            src_ids, dst_ids = (x.tolist() for x in ids[0])
+            errors = []
+            for _ in range(2):
+                start = time.monotonic()
+                try:
+                    resharder(None, None, dst.cache, dst_ids, check=False, timeout=2)
+                    errors.append(None)
+                except Exception as error:
+                    errors.append([type(error).__name__, str(error), time.monotonic() - start])
+            torch.cuda.synchronize()
+            outcome.update(errors=errors, dst_ok=dst.matches(dst_model))
+        return outcome
     except Exception:
         return {"ok": False, "traceback": traceback.format_exc()}
 
@@ -738,7 +779,10 @@ def nccl_results(tmp_path_factory):
 @pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("name", NCCL_CASES)
 def test_nccl_reshard(nccl_results, name):
-    _check_case(NCCL_CASES[name], nccl_results[name])
+    case = NCCL_CASES[name]
+    _check_case(case, nccl_results[name])
+    # through the transport's own communicators, unless the case asks for torch's posts
+    assert [r["own_nccl"] for r in nccl_results[name]] == [not case.torch_posts] * NCCL_WORLD
 
 
 @pytest.fixture(scope="module")
@@ -768,6 +812,19 @@ def test_nccl_errors_raise_on_every_rank_and_write_nothing(nccl_results, name):
 @pytest.mark.parametrize("name", NCCL_UNCHECKED)
 def test_nccl_unchecked_pairs_raise_alike(nccl_results, name):
     _check_unchecked(NCCL_UNCHECKED[name][2], nccl_results[name])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.gpu(count=2)
+def test_nccl_header_that_never_comes_times_out_and_writes_nothing(nccl_results):
+    results = nccl_results["header timeout"]
+    assert all(r["ok"] for r in results), _failures(results)
+    assert [r["own_nccl"] for r in results] == [True, True]
+    (kind, message, seconds), (again, why, at_once) = results[1]["errors"]
+    assert kind == "TimeoutError" and "did not complete the messages within 2" in message, message
+    assert 1.9 < seconds < 10, seconds
+    assert again == "RuntimeError" and "aborted" in why and at_once < 1, (why, at_once)
+    assert results[1]["dst_ok"], "a destination block was written"
 
 
 @pytest.mark.multiprocess

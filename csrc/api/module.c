@@ -6,6 +6,7 @@
 #include "convert.h"
 #include "copy.h"
 #include "host_buffer.h"
+#include "nccl_comm.h"
 #include "paged.h"
 #include "signatures.h"
 #include "staging_api.h"
@@ -321,7 +322,7 @@ static int module_exec(PyObject *module)
         return -1;
     state->gpu = kv_gpu_new();
     if (state->gpu == NULL || kv_paged_add_type(module) < 0
-        || kv_host_buffer_add_type(module, &state->host_buffer_type) < 0)
+        || kv_host_buffer_add_type(module, &state->host_buffer_type) < 0 || kv_nccl_comm_add_type(module) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }

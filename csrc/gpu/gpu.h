@@ -250,4 +250,35 @@ int kv_gpu_pci_bus_id(int device, char *buf, size_t size);
  * build has no CUDA). */
 const char *kv_gpu_pointer_kind(const void *address);
 
+/* NCCL point-to-point between the GPUs of a process group, for a
+ * Resharder's messages (gpu_nccl.c): a communicator of our own, NCCL loaded
+ * from libnccl.so.2 at first use.  Each returns 0 (or the object), or -1
+ * (NULL) with an exception: RuntimeError where NCCL cannot be loaded, CUDA
+ * or NCCL fails (or the build has no CUDA), TimeoutError from kv_nccl_swap. */
+#define KV_NCCL_ID_BYTES 128
+#define KV_NCCL_RECORD_BYTES 128
+typedef struct kv_nccl kv_nccl;
+typedef struct {
+    int peer, send; /* the peer's rank in the group; a send, else a receive */
+    uintptr_t address;
+    size_t bytes;
+} kv_nccl_op;
+
+int kv_nccl_load(void);
+int kv_nccl_unique_id(unsigned char id[KV_NCCL_ID_BYTES]);
+/* Blocks (without the GIL) until every rank of the group opened its own. */
+kv_nccl *kv_nccl_open(const unsigned char id[KV_NCCL_ID_BYTES], int nranks, int rank, int device);
+void kv_nccl_close(kv_nccl *c);
+/* Enqueues `ops` on `stream` as one NCCL group. */
+int kv_nccl_post(kv_nccl *c, intptr_t stream, const kv_nccl_op *ops, Py_ssize_t n);
+/* Sends records[i] (KV_NCCL_RECORD_BYTES each) to peers[i] and receives
+ * one from each into received[i], on a stream of its own, and waits for
+ * them on the host (GIL released) until `timeout` seconds passed: then, or
+ * on any failure, the communicator is aborted (every later call raises). */
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
+                 double timeout);
+/* Ends every operation of the communicator that is still pending, for good. */
+void kv_nccl_abort(kv_nccl *c);
+int kv_nccl_aborted(kv_nccl *c);
+
 #endif /* KVBM_GPU_H */

@@ -133,3 +133,42 @@ const char *kv_gpu_pointer_kind(const void *address)
     no_cuda();
     return NULL;
 }
+
+int kv_nccl_load(void) { return no_cuda(); }
+
+int kv_nccl_unique_id(unsigned char id[KV_NCCL_ID_BYTES])
+{
+    (void)id;
+    return no_cuda();
+}
+
+kv_nccl *kv_nccl_open(const unsigned char id[KV_NCCL_ID_BYTES], int nranks, int rank, int device)
+{
+    (void)id, (void)nranks, (void)rank, (void)device;
+    no_cuda();
+    return NULL;
+}
+
+/* Never called: no communicator opens without CUDA. */
+void kv_nccl_close(kv_nccl *c) { (void)c; }
+
+int kv_nccl_post(kv_nccl *c, intptr_t stream, const kv_nccl_op *ops, Py_ssize_t n)
+{
+    (void)c, (void)stream, (void)ops, (void)n;
+    return no_cuda();
+}
+
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
+                 double timeout)
+{
+    (void)c, (void)peers, (void)n, (void)records, (void)received, (void)timeout;
+    return no_cuda();
+}
+
+void kv_nccl_abort(kv_nccl *c) { (void)c; }
+
+int kv_nccl_aborted(kv_nccl *c)
+{
+    (void)c;
+    return 1;
+}
