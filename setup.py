@@ -41,6 +41,8 @@ DEFAULT_ARCHS = "80;86;89;90"
 # on the include path, so names are unique across csrc/.
 CUDA_FOLDER = "gpu"
 GPU_STUB = "gpu_stub.c"
+# Each kind of layout move's header there is read by its kernel file in cuda/ too.
+MOVES = "csrc/moves"
 # Flags that change the objects without changing a file; part of the recorded build configuration.
 FLAG_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED")
 RECORD_NAME = "kvbm_build_config.json"
@@ -248,14 +250,18 @@ class BuildExt(build_ext):
         nvcc, cuda_home = config["nvcc"], Path(config["cuda_home"])
         build_temp = Path(self.build_temp)
         build_temp.mkdir(parents=True, exist_ok=True)
-        headers = [ROOT / path for path in sources_under("cuda", "*.h", "*.cuh")]
+        # A kernel file reads its kind's header, which declares its launch where KVBM_CUDA_VERSION
+        # is defined, as for the C files of this build.
+        headers = [ROOT / path for path in sources_under("cuda", "*.h", "*.cuh") + sources_under(MOVES, "*.h")]
+        version = f'-DKVBM_CUDA_VERSION="{config["version"]}"'
         commands = []
         for source in sorted((ROOT / "cuda").glob("*.cu")):
             obj = build_temp / (source.stem + ".cu.o")
             inputs = [source, *headers, ROOT / "setup.py"]
             if self.force or not obj.exists() or max(p.stat().st_mtime for p in inputs) > obj.stat().st_mtime:
                 commands.append([nvcc, "-c", str(source), "-o", str(obj), "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
-                                 "-Xcompiler", "-fvisibility=hidden", f"-I{ROOT / 'cuda'}", *config["gencode"]])
+                                 "-Xcompiler", "-fvisibility=hidden", f"-I{ROOT / 'cuda'}", f"-I{ROOT / MOVES}",
+                                 version, *config["gencode"]])
             ext.extra_objects.append(str(obj))
             ext.depends.append(str(obj))
         run_concurrently(commands)

@@ -8,8 +8,8 @@
 // CPU path uses.
 #include <stdint.h>
 
-#include "kvbm_kernels.h"
 #include "kvbm_device.cuh"
+#include "move_block_universal.h"
 
 namespace {
 
@@ -96,4 +96,4 @@ extern "C" cudaError_t kvbm_launch_block_universal(const kvbm_block_dims *dims, 
                                                 grid, threads, stream);
 }
 
-extern "C" cudaError_t kvbm_load_block_universal(void) { return load_family<BlockUniversalKernels, void *>(); }
+KVBM_LOAD_AHEAD(load_family<BlockUniversalKernels, void *>);

@@ -7,7 +7,6 @@
 // the device are never read by the host.
 #include <stdint.h>
 
-#include "kvbm_kernels.h"
 #include "kvbm_device.cuh"
 
 namespace {
@@ -98,6 +97,13 @@ __global__ void __launch_bounds__(kThreads)
 static_assert(sizeof(Params) + sizeof(TableByValue<uint64_t, kSmallTable>) <= 4096,
               "a small by-value launch stays under 4 KB of parameters");
 
+cudaError_t load_copy_pairs()
+{
+    return load_kernels(copy_pairs_kernel<ListsInMemory>, copy_pairs_kernel<TableByValue<uint64_t, kTinyTable>>,
+                        copy_pairs_kernel<TableByValue<uint64_t, kSmallTable>>,
+                        copy_pairs_kernel<TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>);
+}
+
 }  // namespace
 
 extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uint64_t *by_value, cudaStream_t stream)
@@ -124,9 +130,4 @@ extern "C" cudaError_t kvbm_launch_copy_pairs(const kvbm_pairs *pairs, const uin
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t kvbm_load_copy_pairs(void)
-{
-    return load_kernels(copy_pairs_kernel<ListsInMemory>, copy_pairs_kernel<TableByValue<uint64_t, kTinyTable>>,
-                        copy_pairs_kernel<TableByValue<uint64_t, kSmallTable>>,
-                        copy_pairs_kernel<TableByValue<uint64_t, KVBM_TABLE_BY_VALUE_MAX>>);
-}
+KVBM_LOAD_AHEAD(load_copy_pairs);

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kvbm_kernels.h"
+#include "kvbm_paged.h"
 
 namespace kvbm {
 
@@ -57,8 +58,9 @@ cudaError_t with_vector_bytes(int vector_bytes, const Launch &launch)
 }
 
 // CUDA loads a kernel at its first launch, and that launch waits for the
-// device to be idle: loading the kernels ahead (kvbm_load_*) keeps it off the
-// calls.  Asking for a kernel's attributes loads it.
+// device to be idle: loading the kernels ahead (kvbm_load_kernels,
+// LoadAhead below) keeps it off the calls.  Asking for a kernel's attributes
+// loads it.
 template <class... Kernels>
 cudaError_t load_kernels(Kernels... kernels)
 {
@@ -293,6 +295,17 @@ cudaError_t load_family()
     });
 }
 
+// One kernel file's load, linked into the list kvbm_load_kernels runs
+// (load_ahead.cu) as the library loads, before any call: each file names
+// its own (KVBM_LOAD_AHEAD), so that no list of the files is kept by hand.
+struct LoadAhead {
+    cudaError_t (*load)();
+    const LoadAhead *next;
+    static inline const LoadAhead *first = nullptr;  // constant-initialized, before any file's entry
+
+    explicit LoadAhead(cudaError_t (*load_)()) : load(load_), next(first) { first = this; }
+};
+
 // What the kernels moving kvbm_paged chunks (paged.cu, to_cache.cu) share:
 // a chunk is (block b, moved layer i, outer o), b * nl * no + i * no + o,
 // of `segments` runs of segment_bytes each (kvbm_paged.h).
@@ -333,5 +346,13 @@ __device__ __forceinline__ void paged_vector(const kvbm_paged *p, const PagedTil
 }
 
 }  // namespace kvbm
+
+// At namespace scope in a kernel file: KVBM_LOAD_AHEAD(load), `load` (a
+// function taking nothing and returning a cudaError_t) loading its kernels;
+// variadic because load_family<Family, T> holds a comma.
+#define KVBM_LOAD_AHEAD(...)                                                                                           \
+    namespace {                                                                                                        \
+    const kvbm::LoadAhead load_ahead_(__VA_ARGS__);                                                                    \
+    }
 
 #endif  // KVBM_DEVICE_CUH

@@ -8,8 +8,8 @@
 // kvbm_paged.h, the code the CPU path runs too.
 #include <stdint.h>
 
-#include "kvbm_kernels.h"
 #include "kvbm_device.cuh"
+#include "move_paged.h"
 
 namespace {
 
@@ -98,4 +98,4 @@ extern "C" cudaError_t kvbm_launch_paged(const kvbm_paged *paged, const kvbm_pag
     return launch_family<PagedKernels>(vector_bytes, host_table, device_table, entries, p, grid, threads, stream);
 }
 
-extern "C" cudaError_t kvbm_load_paged(void) { return load_family<PagedKernels, uint64_t>(); }
+KVBM_LOAD_AHEAD(load_family<PagedKernels, uint64_t>);

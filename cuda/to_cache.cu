@@ -1,14 +1,14 @@
 // Paged cache -> paged cache, blocks addressed by id on both sides.
 //
 // A chunk is (block b, moved layer i, outer o), at table entry i*no + o of
-// each side (kvbm_to_cache.h); CTAs move tiles of chunks in a grid-stride
+// each side (move_to_cache.h); CTAs move tiles of chunks in a grid-stride
 // loop, as the paged kernel does, so `num_ctas` bounds the SMs a transfer
 // takes without changing what it moves.  Where a byte goes is decided by
-// kvbm_to_cache.h and kvbm_paged.h, the code the CPU path runs too.
+// move_to_cache.h and kvbm_paged.h, the code the CPU path runs too.
 #include <stdint.h>
 
-#include "kvbm_kernels.h"
 #include "kvbm_device.cuh"
+#include "move_to_cache.h"
 
 namespace {
 
@@ -83,4 +83,4 @@ extern "C" cudaError_t kvbm_launch_to_cache(const kvbm_to_cache *move, const kvb
     return launch_family<ToCacheKernels>(vector_bytes, host_table, device_table, entries, p, grid, threads, stream);
 }
 
-extern "C" cudaError_t kvbm_load_to_cache(void) { return load_family<ToCacheKernels, uint64_t>(); }
+KVBM_LOAD_AHEAD(load_family<ToCacheKernels, uint64_t>);

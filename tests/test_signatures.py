@@ -3,12 +3,16 @@ that follow from it cannot drift: the C parser reads the tables themselves;
 tools/gen_signatures.py writes the docstrings' first lines (csrc/args/signatures.h) and the
 stub's defs (kvbm_ext/__init__.pyi) from them, and its check mode passes; the built module's
 text signatures are the generated ones; and the module's parser accepts and refuses the
-names and positions the tables declare.  Reads files and calls the module; builds nothing."""
+names and positions the tables declare, and reads an argument left out as the table's
+default.  Reads files and calls the module; builds nothing."""
 
+import ast
 import inspect
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -123,6 +127,136 @@ def test_the_parser_takes_the_declared_positions(signature):
     required = [p for p in signature.params if p.default is None]
     if required:
         assert message(function) == f"{shown}() missing required argument '{required[0].name}' (pos 1)"
+
+
+# ------------------------------------------------------------ the readers apply the tables' defaults
+
+
+def host_cache(rng, zeros=False):
+    """A host cache of 3 layers [4 blocks, 4 tokens, 2 heads, 8] (nt != nh, so that NHD
+    and HND differ), and its layers."""
+    layers = [np.zeros((4, 4, 2, 8), np.float32) if zeros else rng.random((4, 4, 2, 8), np.float32)
+              for _ in range(3)]
+    return kvbm_ext.PagedKVCache(layers, "bthd"), layers
+
+
+def conversion_call(name):
+    """A call of one of the six conversions on one block (nl = no = 2, nt = 4, nh = 2),
+    writing its second argument."""
+    def make():
+        rng = np.random.default_rng(0)
+        sides = {"blocks": [[rng.random((4, 2, 8), np.float32) for _ in range(4)]],
+                 "universals": [rng.random((2, 2, 2, 4, 8), np.float32)],
+                 "operationals": [rng.random((2, 2, 64), np.float32)]}
+        source, target = name.split("_to_")
+        sides[f"{target}s"] = [np.zeros_like(a) for a in sides[f"{target}s"]] if target != "block" else \
+            [[np.zeros_like(a) for a in sides["blocks"][0]]]
+        arrays = [sides[f"{source}s"], sides[f"{target}s"]]
+        return getattr(kvbm_ext, name), arrays, {}, arrays
+    return make
+
+
+def cache_call(name):
+    """A call of a PagedKVCache method on a host cache, writing universal, operational
+    blocks or a second cache."""
+    def make():
+        rng = np.random.default_rng(0)
+        cache, layers = host_cache(rng)
+        if name == "to_cache":
+            dst, dst_layers = host_cache(rng, zeros=True)
+            return cache.to_cache, [dst, [1], [2]], {}, layers + dst_layers
+        flat = [rng.random((2, 3, 1, 4, 8) if name.endswith("universal") else (3, 1, 64), np.float32)]
+        if name.startswith("to_"):
+            flat = [np.zeros_like(flat[0])]
+        args = [[1], flat] if name.startswith("to_") else [flat, [1]]
+        return getattr(cache, name), args, {}, layers + flat
+    return make
+
+
+def plain_call(function, *args):
+    return lambda: (function, list(args), {}, [])
+
+
+PAGED_METHODS = ("to_universal", "from_universal", "to_operational", "from_operational", "to_cache")
+# Per parsed signature, calls whose outcome depends on each default: another value for any
+# of them moves other bytes, or is refused on the CPU (backend, num_ctas, stream).  A
+# variant's kwargs are the context some defaults need to show (pack_layers does only
+# where `layers` selects some).
+DEFAULT_CALLS = {
+    **{name: [(conversion_call(name), {})] for name in ("block_to_universal", "universal_to_block",
+                                                         "block_to_operational", "operational_to_block",
+                                                         "universal_to_operational", "operational_to_universal")},
+    **{f"PagedKVCache.{name}": [(cache_call(name), {}), (cache_call(name), {"layers": slice(1, 3)})]
+       for name in PAGED_METHODS},
+    "vectorized_copy": [(plain_call(kvbm_ext.vectorized_copy, [0], [0], [0]), {})],
+    "memcpy_batch": [(plain_call(kvbm_ext.memcpy_batch, [0], [0], [0]), {})],
+    "PagedKVCache": [(lambda: (kvbm_ext.PagedKVCache, [[np.zeros((4, 16, 2, 8), np.float16)], "bthd"], {}, []), {})],
+    "set_staging": [(plain_call(kvbm_ext.set_staging), {})],
+    "reserve_staging": [(plain_call(kvbm_ext.reserve_staging), {})],
+    "staging_info": [(plain_call(kvbm_ext.staging_info), {})],
+    "crc32c": [(plain_call(kvbm_ext.crc32c, np.arange(16, dtype=np.uint8)), {})],
+    "pinned_empty": [(plain_call(kvbm_ext.pinned_empty, 8, "uint8"), {})],
+    "unlink_shared": [(plain_call(kvbm_ext.unlink_shared, "kvbm_ext_no_such_region"), {})],
+    "HostBuffer.__dlpack__": [(lambda: (kvbm_ext.pinned_empty(8, "uint8").__dlpack__, [], {}, []), {})],
+}
+
+
+def outcome(make, kwargs):
+    """What a call did: its result (or error), its warnings, the bytes of what it wrote."""
+    function, args, base, watched = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = re.sub(r" at 0x[0-9a-f]+", "", repr(function(*args, **base, **kwargs)))
+        except Exception as error:  # noqa: BLE001 -- an error is an outcome to compare
+            result = f"{type(error).__name__}: {error}"
+    return result, [str(w.message) for w in caught], [a.tobytes() for a in flat_arrays(watched)]
+
+
+def flat_arrays(items):
+    """The arrays of nested lists of arrays (a call's blocks are lists of chunks)."""
+    return [a for item in items for a in (flat_arrays(item) if isinstance(item, list) else [item])]
+
+
+def test_every_parsed_signature_has_calls_for_its_defaults():
+    assert sorted(DEFAULT_CALLS) == sorted(s.qualname for s in PARSED)
+
+
+def test_an_argument_left_out_reads_as_the_tables_default():
+    """Each optional parameter, passed its default as signatures.c writes it, does what
+    leaving it out does: the C readers apply the table's default (signatures.h's
+    KV_<STRUCT>_<FIELD>_DEFAULT; None is the field left NULL), not one of their own."""
+    differ = []
+    for s in PARSED:
+        for make, context in DEFAULT_CALLS[s.qualname]:
+            for p in s.params:
+                if p.default is None or p.name in context:
+                    continue
+                assert p.kind != gen_signatures.POSITIONAL_ONLY, f"{s.qualname}: {p.name} passed by keyword"
+                left_out = outcome(make, context)
+                given = outcome(make, {**context, p.name: ast.literal_eval(p.default)})
+                if left_out != given:
+                    differ.append(f"{s.qualname}({p.name}={p.default}) with {context}: "
+                                  f"{given[:2]} but left out {left_out[:2]}, or other bytes")
+    assert differ == [], "\n".join(differ)
+
+
+def test_a_default_is_emitted_for_the_c_readers():
+    """signatures.h carries each optional field's default as C reads it; a struct's
+    signatures must agree on a field's default (they share its readers)."""
+    header = gen_signatures.generate(TABLES, STUBS)[gen_signatures.HEADER]
+    assert '#define KV_CONVERSION_ARGS_LAYOUT_DEFAULT "NHD"' in header
+    assert "#define KV_PAGED_ARGS_PACK_LAYERS_DEFAULT 0" in header
+    assert "#define KV_CRC32C_ARGS_VALUE_DEFAULT 0" in header
+    assert "KV_STAGING_ARGS_DEVICE_DEFAULT" not in header  # None: the field left NULL
+    changed = TABLES.replace('KV_PARAM(kv_conversion_args, layout, KV_POSITIONAL, "\'NHD\'"',
+                             'KV_PARAM(kv_conversion_args, layout, KV_POSITIONAL, "\'HND\'"', 1)
+    assert changed != TABLES
+    with pytest.raises(gen_signatures.SignatureError, match="one field, one default"):
+        gen_signatures.generate(changed, STUBS)
+    changed = changed.replace("'NHD'", "'HND'")
+    assert '#define KV_CONVERSION_ARGS_LAYOUT_DEFAULT "HND"' in gen_signatures.generate(changed, STUBS)[
+        gen_signatures.HEADER]
 
 
 # ------------------------------------------------------------ the generator can fail

@@ -157,6 +157,20 @@ def test_only_the_gpu_folder_includes_the_cuda_runtime():
     assert unguarded_includes(guarded, "kvbm_kernels.h") == [4]
 
 
+def test_kernel_files_read_only_cuda_and_the_kinds_headers():
+    """nvcc compiles cuda/*.cu with cuda/ and csrc/moves/ on its include path (setup.py): a
+    kernel file reads cuda/'s headers and its kind's header (move_<kind>.h, where its launch
+    is declared), and moves/' headers read nothing of csrc/ but moves/ (no Python, no gpu.h),
+    so that nvcc and the C compiler read the same declarations."""
+    cuda = {name for name in os.listdir(CUDA) if name.endswith((".h", ".cuh"))}
+    moves = {name for name in os.listdir(os.path.join(CSRC, "moves")) if name.endswith(".h")}
+    kernels = {name: open(os.path.join(CUDA, name), encoding="utf-8").read()
+               for name in os.listdir(CUDA) if name.endswith(".cu")}
+    kinds = {name: read(os.path.join("moves", name)) for name in moves}
+    outside = {name: sorted(set(INCLUDE.findall(text)) - cuda - moves) for name, text in {**kernels, **kinds}.items()}
+    assert {name: found for name, found in outside.items() if found} == {}
+
+
 def test_no_file_is_over_500_lines():
     lengths = {path: read(path).count("\n") for path in csrc_files()}
     long = {path: n for path, n in lengths.items() if n > MAX_LINES and KNOWN_LONG.get(path) != n}

@@ -5,11 +5,12 @@
 #include "args.h"
 #include "crc32c.h"
 #include "gil.h"
+#include "signatures.h"
 
 PyObject *kv_checksum(kv_state *state, PyObject *data, PyObject *value)
 {
     int64_t start;
-    if (kv_parse_int(value, "value", 0, UINT32_MAX, 0, 0, &start) < 0)
+    if (kv_parse_int(value, "value", 0, UINT32_MAX, KV_CRC32C_ARGS_VALUE_DEFAULT, 0, &start) < 0)
         return NULL;
     const kv_reader reader = {&state->protocols, Py_None};
     const kv_path path = {"data", {0, 0}, 0};

@@ -7,6 +7,7 @@
 
 #include "args.h"
 #include "convert_run.h"
+#include "signatures.h"
 
 /* What an array of the other side must look like, for error messages. */
 static const char *other_shape_hint(const kv_call *call)
@@ -307,8 +308,8 @@ int kv_convert(kv_state *state, kv_conversion conversion, int to_flat, PyObject 
     call.other_is_blocks = conversion != KV_UNIVERSAL_OPERATIONAL;
     call.flat_ndim = conversion == KV_BLOCK_OPERATIONAL ? 3 : 5;
     call.function = function_name(conversion, to_flat);
-    if (kv_layout_read(layout, "layout", &call.layout) < 0
-        || kv_move_options_read(backend, num_ctas, stream, &call.options) < 0)
+    if (kv_layout_read(layout, "layout", KV_CONVERSION_ARGS_LAYOUT_DEFAULT, &call.layout) < 0
+        || kv_move_options_read(backend, KV_CONVERSION_ARGS_BACKEND_DEFAULT, num_ctas, stream, &call.options) < 0)
         return -1;
     call.reader.protocols = &state->protocols;
     call.reader.dlpack_stream = kv_stream_for_dlpack(call.options.stream);

@@ -7,6 +7,7 @@
 #include "args.h"
 #include "overlap.h"
 #include "route.h"
+#include "signatures.h"
 
 static const char *const MODE_NAMES[3] = {"batched_with_fallback", "fallback_only", "batch_without_fallback"};
 enum {
@@ -187,7 +188,7 @@ int kv_vectorized_copy(kv_state *state, PyObject *src, PyObject *dst, PyObject *
 int kv_memcpy_batch(kv_state *state, PyObject *src, PyObject *dst, PyObject *sizes, PyObject *mode, PyObject *stream)
 {
     int m;
-    if (kv_parse_name(mode, "mode", MODE_NAMES, 3, MODE_BATCHED_WITH_FALLBACK, &m) < 0)
+    if (kv_parse_name(mode, "mode", MODE_NAMES, 3, KV_COPY_ARGS_MODE_DEFAULT, &m) < 0)
         return -1;
     if (m == MODE_FALLBACK_ONLY)
         return copy_pairs(state, src, dst, sizes, stream, KV_ENGINE_ASYNC, 0, "memcpy_batch", "mode fallback_only");

@@ -223,7 +223,8 @@ int kv_read_pool_request(const kv_pinned_empty_args *a, kv_pool_request *r)
     if (read_shape(a->shape, r) < 0 || (r->dtype = read_dtype(a->dtype)) == NULL
         || kv_parse_int(a->numa_node, "numa_node", 0, KV_MAX_NODES - 1, -1, 1, &r->numa_node) < 0
         || kv_parse_int(a->threads, "threads", 1, 1024, 0, 1, &r->threads) < 0
-        || kv_parse_name(a->huge_pages, "huge_pages", huge_names, 3, KV_HUGE_TRANSPARENT, &r->huge) < 0
+        || kv_parse_name(a->huge_pages, "huge_pages", huge_names, 3, KV_PINNED_EMPTY_ARGS_HUGE_PAGES_DEFAULT, &r->huge)
+               < 0
         || read_device(a->device, &r->device) < 0
         || kv_read_shared_name(a->shared == NULL ? Py_None : a->shared, "shared", 1, &r->is_shared, r->shared) < 0)
         return -1;

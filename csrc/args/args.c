@@ -12,11 +12,28 @@ static void format_names(const char *const *names, int count, char *valid, size_
         n += (size_t)snprintf(valid + n, size - n, "%s\"%s\"", i == 0 ? "" : i == count - 1 ? " or " : ", ", names[i]);
 }
 
-int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, int fallback, int *out)
+/* The index of the n bytes at `s` among `names`, ignoring case; -1 where
+ * none matches.  Whole strings are compared: an embedded NUL is just
+ * another name that does not match. */
+static int find_name(const char *s, size_t n, const char *const *names, int count)
+{
+    for (int i = 0; i < count; i++)
+        if (strlen(names[i]) == n && memchr(s, '\0', n) == NULL && PyOS_strnicmp(s, names[i], n) == 0)
+            return i;
+    return -1;
+}
+
+int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, const char *fallback,
+                  int *out)
 {
     if (value == NULL) {
-        *out = fallback;
-        return 0;
+        /* The default is found as a given name is, so that it is written
+         * once, as signatures.c's text. */
+        *out = find_name(fallback, strlen(fallback), names, count);
+        if (*out >= 0)
+            return 0;
+        PyErr_Format(PyExc_SystemError, "%s: its default \"%s\" is none of its names", argument, fallback);
+        return -1;
     }
     char valid[160];
     if (!PyUnicode_Check(value)) {
@@ -24,17 +41,12 @@ int kv_parse_name(PyObject *value, const char *argument, const char *const *name
         PyErr_Format(PyExc_TypeError, "%s: expected a str (%s), got %s", argument, valid, Py_TYPE(value)->tp_name);
         return -1;
     }
-    /* Whole strings are compared: an embedded NUL, a non-ASCII letter or a
-     * lone surrogate is just another name that does not match. */
+    /* A non-ASCII letter or a lone surrogate is just another name that
+     * does not match. */
     if (PyUnicode_IS_ASCII(value)) {
-        const char *s = (const char *)PyUnicode_DATA(value);
-        const size_t n = (size_t)PyUnicode_GET_LENGTH(value);
-        for (int i = 0; i < count; i++) {
-            if (strlen(names[i]) == n && memchr(s, '\0', n) == NULL && PyOS_strnicmp(s, names[i], n) == 0) {
-                *out = i;
-                return 0;
-            }
-        }
+        *out = find_name((const char *)PyUnicode_DATA(value), (size_t)PyUnicode_GET_LENGTH(value), names, count);
+        if (*out >= 0)
+            return 0;
     }
     format_names(names, count, valid, sizeof valid);
     PyErr_Format(PyExc_ValueError, "%s: expected %s (any case), got %R", argument, valid, value);

@@ -5,9 +5,11 @@
 #include "array.h"
 
 /* Reads a name argument: `value` must be a str equal, ignoring case, to one
- * of `names`; *out receives its index.  NULL (not given) means `fallback`.
- * TypeError or ValueError (listing the valid names), naming `argument`. */
-int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, int fallback, int *out);
+ * of `names`; *out receives its index.  NULL (not given) means the name
+ * `fallback`, the table's default (signatures.h).  TypeError or ValueError
+ * (listing the valid names), naming `argument`. */
+int kv_parse_name(PyObject *value, const char *argument, const char *const *names, int count, const char *fallback,
+                  int *out);
 
 /* The value of an int argument as an int (new reference): an int or any
  * object with __index__ (NumPy and torch integer scalars); a bool is

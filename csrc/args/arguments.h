@@ -5,7 +5,8 @@
  * a table of its parameters (name, kind, default, stub type), each bound to
  * a field of the struct the parser fills.  From that table come the
  * parser's names and rules (here), and, through tools/gen_signatures.py,
- * the struct itself and the docstring's first line (signatures.h) and the
+ * the struct itself, the defaults its readers apply and the docstring's
+ * first line (signatures.h) and the
  * function's def in kvbm_ext/__init__.pyi; tests/test_signatures.py fails
  * when any of them differs from what the tables say. */
 #ifndef KVBM_ARGUMENTS_H
@@ -30,7 +31,8 @@ typedef struct {
     /* The default as Python writes it ("None", "'NHD'", "0"), for the
      * docstring and the stub; NULL (KV_REQUIRED): none, the argument must
      * be given.  The parser leaves an argument not given NULL: its reader
-     * applies the default. */
+     * applies the default, which signatures.h carries as C reads it
+     * (KV_<STRUCT>_<FIELD>_DEFAULT; None is the field left NULL). */
     const char *default_value;
     const char *stub_type; /* its annotation in kvbm_ext/__init__.pyi */
     size_t offset;         /* of the PyObject * field that receives it */

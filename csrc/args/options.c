@@ -7,11 +7,12 @@ const char *const KV_BACKEND_NAMES[KV_BACKEND_COUNT] = {"kernel", "async", "batc
 
 static const char *const LAYOUT_NAMES[] = {"NHD", "HND"};
 
-int kv_move_options_read(PyObject *backend, PyObject *num_ctas, PyObject *stream, kv_move_options *out)
+int kv_move_options_read(PyObject *backend, const char *backend_default, PyObject *num_ctas, PyObject *stream,
+                         kv_move_options *out)
 {
     int backend_index;
     int64_t bound;
-    if (kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, KV_BACKEND_AUTO, &backend_index) < 0
+    if (kv_parse_name(backend, "backend", KV_BACKEND_NAMES, KV_BACKEND_COUNT, backend_default, &backend_index) < 0
         || kv_parse_int(num_ctas, "num_ctas", 1, UINT32_MAX, 0, 1, &bound) < 0
         || kv_stream_from_object(stream != NULL ? stream : Py_None, &out->stream) < 0)
         return -1;
@@ -41,18 +42,18 @@ int kv_move_options_check_host(const kv_move_options *o)
     return 0;
 }
 
-int kv_layout_read(PyObject *value, const char *argument, kvbm_layout *out)
+int kv_layout_read(PyObject *value, const char *argument, const char *fallback, kvbm_layout *out)
 {
     int index;
-    if (kv_parse_name(value, argument, LAYOUT_NAMES, 2, KVBM_NHD, &index) < 0)
+    if (kv_parse_name(value, argument, LAYOUT_NAMES, 2, fallback, &index) < 0)
         return -1;
     *out = (kvbm_layout)index;
     return 0;
 }
 
-int kv_switch_read(PyObject *value, const char *argument, int *out)
+int kv_switch_read(PyObject *value, const char *argument, int fallback, int *out)
 {
-    *out = value == Py_True;
+    *out = value == NULL ? fallback : value == Py_True;
     if (value == NULL || PyBool_Check(value))
         return 0;
     return kv_error(PyExc_TypeError, "%s: expected True or False, got %s", argument, Py_TYPE(value)->tp_name);

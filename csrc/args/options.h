@@ -33,9 +33,11 @@ typedef struct {
     intptr_t stream;   /* a handle, or KV_STREAM_CURRENT (stream.h) */
 } kv_move_options;
 
-/* Reads the three options (NULL: not given) into *out.  Returns 0, or -1
- * with TypeError/ValueError naming the argument. */
-int kv_move_options_read(PyObject *backend, PyObject *num_ctas, PyObject *stream, kv_move_options *out);
+/* Reads the three options (NULL: not given; the backend then is the name
+ * `backend_default`, the table's) into *out.  Returns 0, or -1 with
+ * TypeError/ValueError naming the argument. */
+int kv_move_options_read(PyObject *backend, const char *backend_default, PyObject *num_ctas, PyObject *stream,
+                         kv_move_options *out);
 
 /* For a call that runs on the CPU (no array on a CUDA device): the options
  * that only a GPU move takes must keep their defaults (backend "auto",
@@ -43,13 +45,14 @@ int kv_move_options_read(PyObject *backend, PyObject *num_ctas, PyObject *stream
  * first that does not. */
 int kv_move_options_check_host(const kv_move_options *options);
 
-/* Reads a chunk order, "NHD" or "HND" in any case (NULL: NHD), named
- * `argument` in errors.  Returns 0, or -1 with TypeError/ValueError. */
-int kv_layout_read(PyObject *value, const char *argument, kvbm_layout *out);
+/* Reads a chunk order, "NHD" or "HND" in any case (NULL: the name
+ * `fallback`), named `argument` in errors.  Returns 0, or -1 with
+ * TypeError/ValueError. */
+int kv_layout_read(PyObject *value, const char *argument, const char *fallback, kvbm_layout *out);
 
-/* Reads a switch, True or False (NULL: False), named `argument` in errors:
- * any other object is a TypeError, so that no __bool__ runs and a value
- * such as "no" or 0 is not taken for one.  Returns 0, or -1. */
-int kv_switch_read(PyObject *value, const char *argument, int *out);
+/* Reads a switch, True or False (NULL: `fallback`), named `argument` in
+ * errors: any other object is a TypeError, so that no __bool__ runs and a
+ * value such as "no" or 0 is not taken for one.  Returns 0, or -1. */
+int kv_switch_read(PyObject *value, const char *argument, int fallback, int *out);
 
 #endif /* KVBM_OPTIONS_H */

@@ -2,8 +2,9 @@
  * each function and method, in order, with how Python passes them, their
  * defaults and their types as the stub declares them, and the field of the
  * struct the parser fills.  After a change here run tools/gen_signatures.py:
- * it writes signatures.h (the structs, these objects' declarations and
- * each docstring's first line) and the defs of kvbm_ext/__init__.pyi.
+ * it writes signatures.h (the structs, the defaults their readers apply,
+ * these objects' declarations and each docstring's first line) and the
+ * defs of kvbm_ext/__init__.pyi.
  *
  * The generator reads this file as text: a table is `static const kv_param
  * NAME[] = {...};` of KV_PARAM and KV_VAR_PARAM rows, a signature `const

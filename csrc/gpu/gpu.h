@@ -96,8 +96,9 @@ struct kv_box;
 /* One kind of layout move: everything that differs between kinds, in one
  * place, so that a new kernel is its .cu file, its descriptor and its
  * tests.  Each kind is a file of csrc/moves/ (move_<kind>.c) that defines
- * its descriptor, with its header (move_<kind>.h) declaring it and the
- * description its call fills.  The kernel side is built with nvcc only
+ * its descriptor, with its header (move_<kind>.h) declaring it, the
+ * description its call fills and its kernel's launch (the header the
+ * kernel file reads too).  The kernel side is built with nvcc only
  * (NULL in a build without); its functions return a cudaError_t as an int
  * and take the stream as a void *, so that this header needs no CUDA
  * header.  The kernels themselves load with the others

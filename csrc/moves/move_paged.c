@@ -6,6 +6,8 @@
 
 #include <string.h>
 
+#include "gpu.h"
+
 #ifdef KVBM_CUDA_VERSION
 #include <stdio.h>
 

@@ -12,10 +12,13 @@
 
 #include <string.h>
 
+#include "gpu.h"
+
 #ifdef KVBM_CUDA_VERSION
 #include <stdio.h>
 
 #include "kvbm_kernels.h"
+#include "move_paged.h"
 #include "pieces.h"
 
 static int to_cache_launch(const kv_move *move, const void *host_table, const void *device_table, uint32_t num_ctas,

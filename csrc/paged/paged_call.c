@@ -11,17 +11,17 @@
 
 /* The chunk order of the operational methods: layout=, or inner=, its
  * deprecated spelling (a DeprecationWarning; TypeError when both are
- * given). */
+ * given).  inner=None is its default, not given. */
 static int read_layout(const char *function, PyObject *layout, PyObject *inner, kvbm_layout *out)
 {
-    if (inner == NULL)
-        return kv_layout_read(layout, "layout", out);
+    if (inner == NULL || inner == Py_None)
+        return kv_layout_read(layout, "layout", KV_PAGED_ARGS_LAYOUT_DEFAULT, out);
     if (layout != NULL)
         return kv_error(PyExc_TypeError, "%s() got both layout and inner, its deprecated spelling: pass layout only",
                         function);
     if (PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s(): inner= is deprecated, pass layout= instead", function) < 0)
         return -1;
-    return kv_layout_read(inner, "inner", out);
+    return kv_layout_read(inner, "inner", KV_PAGED_ARGS_LAYOUT_DEFAULT, out);
 }
 
 /* Every moved layer lands on a layer from 0 on. */
@@ -47,11 +47,15 @@ int kv_paged_read_options(const kv_paged_cache *self, const char *function, cons
     /* Offsets are bounded so that no sum with a dimension overflows. */
     if (kv_read_selection(a->layers, self->nl, "layers", "layer", &o->layers) < 0
         || kv_read_selection(a->heads, self->nh, "heads", "head", &o->heads) < 0
-        || kv_parse_int(a->layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, 0, 0, &o->layer_offset) < 0
-        || kv_parse_int(a->head_offset, "head_offset", 0, INT32_MAX, 0, 0, &o->head_offset) < 0
-        || kv_switch_read(a->pack_layers, "pack_layers", &o->pack_layers) < 0
+        || kv_parse_int(a->layer_offset, "layer_offset", -INT32_MAX, INT32_MAX, KV_PAGED_ARGS_LAYER_OFFSET_DEFAULT, 0,
+                        &o->layer_offset)
+               < 0
+        || kv_parse_int(a->head_offset, "head_offset", 0, INT32_MAX, KV_PAGED_ARGS_HEAD_OFFSET_DEFAULT, 0,
+                        &o->head_offset)
+               < 0
+        || kv_switch_read(a->pack_layers, "pack_layers", KV_PAGED_ARGS_PACK_LAYERS_DEFAULT, &o->pack_layers) < 0
         || read_layout(function, a->layout, a->inner, &o->layout) < 0
-        || kv_move_options_read(a->backend, a->num_ctas, a->stream, &o->move) < 0)
+        || kv_move_options_read(a->backend, KV_PAGED_ARGS_BACKEND_DEFAULT, a->num_ctas, a->stream, &o->move) < 0)
         return -1;
     return check_layer_offset(o);
 }

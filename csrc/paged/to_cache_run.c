@@ -216,7 +216,7 @@ static int resolve_stream(const void *context)
 }
 
 /* Moves the bytes: the table holds both caches' (layer, outer) bases, then
- * the host ids (kvbm_to_cache.h). */
+ * the host ids (move_to_cache.h). */
 int kv_to_cache_run(kv_to_cache_call *call)
 {
     const kvbm_to_cache m = plan(call);
