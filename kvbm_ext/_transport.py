@@ -154,10 +154,11 @@ class TorchTransport:
         if self._nccl_tried or "nccl" not in str(dist.get_backend(self.group)) or not torch.cuda.is_available():
             return
         self._nccl_tried = True
-        from . import _C
+        import importlib
+
         from ._debug import emit, enabled
 
-        comm = _C._NcclComm
+        comm = importlib.import_module(f"{__package__}._C")._NcclComm     # private: not in the stub
         device = torch.cuda.current_device()
         key = (dist.group.WORLD if self.group is None else self.group, device)
         held = _communicators.get(key)
@@ -441,7 +442,8 @@ class _TorchCall:
         """The pieces over our payload communicator: piece p's group is posted on the post
         stream once its packs are done, and the unpack stream unpacks it once the group
         (its sends included, whose staging the next call rewrites) completed."""
-        call = self.call
+        call, payloads = self.call, self._nccl
+        assert payloads is not None
         arrived = call.events(-2, pieces)
         bases = [(m, m.buffer.data_ptr(), 1) for m in sends] + [(m, m.buffer.data_ptr(), 0) for _, m in recvs]
         for p in range(pieces):
@@ -449,7 +451,7 @@ class _TorchCall:
                         for m, base, send in bases if p < len(m.pieces))
             post.wait_event(self._events[min(p + 1, self._packed)])
             if ops:
-                self._nccl[0].post(post.cuda_stream, ops)
+                payloads[0].post(post.cuda_stream, ops)
             arrived[p].record(post)
         for p in range(pieces):
             self._unpack_stream.wait_event(arrived[p])
