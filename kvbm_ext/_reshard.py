@@ -998,9 +998,7 @@ def reshard(src_cache: PagedKVCache | None, src_block_ids: Any, dst_cache: Paged
 
     It plans and allocates staging buffers on every call: to move blocks repeatedly,
     build a `Resharder` once and call it (it keeps its plan and its buffers)."""
-    if transport is None and group is None:
-        transport = TorchTransport(own_nccl=False)      # a communicator of its own would cost more than the call
-    elif transport is None:
-        transport = TorchTransport(group, own_nccl=False)
-    resharder = Resharder(num_heads, num_layers, src, dst, transport=transport, timeout=timeout)
+    if transport is None:       # torch's path: communicators of its own would cost more than the call
+        transport, group = TorchTransport(group, own_nccl=False), None
+    resharder = Resharder(num_heads, num_layers, src, dst, group=group, transport=transport, timeout=timeout)
     return resharder(src_cache, src_block_ids, dst_cache, dst_block_ids, stream=stream, check=check, timeout=timeout)

@@ -153,6 +153,32 @@ def test_resharder_needs_an_initialized_group():
         Resharder(8, 4, L(1), L(2))
 
 
+GROUP_AND_TRANSPORT = """
+import datetime, os, sys, tempfile
+import torch.distributed as dist
+import kvbm_ext
+from kvbm_ext import EngineLayout as L
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1), rank=0,
+                        world_size=1, timeout=datetime.timedelta(seconds=20))
+for make in (lambda group, transport: kvbm_ext.Resharder(8, 4, L(1), L(1), group=group, transport=transport),
+             lambda group, transport: kvbm_ext.reshard(None, None, None, None, num_heads=8, num_layers=4, src=L(1),
+                                                       dst=L(1), group=group, transport=transport)):
+    try:
+        make(dist.group.WORLD, kvbm_ext.TorchTransport())
+        sys.exit("no error")
+    except ValueError as error:
+        assert "pass group= or transport=, not both" in str(error), error
+dist.destroy_process_group()
+"""
+
+
+def test_group_and_transport_together_are_refused():
+    # Its own process: a process group initialized here would stay for the other tests.
+    result = subprocess.run([sys.executable, "-c", GROUP_AND_TRANSPORT], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_example_runs_on_the_cpu():
