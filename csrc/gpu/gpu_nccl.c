@@ -256,16 +256,22 @@ static void post_group(const kv_nccl *c, const kv_nccl_op *ops, Py_ssize_t n, cu
 
 int kv_nccl_post(kv_nccl *c, intptr_t stream, const kv_nccl_op *ops, Py_ssize_t n)
 {
-    if (c->aborted)
-        return aborted_error();
     nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
+    int aborted;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(c->lock, WAIT_LOCK);
-    const int previous = enter_device(c, &f);
-    post_group(c, ops, n, (cudaStream_t)stream, &f);
-    leave_device(previous, &f);
+    /* Read with the lock held: a swap that failed on another thread may have aborted (freed) the
+     * communicator while this one waited for it. */
+    aborted = c->aborted;
+    if (!aborted) {
+        const int previous = enter_device(c, &f);
+        post_group(c, ops, n, (cudaStream_t)stream, &f);
+        leave_device(previous, &f);
+    }
     PyThread_release_lock(c->lock);
     Py_END_ALLOW_THREADS
+    if (aborted)
+        return aborted_error();
     return f.what == NULL ? 0 : raise_failure(&f);
 }
 
@@ -302,42 +308,54 @@ static int wait_done(const kv_nccl *c, double deadline, nccl_failure *f)
     }
 }
 
-int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
-                 double timeout)
+/* kv_nccl_swap's exchange, with c->lock held and the communicator not aborted; aborts it on a
+ * failure or when `deadline` passes.  1 when it timed out. */
+static int swap_records(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records,
+                        unsigned char *received, double deadline, nccl_failure *f)
 {
-    if (c->aborted)
-        return aborted_error();
     const size_t R = KV_NCCL_RECORD_BYTES, in = (size_t)c->nranks * R;
-    nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
     int timed_out = 0;
-    const double deadline = now() + timeout;
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(c->lock, WAIT_LOCK);
     memcpy(c->host, records, (size_t)n * R);
     for (Py_ssize_t i = 0; i < n; i++) {
         c->ops[2 * i] = (kv_nccl_op){peers[i], 1, (uintptr_t)(c->dev + (size_t)i * R), R};
         c->ops[2 * i + 1] = (kv_nccl_op){peers[i], 0, (uintptr_t)(c->dev + in + (size_t)i * R), R};
     }
-    const int previous = enter_device(c, &f);
-    NCCL_CUDA(&f, cudaMemcpyAsync(c->dev, c->host, (size_t)n * R, cudaMemcpyHostToDevice, c->stream),
+    const int previous = enter_device(c, f);
+    NCCL_CUDA(f, cudaMemcpyAsync(c->dev, c->host, (size_t)n * R, cudaMemcpyHostToDevice, c->stream),
               "copying the records to the device");
-    if (f.what == NULL)
-        post_group(c, c->ops, 2 * n, c->stream, &f);
-    NCCL_CUDA(&f, cudaMemcpyAsync(c->host + in, c->dev + in, (size_t)n * R, cudaMemcpyDeviceToHost, c->stream),
+    if (f->what == NULL)
+        post_group(c, c->ops, 2 * n, c->stream, f);
+    NCCL_CUDA(f, cudaMemcpyAsync(c->host + in, c->dev + in, (size_t)n * R, cudaMemcpyDeviceToHost, c->stream),
               "copying the records to the host");
-    NCCL_CUDA(&f, cudaEventRecord(c->done, c->stream), "recording the records' event");
-    if (f.what == NULL)
-        timed_out = wait_done(c, deadline, &f);
-    if (timed_out || f.what != NULL) {
+    NCCL_CUDA(f, cudaEventRecord(c->done, c->stream), "recording the records' event");
+    if (f->what == NULL)
+        timed_out = wait_done(c, deadline, f);
+    if (timed_out || f->what != NULL) {
         /* The peers may never post their side: only an abort ends the operations. */
         nccl.comm_abort(c->comm);
         c->aborted = 1;
     }
     else
         memcpy(received, c->host + in, (size_t)n * R);
-    leave_device(previous, &f);
+    leave_device(previous, f);
+    return timed_out;
+}
+
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
+                 double timeout)
+{
+    nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
+    int aborted, timed_out = 0;
+    const double deadline = now() + timeout;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(c->lock, WAIT_LOCK);
+    aborted = c->aborted; /* with the lock held, as in kv_nccl_post */
+    if (!aborted)
+        timed_out = swap_records(c, peers, n, records, received, deadline, &f);
     PyThread_release_lock(c->lock);
     Py_END_ALLOW_THREADS
+    if (aborted)
+        return aborted_error();
     if (timed_out) {
         char seconds[32];
         snprintf(seconds, sizeof seconds, "%.6g", timeout);
