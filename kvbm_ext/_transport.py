@@ -62,8 +62,6 @@ class Transport(Protocol):
     def exchange(self, call: Exchange, background: bool) -> Handle: ...
 
 
-# The records our header communicator swaps (kvbm_ext._reshard.HEADER.size).
-HEADER_BYTES = 128
 # The NCCL communicators of each (group, device), kept for the life of the process.
 _communicators: dict[tuple[Any, int], tuple[Any, Any]] = {}
 
@@ -158,12 +156,12 @@ class TorchTransport:
 
         from ._debug import emit, enabled
 
-        comm = importlib.import_module(f"{__package__}._C")._NcclComm     # private: not in the stub
+        native = importlib.import_module(f"{__package__}._C")     # _NcclComm is private: not in the stub
         device = torch.cuda.current_device()
         key = (dist.group.WORLD if self.group is None else self.group, device)
         held = _communicators.get(key)
         try:
-            comm.load()
+            native._NcclComm.load()
             why = None
         except RuntimeError as error:
             why = f"rank {self._rank}: {error}"
@@ -175,13 +173,14 @@ class TorchTransport:
                 emit(f"reshard: rank {self._rank} posts through torch's batch_isend_irecv ({'; '.join(refused)})")
             return
         if not all(whole for _, whole in gathered):
-            held = _communicators[key] = self._open(comm, device, timeout)
+            held = _communicators[key] = self._open(native, device, timeout)
         self._nccl, self._nccl_device = held, f"cuda:{device}"
         if enabled():
             emit(f"reshard: rank {self._rank} posts through NCCL communicators of its own on cuda:{device}")
 
-    def _open(self, comm: Any, device: int, timeout: float) -> tuple[Any, Any]:
+    def _open(self, native: Any, device: int, timeout: float) -> tuple[Any, Any]:
         """Two new communicators over the group (collective): payloads, then headers."""
+        comm = native._NcclComm
         ids = self.all_gather_object((comm.unique_id(), comm.unique_id()) if self._rank == 0 else None, timeout)[0]
         # Blocks until every rank opened its own: all reached this point together.
         opened = (comm(ids[0], self.world_size, self._rank, device), comm(ids[1], self.world_size, self._rank, device))
@@ -189,7 +188,7 @@ class TorchTransport:
         # connected now, while every rank is here, a call's wait is only ever for its records.
         others = tuple(rank for rank in range(self.world_size) if rank != self._rank)
         for one in opened:
-            one.swap(others, bytes(len(others) * HEADER_BYTES), timeout)
+            one.swap(others, bytes(len(others) * native._NCCL_RECORD_BYTES), timeout)
         return opened
 
     def check_device(self, device: str) -> None:

@@ -26,6 +26,7 @@ rank raise after a partial write (or send other blocks) while the other returned
 """
 
 import datetime
+import importlib
 import json
 import os
 import time
@@ -258,6 +259,13 @@ def test_a_disagreeing_header_refuses_the_call_before_any_payload(field):
     assert transport.call_numbers == [1, 1], "a refused call counted"
     assert all(torch.equal(d[:, [5, 0, 2]].view(torch.uint8), torch.full_like(d[:, [5, 0, 2]].view(torch.uint8), 0x5A))
                for d in dst)
+
+
+def test_the_header_communicator_swaps_records_of_the_header_size():
+    """TorchTransport's NCCL header communicator swaps records of the C side's size
+    (KV_NCCL_RECORD_BYTES, as _C exports it): the size of a header, or no header could cross."""
+    native = importlib.import_module("kvbm_ext._C")
+    assert native._NCCL_RECORD_BYTES == kvbm_ext._reshard.HEADER.size
 
 
 def test_a_transport_without_host_tensors_refuses_check_false():

@@ -207,7 +207,7 @@ static PyMethodDef comm_methods[] = {
      "post(stream, ops): enqueue ops, a tuple of (peer, send, address, bytes), on the int cudaStream_t "
      "`stream` as one NCCL group."},
     {"swap", comm_swap, METH_VARARGS,
-     "swap(peers, records, timeout) -> bytes: send records[i] (128 bytes each) to peers[i], receive one from "
+     "swap(peers, records, timeout) -> bytes: send records[i] (_NCCL_RECORD_BYTES each) to peers[i], receive one from "
      "each, and wait for them on the host; TimeoutError after `timeout` seconds (the communicator is then "
      "aborted)."},
     {"abort", comm_abort, METH_NOARGS, "abort(): end every pending operation; every later call raises."},
@@ -249,5 +249,7 @@ int kv_nccl_comm_add_type(PyObject *module)
         return -1;
     const int rc = PyModule_AddObjectRef(module, "_NcclComm", type);
     Py_DECREF(type);
-    return rc;
+    /* The record size that swap() takes, for Python to use rather than repeat (and a test to
+     * hold equal to kvbm_ext._reshard.HEADER.size). */
+    return rc < 0 ? -1 : PyModule_AddIntConstant(module, "_NCCL_RECORD_BYTES", KV_NCCL_RECORD_BYTES);
 }
