@@ -426,15 +426,13 @@ class _TorchCall:
                 batches.append(dist.batch_isend_irecv(ops) if ops else [])
         if not self._gpu:
             return [work for works in batches for work in works]
+
+        def arrived(p: int) -> None:
+            for work in batches[p]:
+                work.wait()     # the current stream, the unpack stream, waits for the piece's messages, sends included
+
         with torch.cuda.stream(self._unpack_stream):
-            for p, works in enumerate(batches):
-                for work in works:
-                    work.wait()     # the unpack stream waits for this piece's messages, sends included
-                if writes:
-                    for j, message in recvs:
-                        if p < len(message.pieces):
-                            self.call.unpack(j, p, self._unpack_stream)
-        self._after_unpacks()
+            self._unpack_pieces(recvs, pieces, writes, arrived)
         return []
 
     def _post_nccl(self, sends: list[Any], recvs: list[Any], pieces: int, writes: bool, post: Any) -> None:
@@ -452,18 +450,20 @@ class _TorchCall:
             if ops:
                 payloads[0].post(post.cuda_stream, ops)
             arrived[p].record(post)
+        self._unpack_pieces(recvs, pieces, writes, lambda p: self._unpack_stream.wait_event(arrived[p]))
+
+    def _unpack_pieces(self, recvs: list[Any], pieces: int, writes: bool, arrived: Callable[[int], None]) -> None:
+        """Enqueues on the unpack stream the unpacks of each piece p of every recv (where
+        `writes`), each after `arrived(p)` made the stream wait for that piece's messages; then,
+        for a call in the background, the event its handle orders streams after."""
+        import torch
+
         for p in range(pieces):
-            self._unpack_stream.wait_event(arrived[p])
+            arrived(p)
             if writes:
                 for j, message in recvs:
                     if p < len(message.pieces):
-                        call.unpack(j, p, self._unpack_stream)
-        self._after_unpacks()
-
-    def _after_unpacks(self) -> None:
-        """A call in the background: the event its handle orders streams after."""
-        import torch
-
+                        self.call.unpack(j, p, self._unpack_stream)
         if self._unpack_stream is not self.call.stream:
             event = torch.cuda.Event()
             event.record(self._unpack_stream)
