@@ -49,9 +49,10 @@ class Transport(Protocol):
     collective (engines that start and restart on their own): a Resharder built on it
     gathers nothing, and each of its calls, checked or not, compares its headers pair by
     pair (`call.headers`).  `staging_device(device)` (default `device`): where the staging
-    of caches on `device` lives ("cpu" for pinned host memory).  `_carries_host_tensors`
-    (default True): False where headers cannot travel on the host, and `check=False` is
-    refused.
+    of caches on `device` lives ("cpu" for pinned host memory).  `carries_headers`
+    (default True): False where the transport cannot carry the pair headers of
+    `check=False` (`call.headers`), which is then refused on every rank with a message; a
+    Resharder reads it once `prepare` ran.
     """
 
     @property
@@ -80,7 +81,9 @@ class TorchTransport:
     exchanges that check a Resharder and its calls go over gloo without touching the
     GPU: `check=True`'s exchange of descriptions and `check=False`'s per-pair headers.
     With an NCCL-only group `check=True`'s exchange goes through the GPU and waits for
-    it, and `check=False` is refused (its headers would have to be read back from the
+    it, and `check=False`'s headers cross on the transport's own NCCL communicator
+    (below); without one (`own_nccl=False`, or NCCL could not be loaded) `check=False` is
+    refused (`carries_headers` is False: its headers would have to be read back from the
     GPU, a host synchronization per call).  With NCCL, as for any `batch_isend_irecv`,
     the first NCCL operation on the group must involve all its ranks (e.g. a warm-up
     `all_reduce`).
@@ -125,8 +128,8 @@ class TorchTransport:
         self.group = group
         self._global_ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
         self._rank = dist.get_rank(group)
-        # Host tensors (all_gather_object's, check=False's headers) need gloo in the group.
-        self._carries_host_tensors = "gloo" in str(dist.get_backend(group))
+        # Host tensors (all_gather_object's, check=False's headers on torch's path) need gloo in the group.
+        self._gloo = "gloo" in str(dist.get_backend(group))
         self._post_streams: dict[Any, Any] = {}     # per device: the stream pieces are posted from
         self._waiter_pool: Any = None
         self._nccl: tuple[Any, Any] | None = None   # our communicators (payloads, headers), see prepare
@@ -140,6 +143,14 @@ class TorchTransport:
     @property
     def world_size(self) -> int:
         return len(self._global_ranks)
+
+    @property
+    def carries_headers(self) -> bool:
+        """Whether `check=False`'s pair headers can cross (the `Transport` protocol's
+        `carries_headers`): over the group's gloo, or over our NCCL header communicator once
+        `prepare` opened it (GPU caches).  False over a group without gloo where torch's path
+        serves, as a header there would have to be read back from the GPU."""
+        return self._gloo or self._nccl is not None
 
     def prepare(self, timeout: float) -> None:
         """Finds or opens the NCCL communicators of the group on the current device, once per
@@ -267,7 +278,7 @@ class TorchTransport:
         beside NCCL), else the current CUDA device."""
         import torch
 
-        if self._carries_host_tensors:
+        if self._gloo:
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 
