@@ -86,12 +86,14 @@ _DTYPE_CODE = {name: i + 1 for i, name in enumerate(_DTYPES)}
 _DEVICE_CODE = {"cpu": 1, "cuda": 2}
 
 
-# check=False on a transport that cannot carry the headers on the host (TorchTransport over
-# an NCCL-only group): refused alike on every rank of a pair, before anything is sent.
-NO_HOST_HEADERS = ("check=False: the ranks of each pair compare a 128-byte header on the host before any payload, "
-                   "and this transport cannot carry host tensors (TorchTransport over a group without gloo, such as "
-                   "an NCCL-only group, where reading a received header back would wait for the GPU): create the "
-                   "group with backend=\"cpu:gloo,cuda:nccl\", or call with check=True")
+# check=False on a transport that cannot carry the headers (its carries_headers is False:
+# TorchTransport over an NCCL-only group without NCCL communicators of its own): refused alike on
+# every rank of a pair, before anything is sent.
+NO_HOST_HEADERS = (f"check=False: the ranks of each pair compare a {HEADER.size}-byte header on the host before any "
+                   "payload, and this transport cannot carry it (TorchTransport over a group without gloo, such as "
+                   "an NCCL-only group, and without NCCL communicators of its own: own_nccl=False, or NCCL could "
+                   "not be loaded; reading a received header back would wait for the GPU): create the group with "
+                   "backend=\"cpu:gloo,cuda:nccl\", leave own_nccl=True, or call with check=True")
 
 
 def _code(name: str, table: dict[str, int]) -> int:
@@ -352,8 +354,6 @@ class Resharder:
         self._done: Any = None          # CUDA event after the previous call's last use of the staging
         self._events: dict[int, list[Any]] = {}     # per send: an event per piece, recorded by each call
         self._last: ReshardHandle | None = None     # the previous call, which may go on in the background
-        # Whether the transport carries host tensors beside its payloads (TorchTransport: a group with gloo).
-        self._host_headers = getattr(self.transport, "_carries_host_tensors", True) is not False
         # A pairwise transport has no collective: nothing is gathered, every call compares headers.
         self._pairwise = getattr(self.transport, "pairwise", False) is True
         problem, fingerprint, seconds = None, None, DEFAULT_TIMEOUT
@@ -367,16 +367,18 @@ class Resharder:
             problem = _CallError.of(error, self.rank)
         if self._pairwise:
             _raise_agreed([problem.info if problem is not None else None], problem)
-            return
-        gathered = self.transport.all_gather_object((fingerprint, problem and problem.info), seconds)
-        _raise_agreed([error for _, error in gathered], problem)
-        for rank, (theirs, _) in enumerate(gathered):
-            if theirs != gathered[0][0]:
-                raise ValueError(f"rank {rank} built its Resharder for (num_heads, num_layers, src, dst) = {theirs}, "
-                                 f"rank 0 for {gathered[0][0]}: every rank must plan the same transfer")
-        prepare = getattr(self.transport, "prepare", None)
-        if prepare is not None:
-            prepare(seconds)     # collective, as this construction is
+        else:
+            gathered = self.transport.all_gather_object((fingerprint, problem and problem.info), seconds)
+            _raise_agreed([error for _, error in gathered], problem)
+            for rank, (theirs, _) in enumerate(gathered):
+                if theirs != gathered[0][0]:
+                    raise ValueError(f"rank {rank} built its Resharder for (num_heads, num_layers, src, dst) = "
+                                     f"{theirs}, rank 0 for {gathered[0][0]}: every rank must plan the same transfer")
+            prepare = getattr(self.transport, "prepare", None)
+            if prepare is not None:
+                prepare(seconds)     # collective, as this construction is
+        # Read once prepared: TorchTransport carries them over NCCL only once prepare opened its communicators.
+        self._carries_headers = getattr(self.transport, "carries_headers", True) is not False
 
     def _plan(self, num_heads: int, num_layers: int, src: EngineLayout, dst: EngineLayout) -> None:
         """Plans the transfer and what this rank's part of it is."""
@@ -505,7 +507,7 @@ class Resharder:
         # Collective transports check a call by gathering every rank's description; the others
         # compare each pair's headers, where the transport can carry them.
         gather = checked and not self._pairwise
-        headers = not gather and bool(self._peers) and self._host_headers
+        headers = not gather and bool(self._peers) and self._carries_headers
         try:
             seconds = _timeout(timeout)
         except Exception as error:
@@ -523,7 +525,7 @@ class Resharder:
                 raise TypeError(f"check: expected a bool, got {type(check).__name__}")
             if not isinstance(wait, bool):
                 raise TypeError(f"wait: expected a bool, got {type(wait).__name__}")
-            if not gather and self._peers and not self._host_headers:
+            if not gather and self._peers and not self._carries_headers:
                 raise _CallError(ValueError, NO_HOST_HEADERS)     # alike on every rank with a message
             src_desc, src_ids = self._describe("src", self._src_share, src_cache, src_block_ids)
             dst_desc, dst_ids = self._describe("dst", self._dst_share, dst_cache, dst_block_ids)

@@ -49,9 +49,10 @@ class Transport(Protocol):
     collective (engines that start and restart on their own): a Resharder built on it
     gathers nothing, and each of its calls, checked or not, compares its headers pair by
     pair (`call.headers`).  `staging_device(device)` (default `device`): where the staging
-    of caches on `device` lives ("cpu" for pinned host memory).  `_carries_host_tensors`
-    (default True): False where headers cannot travel on the host, and `check=False` is
-    refused.
+    of caches on `device` lives ("cpu" for pinned host memory).  `carries_headers`
+    (default True): False where the transport cannot carry the pair headers of
+    `check=False` (`call.headers`), which is then refused on every rank with a message; a
+    Resharder reads it once `prepare` ran.
     """
 
     @property
@@ -62,8 +63,6 @@ class Transport(Protocol):
     def exchange(self, call: Exchange, background: bool) -> Handle: ...
 
 
-# The records our header communicator swaps (kvbm_ext._reshard.HEADER.size).
-HEADER_BYTES = 128
 # The NCCL communicators of each (group, device), kept for the life of the process.
 _communicators: dict[tuple[Any, int], tuple[Any, Any]] = {}
 
@@ -82,7 +81,9 @@ class TorchTransport:
     exchanges that check a Resharder and its calls go over gloo without touching the
     GPU: `check=True`'s exchange of descriptions and `check=False`'s per-pair headers.
     With an NCCL-only group `check=True`'s exchange goes through the GPU and waits for
-    it, and `check=False` is refused (its headers would have to be read back from the
+    it, and `check=False`'s headers cross on the transport's own NCCL communicator
+    (below); without one (`own_nccl=False`, or NCCL could not be loaded) `check=False` is
+    refused (`carries_headers` is False: its headers would have to be read back from the
     GPU, a host synchronization per call).  With NCCL, as for any `batch_isend_irecv`,
     the first NCCL operation on the group must involve all its ranks (e.g. a warm-up
     `all_reduce`).
@@ -127,8 +128,8 @@ class TorchTransport:
         self.group = group
         self._global_ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
         self._rank = dist.get_rank(group)
-        # Host tensors (all_gather_object's, check=False's headers) need gloo in the group.
-        self._carries_host_tensors = "gloo" in str(dist.get_backend(group))
+        # Host tensors (all_gather_object's, check=False's headers on torch's path) need gloo in the group.
+        self._gloo = "gloo" in str(dist.get_backend(group))
         self._post_streams: dict[Any, Any] = {}     # per device: the stream pieces are posted from
         self._waiter_pool: Any = None
         self._nccl: tuple[Any, Any] | None = None   # our communicators (payloads, headers), see prepare
@@ -142,6 +143,14 @@ class TorchTransport:
     @property
     def world_size(self) -> int:
         return len(self._global_ranks)
+
+    @property
+    def carries_headers(self) -> bool:
+        """Whether `check=False`'s pair headers can cross (the `Transport` protocol's
+        `carries_headers`): over the group's gloo, or over our NCCL header communicator once
+        `prepare` opened it (GPU caches).  False over a group without gloo where torch's path
+        serves, as a header there would have to be read back from the GPU."""
+        return self._gloo or self._nccl is not None
 
     def prepare(self, timeout: float) -> None:
         """Finds or opens the NCCL communicators of the group on the current device, once per
@@ -158,12 +167,12 @@ class TorchTransport:
 
         from ._debug import emit, enabled
 
-        comm = importlib.import_module(f"{__package__}._C")._NcclComm     # private: not in the stub
+        native = importlib.import_module(f"{__package__}._C")     # _NcclComm is private: not in the stub
         device = torch.cuda.current_device()
         key = (dist.group.WORLD if self.group is None else self.group, device)
         held = _communicators.get(key)
         try:
-            comm.load()
+            native._NcclComm.load()
             why = None
         except RuntimeError as error:
             why = f"rank {self._rank}: {error}"
@@ -175,13 +184,14 @@ class TorchTransport:
                 emit(f"reshard: rank {self._rank} posts through torch's batch_isend_irecv ({'; '.join(refused)})")
             return
         if not all(whole for _, whole in gathered):
-            held = _communicators[key] = self._open(comm, device, timeout)
+            held = _communicators[key] = self._open(native, device, timeout)
         self._nccl, self._nccl_device = held, f"cuda:{device}"
         if enabled():
             emit(f"reshard: rank {self._rank} posts through NCCL communicators of its own on cuda:{device}")
 
-    def _open(self, comm: Any, device: int, timeout: float) -> tuple[Any, Any]:
+    def _open(self, native: Any, device: int, timeout: float) -> tuple[Any, Any]:
         """Two new communicators over the group (collective): payloads, then headers."""
+        comm = native._NcclComm
         ids = self.all_gather_object((comm.unique_id(), comm.unique_id()) if self._rank == 0 else None, timeout)[0]
         # Blocks until every rank opened its own: all reached this point together.
         opened = (comm(ids[0], self.world_size, self._rank, device), comm(ids[1], self.world_size, self._rank, device))
@@ -189,7 +199,7 @@ class TorchTransport:
         # connected now, while every rank is here, a call's wait is only ever for its records.
         others = tuple(rank for rank in range(self.world_size) if rank != self._rank)
         for one in opened:
-            one.swap(others, bytes(len(others) * HEADER_BYTES), timeout)
+            one.swap(others, bytes(len(others) * native._NCCL_RECORD_BYTES), timeout)
         return opened
 
     def check_device(self, device: str) -> None:
@@ -268,7 +278,7 @@ class TorchTransport:
         beside NCCL), else the current CUDA device."""
         import torch
 
-        if self._carries_host_tensors:
+        if self._gloo:
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 
@@ -427,15 +437,13 @@ class _TorchCall:
                 batches.append(dist.batch_isend_irecv(ops) if ops else [])
         if not self._gpu:
             return [work for works in batches for work in works]
+
+        def arrived(p: int) -> None:
+            for work in batches[p]:
+                work.wait()     # the current stream, the unpack stream, waits for the piece's messages, sends included
+
         with torch.cuda.stream(self._unpack_stream):
-            for p, works in enumerate(batches):
-                for work in works:
-                    work.wait()     # the unpack stream waits for this piece's messages, sends included
-                if writes:
-                    for j, message in recvs:
-                        if p < len(message.pieces):
-                            self.call.unpack(j, p, self._unpack_stream)
-        self._after_unpacks()
+            self._unpack_pieces(recvs, pieces, writes, arrived)
         return []
 
     def _post_nccl(self, sends: list[Any], recvs: list[Any], pieces: int, writes: bool, post: Any) -> None:
@@ -453,18 +461,20 @@ class _TorchCall:
             if ops:
                 payloads[0].post(post.cuda_stream, ops)
             arrived[p].record(post)
+        self._unpack_pieces(recvs, pieces, writes, lambda p: self._unpack_stream.wait_event(arrived[p]))
+
+    def _unpack_pieces(self, recvs: list[Any], pieces: int, writes: bool, arrived: Callable[[int], None]) -> None:
+        """Enqueues on the unpack stream the unpacks of each piece p of every recv (where
+        `writes`), each after `arrived(p)` made the stream wait for that piece's messages; then,
+        for a call in the background, the event its handle orders streams after."""
+        import torch
+
         for p in range(pieces):
-            self._unpack_stream.wait_event(arrived[p])
+            arrived(p)
             if writes:
                 for j, message in recvs:
                     if p < len(message.pieces):
-                        call.unpack(j, p, self._unpack_stream)
-        self._after_unpacks()
-
-    def _after_unpacks(self) -> None:
-        """A call in the background: the event its handle orders streams after."""
-        import torch
-
+                        self.call.unpack(j, p, self._unpack_stream)
         if self._unpack_stream is not self.call.stream:
             event = torch.cuda.Event()
             event.record(self._unpack_stream)

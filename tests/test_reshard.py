@@ -334,14 +334,19 @@ GLOO_UNCHECKED = {
         0: (ValueError, "src_cache on rank 0: holds 4 heads x 4 layers"),
         1: (ValueError, "rank 0 refused its own arguments in this call"), 2: None, 3: None}),
 }
-# NCCL_ERROR_BASE's message: 0 -> 1 (headers over the group's gloo, payload over NCCL).
+# NCCL_ERROR_BASE's message: 0 -> 1 (headers and payload over the transport's own NCCL communicators).
 NCCL_BLOCKS = (ValueError, "rank 0 and rank 1 disagree on the number of blocks: 4 on rank 0, 5 on rank 1")
 NCCL_DTYPE = (ValueError, "rank 0 and rank 1 disagree on the dtype: float16 on rank 0, bfloat16 on rank 1")
-NCCL_ONLY = (ValueError, "check=False: the ranks of each pair compare a 128-byte header on the host")
+NCCL_ONLY = (ValueError, "check=False: the ranks of each pair compare a 128-byte header on the host before any "
+                         "payload, and this transport cannot carry it")
 NCCL_UNCHECKED = {
     "block count, check=False": (0, "src_ids_short", {0: NCCL_BLOCKS, 1: NCCL_BLOCKS}),
     "dtype, check=False": (0, "src_dtype", {0: NCCL_DTYPE, 1: NCCL_DTYPE}),
-    "an NCCL-only group refuses check=False": (None, "nccl_only_group", {0: NCCL_ONLY, 1: NCCL_ONLY}),
+    # NCCL alone: the headers cross on the transport's own header communicator, no host tensor
+    "an NCCL-only group moves check=False's blocks": (None, "nccl_only_group", {0: None, 1: None}),
+    # ... and without communicators of its own they cannot cross
+    "an NCCL-only group refuses check=False without own_nccl": (None, "nccl_only_group_torch_posts",
+                                                                {0: NCCL_ONLY, 1: NCCL_ONLY}),
 }
 UNCHECKED = {"gloo": GLOO_UNCHECKED, "nccl": NCCL_UNCHECKED}
 
@@ -421,8 +426,8 @@ class Recording:
         self.inner.check_device(device)
 
     @property
-    def _carries_host_tensors(self):
-        return self.inner._carries_host_tensors
+    def carries_headers(self):
+        return self.inner.carries_headers
 
     @property
     def rank(self):
@@ -542,9 +547,11 @@ def _run_error(backend, name, rank, device):
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
     stream = 1 if rank == bad_rank and how == "host_stream" else None
     # every rank creates it (a collective), with NCCL alone: no gloo to carry check=False's headers
-    group = dist.new_group(list(range(dist.get_world_size())), backend="nccl") if how == "nccl_only_group" else None
+    nccl_only = how in ("nccl_only_group", "nccl_only_group_torch_posts")
+    group = dist.new_group(list(range(dist.get_world_size())), backend="nccl") if nccl_only else None
     try:
-        resharder = Resharder(case.heads, case.layers, case.src, dst_layout, group=group)
+        transport = kvbm_ext.TorchTransport(group, own_nccl=how != "nccl_only_group_torch_posts")
+        resharder = Resharder(case.heads, case.layers, case.src, dst_layout, transport=transport)
         resharder(src_cache, src_ids, dst_cache, dst_ids, stream=stream, check=not unchecked)
         error = None
     except (TypeError, ValueError) as caught:

@@ -7,11 +7,13 @@ and compare the same two records with the same function.
 
 In process: a scripted peer (a Transport playing rank 0) answers with a header that
 differs in one field, and the call raises, naming it, with no payload posted and nothing
-written, and the next agreeing call moves the blocks; a transport that cannot carry host
-tensors (TorchTransport over an NCCL-only group) refuses check=False before posting
-anything; every ids argument is read once (each __index__ called once, a sequence read
-once) and the blocks the first read named move; a Resharder takes caches of another
-dtype and geometry in a later call.
+written, and the next agreeing call moves the blocks; a transport that cannot carry the
+headers (carries_headers False, as TorchTransport over an NCCL-only group without NCCL
+communicators of its own) refuses check=False before posting anything, and one that can
+once prepared (as TorchTransport, whose prepare opens them) takes it; the C side's
+header record is HEADER's size; every ids argument is read once (each __index__ called
+once, a sequence read once) and the blocks the first read named move; a Resharder takes
+caches of another dtype and geometry in a later call.
 
 Over gloo (two spawned processes, one group, every call bounded by its timeout and the
 whole run by a hard deadline, none reached), each disagreement that used to abort the
@@ -26,6 +28,7 @@ rank raise after a partial write (or send other blocks) while the other returned
 """
 
 import datetime
+import importlib
 import json
 import os
 import time
@@ -172,7 +175,7 @@ def test_one_rank_later_caches_of_another_kind(check):
 
 # --------------------------------------------------------------------------
 # One rank and a scripted peer: what each header field does, and a transport that
-# cannot carry host tensors.
+# cannot carry the headers.
 # --------------------------------------------------------------------------
 
 
@@ -208,13 +211,24 @@ class ScriptedPeer:
         return _finished()
 
 
-class NoHostTensors(ScriptedPeer):
-    """A transport that cannot carry host tensors (as TorchTransport over an NCCL-only group)."""
+class NoHeaders(ScriptedPeer):
+    """A transport that cannot carry the headers (as TorchTransport over an NCCL-only group,
+    own_nccl=False)."""
 
-    _carries_host_tensors = False
+    carries_headers = False
 
     def exchange(self, call, background):
         raise AssertionError("nothing may be posted")
+
+
+class HeadersOncePrepared(ScriptedPeer):
+    """A transport that carries the headers once prepared (as TorchTransport over an NCCL-only
+    group, whose prepare opens its header communicator)."""
+
+    carries_headers = False
+
+    def prepare(self, timeout):
+        self.carries_headers = True
 
 
 def _receiver_case(seed):
@@ -260,15 +274,33 @@ def test_a_disagreeing_header_refuses_the_call_before_any_payload(field):
                for d in dst)
 
 
-def test_a_transport_without_host_tensors_refuses_check_false():
+def test_the_header_communicator_swaps_records_of_the_header_size():
+    """TorchTransport's NCCL header communicator swaps records of the C side's size
+    (KV_NCCL_RECORD_BYTES, as _C exports it): the size of a header, or no header could cross."""
+    native = importlib.import_module("kvbm_ext._C")
+    assert native._NCCL_RECORD_BYTES == kvbm_ext._reshard.HEADER.size
+
+
+def test_a_transport_without_headers_refuses_check_false():
     dst, dst_cache = _receiver_case(15)
     before = [d.clone() for d in dst]
-    resharder = Resharder(NH, NL, L(1), L(1, ranks=[1]), transport=NoHostTensors())
+    resharder = Resharder(NH, NL, L(1), L(1, ranks=[1]), transport=NoHeaders())
     for ids in ([1, 2], [1, 99]):       # refused before any argument: the same error on every rank of a pair
         with pytest.raises(ValueError, match="check=False: the ranks of each pair compare a 128-byte header on the "
-                                             "host"):
+                                             "host before any payload, and this transport cannot carry it"):
             resharder(None, None, dst_cache, ids, check=False)
     assert all(torch.equal(d, b) for d, b in zip(dst, before))
+
+
+def test_a_transport_that_carries_headers_once_prepared_takes_check_false():
+    """The Resharder reads carries_headers after prepare, not when it starts being built."""
+    dst, dst_cache = _receiver_case(17)
+    transport = HeadersOncePrepared()
+    resharder = Resharder(NH, NL, L(1), L(1, ranks=[1]), transport=transport)
+    resharder(None, None, dst_cache, [4, 1], check=False)
+    assert transport.headers == [0] and transport.payloads == [([], [0])]
+    assert all(torch.equal(d[:, [4, 1]].view(torch.uint8), torch.full_like(d[:, [4, 1]].view(torch.uint8), 0x5A))
+               for d in dst)
 
 
 # --------------------------------------------------------------------------

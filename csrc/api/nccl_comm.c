@@ -111,29 +111,48 @@ static int read_op(const nccl_comm *self, PyObject *item, Py_ssize_t i, kv_nccl_
     return 0;
 }
 
+/* Room for `n` items of `size` bytes: `on_stack`, an array of ON_STACK such items, where they
+ * fit (a call with a few peers allocates nothing), else a new heap array; NULL with MemoryError.
+ * free_items gives it back. */
+enum {
+    ON_STACK = 16
+};
+
+static void *items_for(void *on_stack, Py_ssize_t n, size_t size)
+{
+    if (n <= ON_STACK)
+        return on_stack;
+    void *heap = PyMem_Calloc((size_t)n, size);
+    if (heap == NULL)
+        PyErr_NoMemory();
+    return heap;
+}
+
+static void free_items(void *items, void *on_stack)
+{
+    if (items != on_stack)
+        PyMem_Free(items);
+}
+
 static PyObject *comm_post(PyObject *op, PyObject *args)
 {
     nccl_comm *self = (nccl_comm *)op;
     PyObject *stream_obj, *ops_obj;
     long long stream;
-    enum {
-        ON_STACK = 16
-    };
     kv_nccl_op on_stack[ON_STACK];
     if (!PyArg_ParseTuple(args, "OO!:post", &stream_obj, &PyTuple_Type, &ops_obj)
         || read_int(stream_obj, 0, LLONG_MAX, "stream", &stream) < 0)
         return NULL;
     const Py_ssize_t n = PyTuple_GET_SIZE(ops_obj);
-    kv_nccl_op *ops = n <= ON_STACK ? on_stack : PyMem_Calloc((size_t)n, sizeof *ops);
+    kv_nccl_op *ops = items_for(on_stack, n, sizeof *ops);
     if (ops == NULL)
-        return PyErr_NoMemory();
+        return NULL;
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++)
         rc = read_op(self, PyTuple_GET_ITEM(ops_obj, i), i, &ops[i]);
     if (rc == 0)
         rc = kv_nccl_post(self->comm, (intptr_t)stream, ops, n);
-    if (ops != on_stack)
-        PyMem_Free(ops);
+    free_items(ops, on_stack);
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -152,13 +171,10 @@ static PyObject *comm_swap(PyObject *op, PyObject *args)
                             "swap: expected at most %d peers, %d bytes a record and a timeout "
                             "above 0",
                             self->nranks, KV_NCCL_RECORD_BYTES);
-    enum {
-        ON_STACK = 16
-    };
     int on_stack[ON_STACK];
-    int *peers = n <= ON_STACK ? on_stack : PyMem_Calloc((size_t)n, sizeof *peers);
+    int *peers = items_for(on_stack, n, sizeof *peers);
     if (peers == NULL)
-        return PyErr_NoMemory();
+        return NULL;
     PyObject *received = PyBytes_FromStringAndSize(NULL, n * KV_NCCL_RECORD_BYTES);
     int rc = received == NULL ? -1 : 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
@@ -169,8 +185,7 @@ static PyObject *comm_swap(PyObject *op, PyObject *args)
     if (rc == 0)
         rc = kv_nccl_swap(self->comm, peers, n, (const unsigned char *)PyBytes_AS_STRING(records),
                           (unsigned char *)PyBytes_AS_STRING(received), timeout);
-    if (peers != on_stack)
-        PyMem_Free(peers);
+    free_items(peers, on_stack);
     if (rc < 0)
         Py_CLEAR(received);
     return received;
@@ -192,7 +207,7 @@ static PyMethodDef comm_methods[] = {
      "post(stream, ops): enqueue ops, a tuple of (peer, send, address, bytes), on the int cudaStream_t "
      "`stream` as one NCCL group."},
     {"swap", comm_swap, METH_VARARGS,
-     "swap(peers, records, timeout) -> bytes: send records[i] (128 bytes each) to peers[i], receive one from "
+     "swap(peers, records, timeout) -> bytes: send records[i] (_NCCL_RECORD_BYTES each) to peers[i], receive one from "
      "each, and wait for them on the host; TimeoutError after `timeout` seconds (the communicator is then "
      "aborted)."},
     {"abort", comm_abort, METH_NOARGS, "abort(): end every pending operation; every later call raises."},
@@ -234,5 +249,7 @@ int kv_nccl_comm_add_type(PyObject *module)
         return -1;
     const int rc = PyModule_AddObjectRef(module, "_NcclComm", type);
     Py_DECREF(type);
-    return rc;
+    /* The record size that swap() takes, for Python to use rather than repeat (and a test to
+     * hold equal to kvbm_ext._reshard.HEADER.size). */
+    return rc < 0 ? -1 : PyModule_AddIntConstant(module, "_NCCL_RECORD_BYTES", KV_NCCL_RECORD_BYTES);
 }

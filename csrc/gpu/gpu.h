@@ -280,6 +280,7 @@ int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char
                  double timeout);
 /* Ends every operation of the communicator that is still pending, for good. */
 void kv_nccl_abort(kv_nccl *c);
+/* Whether the communicator was aborted; never waits (a swap may hold it for its timeout). */
 int kv_nccl_aborted(kv_nccl *c);
 
 #endif /* KVBM_GPU_H */

@@ -13,6 +13,7 @@
 #include "gpu_internal.h"
 
 #include <dlfcn.h>
+#include <stdatomic.h>
 #include <string.h>
 #include <time.h>
 
@@ -78,7 +79,8 @@ static int load_nccl(void)
 
 struct kv_nccl {
     nccl_comm comm;
-    int nranks, device, aborted;
+    int nranks, device;
+    atomic_int aborted;      /* written under `lock`, read without it: kv_nccl_aborted never waits for a swap */
     PyThread_type_lock lock; /* one group at a time: NCCL pairs operations in the order they are posted */
     cudaStream_t stream;     /* the records' own, so that they never queue behind a payload */
     cudaEvent_t done;
@@ -115,6 +117,26 @@ static int raise_failure(const nccl_failure *f)
     return -1;
 }
 
+/* Makes the communicator's device current, as its NCCL calls and records need, and returns
+ * the device for leave_device to make current again (-1: none).  Safe without the GIL. */
+static int enter_device(const kv_nccl *c, nccl_failure *f)
+{
+    int previous = -1;
+    NCCL_CUDA(f, kv_select_device(c->device, &previous), "selecting the communicator's device");
+    return previous;
+}
+
+/* Gives the calling thread its device back, also after a failure (then reported only where
+ * nothing failed before).  Safe without the GIL. */
+static void leave_device(int previous, nccl_failure *f)
+{
+    const cudaError_t restored = previous < 0 ? cudaSuccess : cudaSetDevice(previous);
+    if (restored != cudaSuccess && f->what == NULL) {
+        f->cuda = restored;
+        f->what = "making the caller's device current again";
+    }
+}
+
 int kv_nccl_load(void) { return load_nccl(); }
 
 int kv_nccl_unique_id(unsigned char id[KV_NCCL_ID_BYTES])
@@ -134,9 +156,8 @@ int kv_nccl_unique_id(unsigned char id[KV_NCCL_ID_BYTES])
  * may wait for its peers, which need not be closing theirs at the same time. */
 static void release(kv_nccl *c)
 {
-    int previous = -1;
-    cudaGetDevice(&previous);
-    cudaSetDevice(c->device);
+    nccl_failure ignored = {cudaSuccess, NCCL_SUCCESS, NULL}; /* a teardown has no one to tell */
+    const int previous = enter_device(c, &ignored);
     if (c->comm != NULL && !c->aborted)
         nccl.comm_abort(c->comm);
     if (c->done != NULL)
@@ -145,9 +166,8 @@ static void release(kv_nccl *c)
         cudaStreamDestroy(c->stream);
     cudaFreeHost(c->host);
     cudaFree(c->dev);
+    leave_device(previous, &ignored);
     cudaGetLastError();
-    if (previous >= 0)
-        cudaSetDevice(previous);
 }
 
 void kv_nccl_close(kv_nccl *c)
@@ -181,10 +201,8 @@ kv_nccl *kv_nccl_open(const unsigned char id[KV_NCCL_ID_BYTES], int nranks, int 
     memcpy(unique.internal, id, KV_NCCL_ID_BYTES);
     const size_t bytes = 2 * (size_t)nranks * KV_NCCL_RECORD_BYTES;
     nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
-    int previous = -1;
     Py_BEGIN_ALLOW_THREADS
-    NCCL_CUDA(&f, cudaGetDevice(&previous), "finding the current device");
-    NCCL_CUDA(&f, cudaSetDevice(device), "selecting the communicator's device");
+    const int previous = enter_device(c, &f);
     int low = 0, high = 0;
     NCCL_CUDA(&f, cudaDeviceGetStreamPriorityRange(&low, &high), "reading the stream priorities");
     /* The highest priority: the records' kernels start as soon as an SM frees up, never after
@@ -196,8 +214,7 @@ kv_nccl *kv_nccl_open(const unsigned char id[KV_NCCL_ID_BYTES], int nranks, int 
     NCCL_CUDA(&f, cudaMalloc((void **)&c->dev, bytes), "allocating the records on the device");
     /* Blocks until every rank of the group opened its communicator. */
     NCCL_STEP(&f, nccl.comm_init_rank(&c->comm, nranks, unique, rank), "creating the communicator");
-    if (previous >= 0)
-        cudaSetDevice(previous);
+    leave_device(previous, &f);
     Py_END_ALLOW_THREADS
     if (f.what != NULL) {
         raise_failure(&f);
@@ -239,19 +256,22 @@ static void post_group(const kv_nccl *c, const kv_nccl_op *ops, Py_ssize_t n, cu
 
 int kv_nccl_post(kv_nccl *c, intptr_t stream, const kv_nccl_op *ops, Py_ssize_t n)
 {
-    if (c->aborted)
-        return aborted_error();
     nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
-    int previous = -1;
+    int aborted;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(c->lock, WAIT_LOCK);
-    NCCL_CUDA(&f, cudaGetDevice(&previous), "finding the current device");
-    NCCL_CUDA(&f, cudaSetDevice(c->device), "selecting the communicator's device");
-    post_group(c, ops, n, (cudaStream_t)stream, &f);
-    if (previous >= 0)
-        cudaSetDevice(previous);
+    /* Read with the lock held: a swap that failed on another thread may have aborted (freed) the
+     * communicator while this one waited for it. */
+    aborted = c->aborted;
+    if (!aborted) {
+        const int previous = enter_device(c, &f);
+        post_group(c, ops, n, (cudaStream_t)stream, &f);
+        leave_device(previous, &f);
+    }
     PyThread_release_lock(c->lock);
     Py_END_ALLOW_THREADS
+    if (aborted)
+        return aborted_error();
     return f.what == NULL ? 0 : raise_failure(&f);
 }
 
@@ -288,44 +308,54 @@ static int wait_done(const kv_nccl *c, double deadline, nccl_failure *f)
     }
 }
 
-int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
-                 double timeout)
+/* kv_nccl_swap's exchange, with c->lock held and the communicator not aborted; aborts it on a
+ * failure or when `deadline` passes.  1 when it timed out. */
+static int swap_records(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records,
+                        unsigned char *received, double deadline, nccl_failure *f)
 {
-    if (c->aborted)
-        return aborted_error();
     const size_t R = KV_NCCL_RECORD_BYTES, in = (size_t)c->nranks * R;
-    nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
-    int previous = -1, timed_out = 0;
-    const double deadline = now() + timeout;
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(c->lock, WAIT_LOCK);
+    int timed_out = 0;
     memcpy(c->host, records, (size_t)n * R);
     for (Py_ssize_t i = 0; i < n; i++) {
         c->ops[2 * i] = (kv_nccl_op){peers[i], 1, (uintptr_t)(c->dev + (size_t)i * R), R};
         c->ops[2 * i + 1] = (kv_nccl_op){peers[i], 0, (uintptr_t)(c->dev + in + (size_t)i * R), R};
     }
-    NCCL_CUDA(&f, cudaGetDevice(&previous), "finding the current device");
-    NCCL_CUDA(&f, cudaSetDevice(c->device), "selecting the communicator's device");
-    NCCL_CUDA(&f, cudaMemcpyAsync(c->dev, c->host, (size_t)n * R, cudaMemcpyHostToDevice, c->stream),
+    const int previous = enter_device(c, f);
+    NCCL_CUDA(f, cudaMemcpyAsync(c->dev, c->host, (size_t)n * R, cudaMemcpyHostToDevice, c->stream),
               "copying the records to the device");
-    if (f.what == NULL)
-        post_group(c, c->ops, 2 * n, c->stream, &f);
-    NCCL_CUDA(&f, cudaMemcpyAsync(c->host + in, c->dev + in, (size_t)n * R, cudaMemcpyDeviceToHost, c->stream),
+    if (f->what == NULL)
+        post_group(c, c->ops, 2 * n, c->stream, f);
+    NCCL_CUDA(f, cudaMemcpyAsync(c->host + in, c->dev + in, (size_t)n * R, cudaMemcpyDeviceToHost, c->stream),
               "copying the records to the host");
-    NCCL_CUDA(&f, cudaEventRecord(c->done, c->stream), "recording the records' event");
-    if (f.what == NULL)
-        timed_out = wait_done(c, deadline, &f);
-    if (timed_out || f.what != NULL) {
+    NCCL_CUDA(f, cudaEventRecord(c->done, c->stream), "recording the records' event");
+    if (f->what == NULL)
+        timed_out = wait_done(c, deadline, f);
+    if (timed_out || f->what != NULL) {
         /* The peers may never post their side: only an abort ends the operations. */
         nccl.comm_abort(c->comm);
         c->aborted = 1;
     }
     else
         memcpy(received, c->host + in, (size_t)n * R);
-    if (previous >= 0)
-        cudaSetDevice(previous);
+    leave_device(previous, f);
+    return timed_out;
+}
+
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
+                 double timeout)
+{
+    nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
+    int aborted, timed_out = 0;
+    const double deadline = now() + timeout;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(c->lock, WAIT_LOCK);
+    aborted = c->aborted; /* with the lock held, as in kv_nccl_post */
+    if (!aborted)
+        timed_out = swap_records(c, peers, n, records, received, deadline, &f);
     PyThread_release_lock(c->lock);
     Py_END_ALLOW_THREADS
+    if (aborted)
+        return aborted_error();
     if (timed_out) {
         char seconds[32];
         snprintf(seconds, sizeof seconds, "%.6g", timeout);
@@ -346,10 +376,4 @@ void kv_nccl_abort(kv_nccl *c)
     Py_END_ALLOW_THREADS
 }
 
-int kv_nccl_aborted(kv_nccl *c)
-{
-    PyThread_acquire_lock(c->lock, WAIT_LOCK);
-    const int aborted = c->aborted;
-    PyThread_release_lock(c->lock);
-    return aborted;
-}
+int kv_nccl_aborted(kv_nccl *c) { return atomic_load(&c->aborted); }
