@@ -25,6 +25,8 @@ import dataclasses
 import struct
 from typing import Sequence
 
+from ._reshard import HEADER
+
 MAGIC = b"KVRS"
 HELLO, READY, DATA, MISMATCH, ABORT = range(1, 6)
 KINDS = {HELLO: "HELLO", READY: "READY", DATA: "DATA", MISMATCH: "MISMATCH", ABORT: "ABORT"}
@@ -35,7 +37,7 @@ _BUFFER = struct.Struct("<QQqQB7x")          # address, bytes, device id, regist
 _PIECE = struct.Struct("<I4x")
 _LENGTH = struct.Struct("<I")
 _RECORD = struct.Struct("<4sIQ")             # magic, rank, incarnation
-HEADER_BYTES = 128                            # kvbm_ext._reshard.HEADER.size
+HEADER_BYTES = HEADER.size
 
 
 class WireError(ValueError):
