@@ -1,9 +1,10 @@
 """When each part of one Resharder call runs on the GPU: benchmarks/reshard.py's ranks and
 caches (Llama-3.1-70B blocks on two GPUs, NCCL through TorchTransport's own communicators),
 one direction and nb, check=False.  After warm-up calls, each rank makes one call from an
-idle device, with CUDA events recorded around its local packs, each piece's pack, each NCCL
-post (on the post stream: its end event completes when the group did), each piece's unpack
-and the local unpacks; it prints them in microseconds from an event recorded as the call
+idle device, with CUDA events recorded around its local packs, each piece's pack, the header
+swap (its host times; the events on the call's stream), each NCCL post (on the post stream:
+its end event completes when the group did), each piece's unpack and the local unpacks; it
+prints them in microseconds from an event recorded as the call
 began, with the host's own times of the same points.  --rounds calls, one after another.
 
     python3 benchmarks/probes/reshard_timeline.py [--direction 1to2] [--nb 64] [--rounds 3]
@@ -62,6 +63,17 @@ class TimedComm:
         self.posts += 1
         self.timeline.around(name, on, lambda: self.comm.post(stream, ops))
 
+    def swap(self, peers, records, timeout):
+        # On the communicator's own stream, out of reach: the host's times, and the call stream's.
+        stream = torch.cuda.current_stream()
+        received = [None]
+
+        def run():
+            received[0] = self.comm.swap(peers, records, timeout)
+
+        self.timeline.around("header swap", stream, run)
+        return received[0]
+
     def __getattr__(self, name):
         return getattr(self.comm, name)
 
@@ -102,7 +114,7 @@ def child(rank, mine, args, folder):
     nccl = resharder.transport._nccl
     if nccl is None:
         raise SystemExit("TorchTransport did not open NCCL communicators of its own")
-    resharder.transport._nccl = (TimedComm(nccl[0], timeline), nccl[1])
+    resharder.transport._nccl = (TimedComm(nccl[0], timeline), TimedComm(nccl[1], timeline))
     caches = []
     for layout in (src, dst):
         position = layout.position_of(rank)
