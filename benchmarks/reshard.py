@@ -191,6 +191,18 @@ def random_bits(shape, device):
     return torch.randint(0, 256, (count,), dtype=torch.uint8, device=device).view(DTYPE).view(shape)
 
 
+def rank_caches(me, layouts, num_blocks):
+    """This rank's cache in each layout, of random bits, num_blocks blocks (None where the
+    rank holds no position)."""
+    caches = []
+    for layout in layouts:
+        position = layout.position_of(me.rank)
+        nh = 0 if position is None else len(layout.heads_of(position[1], NH))
+        caches.append(None if position is None else kvbm_ext.PagedKVCache(
+            [random_bits((NO, num_blocks, me.args.nt, nh, HD), me.device) for _ in range(me.args.layers)], DIMS))
+    return caches
+
+
 def expected_pairs(src, dst, num_layers):
     """(messages, local copies): (source rank, destination rank) pairs whose head and layer ranges meet."""
     pairs = set()
@@ -212,15 +224,7 @@ def bench_direction(me, transport, name, nb, rows):
     block_bytes = args.layers * NO * args.nt * NH * HD * DTYPE.itemsize
     total = nb * block_bytes
 
-    def cache(layout):
-        position = layout.position_of(me.rank)
-        if position is None:
-            return None
-        nh = len(layout.heads_of(position[1], NH))
-        layers = [random_bits((NO, num_blocks, args.nt, nh, HD), me.device) for _ in range(args.layers)]
-        return kvbm_ext.PagedKVCache(layers, DIMS)
-
-    src_cache, dst_cache = cache(src), cache(dst)
+    src_cache, dst_cache = rank_caches(me, (src, dst), num_blocks)
     src_ids = torch.randperm(num_blocks)[:nb].to(me.device)
     dst_ids = torch.randperm(num_blocks)[:nb].to(me.device)
     resharder = kvbm_ext.Resharder(NH, args.layers, src, dst, transport=me.nixl if transport == "nixl" else None)

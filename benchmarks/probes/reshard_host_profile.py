@@ -62,13 +62,7 @@ def child(rank, mine, args, folder):
     src, dst = bench.DIRECTIONS[mine.direction]
     resharder = bench.kvbm_ext.Resharder(bench.NH, args.layers, src, dst,
                                          transport=me.nixl if mine.transport == "nixl" else None)
-    caches = []
-    for layout in (src, dst):
-        position = layout.position_of(rank)
-        nh = len(layout.heads_of(position[1], bench.NH)) if position is not None else 0
-        caches.append(None if position is None else bench.kvbm_ext.PagedKVCache(
-            [bench.random_bits((bench.NO, 2 * mine.nb, args.nt, nh, bench.HD), me.device)
-             for _ in range(args.layers)], bench.DIMS))
+    caches = bench.rank_caches(me, (src, dst), 2 * mine.nb)
     ids = torch.arange(mine.nb, device=me.device)
     arguments = (caches[0], None if caches[0] is None else ids, caches[1], None if caches[1] is None else ids)
 
