@@ -27,7 +27,7 @@ STAGING_MIB = (96, 256, 512)
 
 def api_costs():
     """Host microseconds of the CUDA runtime calls a staged piece makes, through ctypes."""
-    cudart = ctypes.CDLL(next(p for p in ("libcudart.so.13", "libcudart.so") if _loads(p)))
+    cudart = _cudart()
     stream, other = torch.cuda.Stream(), torch.cuda.Stream()
     event = ctypes.c_void_p()
     assert cudart.cudaEventCreateWithFlags(ctypes.byref(event), 2) == 0
@@ -44,12 +44,14 @@ def api_costs():
     return {name: steady_host_us([call], reps=400, batch=8) for name, call in calls.items()}
 
 
-def _loads(name):
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
+def _cudart():
+    """The CUDA runtime torch loaded (CUDA 13's, else the unversioned name)."""
+    for name in ("libcudart.so.13", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    raise OSError("no libcudart.so.13 or libcudart.so to load")
 
 
 def main():

@@ -97,10 +97,21 @@ static void copy(const Pipe &p, const Piece &piece, char *slot, int offload, cud
         CK(cudaMemcpyAsync(slot, p.pinned + piece.offset, piece.bytes, cudaMemcpyHostToDevice, stream));
 }
 
-// staging.c's pipeline: permutes on p.permute, copies on the caller's stream.
+// A piece's first stage (an offload's permute, an onload's copy) or its second.
+static void stage(const Pipe &p, const Piece &piece, char *slot, int offload, int second, cudaStream_t stream)
+{
+    if (offload != second)
+        launch(p, piece, slot, offload, stream);
+    else
+        copy(p, piece, slot, offload, stream);
+}
+
+// staging.c's pipeline: permutes on p.permute, copies on the caller's stream; each piece's
+// first stage hands its slot to the second through `ready`, the second frees it through `freed`.
 static void run_a(const Pipe &p, const std::vector<Piece> &pieces, int offload)
 {
     const int count = (int)pieces.size();
+    const cudaStream_t first = offload ? p.permute : p.caller, second = offload ? p.caller : p.permute;
     if (offload) {
         CK(cudaEventRecord(p.handoff, p.caller));
         CK(cudaStreamWaitEvent(p.permute, p.handoff, 0));
@@ -109,25 +120,14 @@ static void run_a(const Pipe &p, const std::vector<Piece> &pieces, int offload)
         const Piece &piece = pieces[offload ? k : count - 1 - k];
         const int s = k % 2;
         char *slot = p.staging + s * PIECE;
-        if (offload) {
-            if (k >= 2)
-                CK(cudaStreamWaitEvent(p.permute, p.freed[s], 0));
-            launch(p, piece, slot, 1, p.permute);
-            CK(cudaEventRecord(p.ready[s], p.permute));
-            CK(cudaStreamWaitEvent(p.caller, p.ready[s], 0));
-            copy(p, piece, slot, 1, p.caller);
-            if (k + 2 < count)
-                CK(cudaEventRecord(p.freed[s], p.caller));
-            continue;
-        }
         if (k >= 2)
-            CK(cudaStreamWaitEvent(p.caller, p.freed[s], 0));
-        copy(p, piece, slot, 0, p.caller);
-        CK(cudaEventRecord(p.ready[s], p.caller));
-        CK(cudaStreamWaitEvent(p.permute, p.ready[s], 0));
-        launch(p, piece, slot, 0, p.permute);
+            CK(cudaStreamWaitEvent(first, p.freed[s], 0));
+        stage(p, piece, slot, offload, 0, first);
+        CK(cudaEventRecord(p.ready[s], first));
+        CK(cudaStreamWaitEvent(second, p.ready[s], 0));
+        stage(p, piece, slot, offload, 1, second);
         if (k + 2 < count)
-            CK(cudaEventRecord(p.freed[s], p.permute));
+            CK(cudaEventRecord(p.freed[s], second));
     }
     if (!offload) {
         CK(cudaEventRecord(p.handoff, p.permute));
@@ -146,14 +146,8 @@ static void run_b(const Pipe &p, const std::vector<Piece> &pieces, int offload)
         const Piece &piece = pieces[offload ? k : count - 1 - k];
         const int s = k % 2;
         char *slot = p.staging + s * PIECE;
-        if (offload) {
-            launch(p, piece, slot, 1, p.slot[s]);
-            copy(p, piece, slot, 1, p.slot[s]);
-        }
-        else {
-            copy(p, piece, slot, 0, p.slot[s]);
-            launch(p, piece, slot, 0, p.slot[s]);
-        }
+        stage(p, piece, slot, offload, 0, p.slot[s]);
+        stage(p, piece, slot, offload, 1, p.slot[s]);
     }
     for (int s = 0; s < 2; s++) {
         CK(cudaEventRecord(p.joined[s], p.slot[s]));
