@@ -17,7 +17,8 @@ between the GPUs), in pieces.  For each --transport, direction and nb, in the sa
     reshard          Resharder calls, check=False, wait=True (the steady state of a server)
     reshard-async    the same with wait=False (host time: the call alone; the GPU time
                      includes waiting for each handle, as a poll loop would)
-    reshard-check    check=True (the ranks exchange a description over gloo first)
+    reshard-check    check=True (the ranks exchange a description first: over the header
+                     communicator, gloo where the transport has none)
     one-buffer       the ceiling: one send of the link bytes from the sending GPU
     all-bytes        one send of all the bytes the reshard moves, local ones included
     fragments        the link bytes as one send per (layer, K/V, block) chunk (posted in

@@ -77,14 +77,15 @@ class TorchTransport:
     through `torch.distributed.batch_isend_irecv`.  Ranks are ranks of `group`.
 
     GPU caches need a group with an NCCL backend; host caches one with gloo.  With
-    `init_process_group(backend="cpu:gloo,cuda:nccl")` one group does both, and the
-    exchanges that check a Resharder and its calls go over gloo without touching the
-    GPU: `check=True`'s exchange of descriptions and `check=False`'s per-pair headers.
-    With an NCCL-only group `check=True`'s exchange goes through the GPU and waits for
-    it, and `check=False`'s headers cross on the transport's own NCCL communicator
-    (below); without one (`own_nccl=False`, or NCCL could not be loaded) `check=False` is
-    refused (`carries_headers` is False: its headers would have to be read back from the
-    GPU, a host synchronization per call).  With NCCL, as for any `batch_isend_irecv`,
+    `init_process_group(backend="cpu:gloo,cuda:nccl")` one group does both.  The
+    exchanges that check a call, `check=True`'s exchange of descriptions and
+    `check=False`'s per-pair headers, cross on the transport's own NCCL header
+    communicator where it opened one (below), without waiting for the caller's stream;
+    else over gloo, without touching the GPU.  Without either (an NCCL-only group and
+    `own_nccl=False`, or NCCL that could not be loaded) `check=True`'s exchange goes
+    through the GPU and waits for it, and `check=False` is refused (`carries_headers`
+    is False: its headers would have to be read back from the GPU, a host
+    synchronization per call).  With NCCL, as for any `batch_isend_irecv`,
     the first NCCL operation on the group must involve all its ranks (e.g. a warm-up
     `all_reduce`).
 
@@ -101,8 +102,8 @@ class TorchTransport:
     NCCL of its own (`own_nccl=True`, the default): where the group has an NCCL backend,
     GPU messages go over two NCCL communicators of the group's ranks, posted from C
     rather than through batch_isend_irecv, whose host time (about 60 us a post) would
-    outweigh a call's GPU work: one carries the payloads, the other check=False's
-    headers, which the host waits for without waiting behind a payload.  They are
+    outweigh a call's GPU work: one carries the payloads, the other the exchanges that
+    check a call, which the host waits for without waiting behind a payload.  They are
     opened on the current CUDA device by the first Resharder built over the group
     (collectively, as its construction is), shared by every later one, and kept until
     the process ends: a communicator's teardown frees device memory, which waits for the
@@ -199,7 +200,8 @@ class TorchTransport:
         # connected now, while every rank is here, a call's wait is only ever for its records.
         others = tuple(rank for rank in range(self.world_size) if rank != self._rank)
         for one in opened:
-            one.swap(others, bytes(len(others) * native._NCCL_RECORD_BYTES), timeout)
+            if others:
+                one.swap(others, bytes(len(others)), timeout)
         return opened
 
     def check_device(self, device: str) -> None:
@@ -218,30 +220,51 @@ class TorchTransport:
 
     def all_gather_object(self, obj: Any, timeout: float) -> list[Any]:
         """As torch.distributed.all_gather_object, with every wait bounded by `timeout`
-        seconds in all: one all_gather of a fixed-size slot (its length first), and a
-        second one at the largest size only when an object does not fit."""
+        seconds in all: one exchange of a fixed-size slot (its length first), and a
+        second one at the largest size only when an object does not fit.  Once `prepare`
+        opened our NCCL communicators (on every rank alike), the slots cross on the header
+        communicator, which neither waits for the caller's stream nor goes through gloo's
+        sockets; before, and for the rare second exchange, torch's all_gather."""
         import torch
         import torch.distributed as dist
 
         deadline = time.monotonic() + timeout
-        device = self._object_device()
         data = pickle.dumps(obj)
         slot = bytearray(_LENGTH.size + _GATHER_SLOT)
         _LENGTH.pack_into(slot, 0, len(data))
         if len(data) <= _GATHER_SLOT:
             slot[_LENGTH.size:_LENGTH.size + len(data)] = data
-        mine = torch.frombuffer(slot, dtype=torch.uint8).to(device)
-        slots = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(slots, mine, group=self.group, async_op=True), deadline, timeout, "exchange")
-        raw = [bytes(s.cpu().numpy()) for s in slots]
+        if self._nccl is not None:
+            raw = self._swap_slots(bytes(slot), deadline, timeout)
+        else:
+            mine = torch.frombuffer(slot, dtype=torch.uint8).to(self._object_device())
+            slots = [torch.empty_like(mine) for _ in range(self.world_size)]
+            self._wait(dist.all_gather(slots, mine, group=self.group, async_op=True), deadline, timeout, "exchange")
+            raw = [bytes(s.cpu().numpy()) for s in slots]
         lengths = [_LENGTH.unpack_from(r)[0] for r in raw]
         if max(lengths) <= _GATHER_SLOT:
             return [pickle.loads(r[_LENGTH.size:_LENGTH.size + n]) for r, n in zip(raw, lengths)]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self._object_device())
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
         self._wait(dist.all_gather(pieces, padded, group=self.group, async_op=True), deadline, timeout, "exchange")
         return [pickle.loads(piece[:n].cpu().numpy().tobytes()) for piece, n in zip(pieces, lengths)]
+
+    def _swap_slots(self, slot: bytes, deadline: float, timeout: float) -> list[bytes]:
+        """Every rank's slot, in rank order, through the header communicator: ours to each
+        other rank, theirs from each.  A timeout aborts both communicators, as a header's does."""
+        assert self._nccl is not None
+        others = tuple(rank for rank in range(self.world_size) if rank != self._rank)
+        if not others:
+            return [slot]
+        try:
+            received = self._nccl[1].swap(others, slot * len(others), max(deadline - time.monotonic(), 0.001))
+        except TimeoutError as error:
+            self._abort_nccl()
+            raise self._timeout_error(timeout, "exchange", error) from error
+        size = len(slot)
+        theirs = dict(zip(others, (received[i * size:(i + 1) * size] for i in range(len(others)))))
+        return [slot if rank == self._rank else theirs[rank] for rank in range(self.world_size)]
 
     def exchange(self, call: Exchange, background: bool) -> Handle:
         # gloo's operations progress only inside their wait (their is_completed() stays False),

@@ -10,6 +10,7 @@ every other block keeping its poison.  Child processes report per case; a failur
 is shown with the child's traceback.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -312,6 +313,10 @@ NCCL_ERRORS = {
     "caches off the communicators' device": (0, "other_device", ValueError, r"rank 0: the caches are on cuda:1, but "
                                                                             r"this transport's NCCL communicators on "
                                                                             r"cuda:0"),
+    # a description over the 4 KiB slot of the header communicator: a second exchange, through torch
+    "a description larger than the gather slot": (0, "src_long_type", TypeError,
+                                                  r"src_block_ids on rank 0: expected a sequence of ints or a 1-D int "
+                                                  r"tensor, got X{5000}$"),
 }
 ERRORS = {"gloo": (GLOO_ERROR_BASE, GLOO_ERRORS), "nccl": (NCCL_ERROR_BASE, NCCL_ERRORS)}
 
@@ -495,24 +500,43 @@ def _run_case(name, case, rank, device, stream=None):
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())     # the caches' writers, as a server orders them
     stats, staging = [], []
-    for call, (src_ids, dst_ids) in enumerate(ids):
-        arguments = (src and src.cache, src and _ids_arg(src_ids, case.ids, device),
-                     dst and dst.cache, dst and _ids_arg(dst_ids, case.ids, device))
-        if case.one_shot:
-            result = kvbm_ext.reshard(*arguments, num_heads=case.heads, num_layers=case.layers, src=case.src,
-                                      dst=case.dst, transport=transport, stream=stream)
-        else:
-            result = resharder(*arguments, stream=stream, check=call == 0)
-        stats.append(dataclasses.asdict(result))
-        staging.append(resharder.staging_nbytes)
-        for l in range(case.layers):
-            expected[l][:, dst_ids] = src_model[l][:, src_ids]
+    with _torch_all_gathers() as gathers:
+        for call, (src_ids, dst_ids) in enumerate(ids):
+            arguments = (src and src.cache, src and _ids_arg(src_ids, case.ids, device),
+                         dst and dst.cache, dst and _ids_arg(dst_ids, case.ids, device))
+            if case.one_shot:
+                result = kvbm_ext.reshard(*arguments, num_heads=case.heads, num_layers=case.layers, src=case.src,
+                                          dst=case.dst, transport=transport, stream=stream)
+            else:
+                result = resharder(*arguments, stream=stream, check=call == 0)
+            stats.append(dataclasses.asdict(result))
+            staging.append(resharder.staging_nbytes)
+            for l in range(case.layers):
+                expected[l][:, dst_ids] = src_model[l][:, src_ids]
     if device != "cpu":
         torch.cuda.synchronize()
     return {"involved": src is not None or dst is not None, "me": transport.rank, "posted": transport.calls,
-            "headers": transport.headers, "staging": staging,
+            "headers": transport.headers, "staging": staging, "torch_gathers": len(gathers),
             "stats": stats, "dst_ok": dst is None or dst.matches(expected), "src_ok": src is None or src.matches(src_model),
             "plan_messages": resharder.num_messages, "own_nccl": transport.inner._nccl is not None}
+
+
+@contextlib.contextmanager
+def _torch_all_gathers():
+    """Counts the calls of torch.distributed.all_gather within the block (the list it
+    yields): check=True's exchange goes through it only where the transport has no NCCL
+    communicators of its own."""
+    gathers, all_gather = [], dist.all_gather
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather = counted
+    try:
+        yield gathers
+    finally:
+        dist.all_gather = all_gather
 
 
 def _run_error(backend, name, rank, device):
@@ -543,6 +567,8 @@ def _run_error(backend, name, rank, device):
             src_cache = list(src.arrays)
         elif how == "other_device":
             src_cache = Side(src_model, src.heads, src.layers, case.src_dims, f"cuda:{1 - rank}").cache
+        elif how == "src_long_type":
+            src_ids = type("X" * 5000, (), {})()
         elif how == "bystander_cache":
             dst_cache, dst_ids = Side(dst_model, range(2), range(case.layers), "kbthd", device).cache, [0]
     stream = 1 if rank == bad_rank and how == "host_stream" else None
@@ -595,8 +621,10 @@ def _worker(rank, world, backend, store_path, out_dir, names):
         results["async"] = _run_async(rank, device)
         _save(results, out_dir, rank)
         dist.barrier()
-        results["header timeout"] = _run_header_timeout(rank, device)
-        _save(results, out_dir, rank)
+        for check in (False, True):
+            results[f"{'checked exchange' if check else 'header'} timeout"] = _run_header_timeout(rank, device, check)
+            _save(results, out_dir, rank)
+            dist.barrier()
     dist.destroy_process_group()
 
 
@@ -619,7 +647,8 @@ def _run_async(rank, device):
         resharder(src and src.cache, src and src_ids, dst.cache, dst_ids, stream=stream)      # warm-up
         stream.synchronize()
         pending, host_s = [], []
-        # checked: descriptions over gloo; unchecked: the pair's headers over gloo (neither reads the GPU);
+        # checked: descriptions, unchecked: the pair's headers, both over the header communicator (neither
+        # waits for the call's stream);
         # in the background: the headers waited for and the pieces posted by other threads, the stream
         # ordered after the unpacks by the handle
         for check, wait in ((True, True), (False, True), (False, False)):
@@ -645,9 +674,10 @@ def _run_async(rank, device):
         return {"ok": False, "traceback": traceback.format_exc()}
 
 
-def _run_header_timeout(rank, device):
-    """check=False over the transport's own communicators, rank 0 never calling: rank 1 raises
-    TimeoutError within its timeout, writes nothing, and its next call raises at once."""
+def _run_header_timeout(rank, device, check):
+    """check=False's headers, or check=True's exchange of descriptions, over the transport's
+    own communicators, rank 0 never calling: rank 1 raises TimeoutError within its timeout,
+    writes nothing, and its next call raises at once."""
     try:
         case = NCCL_CASES["tp1->tp2"]
         src_model, dst_model, ids, src, dst = _setup("header timeout", case, rank, device)
@@ -659,7 +689,7 @@ def _run_header_timeout(rank, device):
             for _ in range(2):
                 start = time.monotonic()
                 try:
-                    resharder(None, None, dst.cache, dst_ids, check=False, timeout=2)
+                    resharder(None, None, dst.cache, dst_ids, check=check, timeout=2)
                     errors.append(None)
                 except Exception as error:
                     errors.append([type(error).__name__, str(error), time.monotonic() - start])
@@ -814,8 +844,11 @@ def nccl_results(tmp_path_factory):
 def test_nccl_reshard(nccl_results, name):
     case = NCCL_CASES[name]
     _check_case(case, nccl_results[name])
-    # through the transport's own communicators, unless the case asks for torch's posts
+    # through the transport's own communicators, unless the case asks for torch's posts; the
+    # first call's check=True exchange too (torch's all_gather over gloo otherwise)
     assert [r["own_nccl"] for r in nccl_results[name]] == [not case.torch_posts] * NCCL_WORLD
+    gathers = [r["torch_gathers"] for r in nccl_results[name]]
+    assert gathers == ([1] * NCCL_WORLD if case.torch_posts else [0] * NCCL_WORLD), gathers
 
 
 @pytest.fixture(scope="module")
@@ -849,12 +882,13 @@ def test_nccl_unchecked_pairs_raise_alike(nccl_results, name):
 
 @pytest.mark.multiprocess
 @pytest.mark.gpu(count=2)
-def test_nccl_header_that_never_comes_times_out_and_writes_nothing(nccl_results):
-    results = nccl_results["header timeout"]
+@pytest.mark.parametrize("name, what", [("header timeout", "messages"), ("checked exchange timeout", "exchange")])
+def test_nccl_header_that_never_comes_times_out_and_writes_nothing(nccl_results, name, what):
+    results = nccl_results[name]
     assert all(r["ok"] for r in results), _failures(results)
     assert [r["own_nccl"] for r in results] == [True, True]
     (kind, message, seconds), (again, why, at_once) = results[1]["errors"]
-    assert kind == "TimeoutError" and "did not complete the messages within 2" in message, message
+    assert kind == "TimeoutError" and f"did not complete the {what} within 2" in message, message
     assert 1.9 < seconds < 10, seconds
     assert again == "RuntimeError" and "aborted" in why and at_once < 1, (why, at_once)
     assert results[1]["dst_ok"], "a destination block was written"

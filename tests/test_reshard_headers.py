@@ -274,11 +274,14 @@ def test_a_disagreeing_header_refuses_the_call_before_any_payload(field):
                for d in dst)
 
 
-def test_the_header_communicator_swaps_records_of_the_header_size():
-    """TorchTransport's NCCL header communicator swaps records of the C side's size
-    (KV_NCCL_RECORD_BYTES, as _C exports it): the size of a header, or no header could cross."""
+def test_the_header_communicator_carries_a_header_and_a_gather_slot():
+    """TorchTransport's NCCL header communicator swaps records of at most the C side's
+    KV_NCCL_RECORD_MAX (as _C exports it): a check=False header, and a check=True call's
+    description slot (its length, then the slot), or neither could cross."""
     native = importlib.import_module("kvbm_ext._C")
-    assert native._NCCL_RECORD_BYTES == kvbm_ext._reshard.HEADER.size
+    transport = kvbm_ext._transport
+    assert kvbm_ext._reshard.HEADER.size <= native._NCCL_RECORD_MAX
+    assert transport._LENGTH.size + transport._GATHER_SLOT <= native._NCCL_RECORD_MAX
 
 
 def test_a_transport_without_headers_refuses_check_false():

@@ -165,17 +165,19 @@ static PyObject *comm_swap(PyObject *op, PyObject *args)
     double timeout;
     if (!PyArg_ParseTuple(args, "O!O!d:swap", &PyTuple_Type, &peers_obj, &PyBytes_Type, &records, &timeout))
         return NULL;
-    const Py_ssize_t n = PyTuple_GET_SIZE(peers_obj);
-    if (n > self->nranks || PyBytes_GET_SIZE(records) != n * KV_NCCL_RECORD_BYTES || !(timeout > 0))
+    const Py_ssize_t n = PyTuple_GET_SIZE(peers_obj), total = PyBytes_GET_SIZE(records);
+    /* One record per peer, all of one size, which both ranks of a pair must post alike. */
+    const Py_ssize_t R = n > 0 ? total / n : 0;
+    if (n < 1 || n > self->nranks || R < 1 || R > KV_NCCL_RECORD_MAX || R * n != total || !(timeout > 0))
         return PyErr_Format(PyExc_ValueError,
-                            "swap: expected at most %d peers, %d bytes a record and a timeout "
-                            "above 0",
-                            self->nranks, KV_NCCL_RECORD_BYTES);
+                            "swap: expected 1 to %d peers, records of 1 to %d bytes each (%zd bytes for %zd "
+                            "peers) and a timeout above 0",
+                            self->nranks, KV_NCCL_RECORD_MAX, total, n);
     int on_stack[ON_STACK];
     int *peers = items_for(on_stack, n, sizeof *peers);
     if (peers == NULL)
         return NULL;
-    PyObject *received = PyBytes_FromStringAndSize(NULL, n * KV_NCCL_RECORD_BYTES);
+    PyObject *received = PyBytes_FromStringAndSize(NULL, total);
     int rc = received == NULL ? -1 : 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         long long peer;
@@ -183,7 +185,7 @@ static PyObject *comm_swap(PyObject *op, PyObject *args)
         peers[i] = (int)peer;
     }
     if (rc == 0)
-        rc = kv_nccl_swap(self->comm, peers, n, (const unsigned char *)PyBytes_AS_STRING(records),
+        rc = kv_nccl_swap(self->comm, peers, n, (size_t)R, (const unsigned char *)PyBytes_AS_STRING(records),
                           (unsigned char *)PyBytes_AS_STRING(received), timeout);
     free_items(peers, on_stack);
     if (rc < 0)
@@ -207,8 +209,9 @@ static PyMethodDef comm_methods[] = {
      "post(stream, ops): enqueue ops, a tuple of (peer, send, address, bytes), on the int cudaStream_t "
      "`stream` as one NCCL group."},
     {"swap", comm_swap, METH_VARARGS,
-     "swap(peers, records, timeout) -> bytes: send records[i] (_NCCL_RECORD_BYTES each) to peers[i], receive one from "
-     "each, and wait for them on the host; TimeoutError after `timeout` seconds (the communicator is then "
+     "swap(peers, records, timeout) -> bytes: send records[i] (len(records) // len(peers) bytes each, at most "
+     "_NCCL_RECORD_MAX) to peers[i], receive one of that size from each, and wait for them on the host; TimeoutError "
+     "after `timeout` seconds (the communicator is then "
      "aborted)."},
     {"abort", comm_abort, METH_NOARGS, "abort(): end every pending operation; every later call raises."},
     {NULL, NULL, 0, NULL},
@@ -249,7 +252,6 @@ int kv_nccl_comm_add_type(PyObject *module)
         return -1;
     const int rc = PyModule_AddObjectRef(module, "_NcclComm", type);
     Py_DECREF(type);
-    /* The record size that swap() takes, for Python to use rather than repeat (and a test to
-     * hold equal to kvbm_ext._reshard.HEADER.size). */
-    return rc < 0 ? -1 : PyModule_AddIntConstant(module, "_NCCL_RECORD_BYTES", KV_NCCL_RECORD_BYTES);
+    /* The largest record swap() takes, for a test to hold the records Python swaps within it. */
+    return rc < 0 ? -1 : PyModule_AddIntConstant(module, "_NCCL_RECORD_MAX", KV_NCCL_RECORD_MAX);
 }

@@ -1,6 +1,6 @@
 /* kvbm_ext._C._NcclComm, a Resharder transport's NCCL communicator
- * (nccl_comm.c, over gpu.h's kv_nccl), and _C._NCCL_RECORD_BYTES, the size
- * of the records its swap() exchanges. */
+ * (nccl_comm.c, over gpu.h's kv_nccl), and _C._NCCL_RECORD_MAX, the largest
+ * record its swap() exchanges. */
 #ifndef KVBM_NCCL_COMM_H
 #define KVBM_NCCL_COMM_H
 

@@ -257,7 +257,9 @@ const char *kv_gpu_pointer_kind(const void *address);
  * (NULL) with an exception: RuntimeError where NCCL cannot be loaded, CUDA
  * or NCCL fails (or the build has no CUDA), TimeoutError from kv_nccl_swap. */
 #define KV_NCCL_ID_BYTES 128
-#define KV_NCCL_RECORD_BYTES 128
+/* The largest record kv_nccl_swap carries: a reshard header (128 bytes) or a
+ * checked call's description (kvbm_ext._transport's gather slot, 4 KiB). */
+#define KV_NCCL_RECORD_MAX 8192
 typedef struct kv_nccl kv_nccl;
 typedef struct {
     int peer, send; /* the peer's rank in the group; a send, else a receive */
@@ -272,12 +274,13 @@ kv_nccl *kv_nccl_open(const unsigned char id[KV_NCCL_ID_BYTES], int nranks, int 
 void kv_nccl_close(kv_nccl *c);
 /* Enqueues `ops` on `stream` as one NCCL group. */
 int kv_nccl_post(kv_nccl *c, intptr_t stream, const kv_nccl_op *ops, Py_ssize_t n);
-/* Sends records[i] (KV_NCCL_RECORD_BYTES each) to peers[i] and receives
- * one from each into received[i], on a stream of its own, and waits for
+/* Sends records[i] (record_bytes each, at most KV_NCCL_RECORD_MAX) to
+ * peers[i] and receives one of the same size from each into received[i],
+ * on a stream of its own, and waits for
  * them on the host (GIL released) until `timeout` seconds passed: then, or
  * on any failure, the communicator is aborted (every later call raises). */
-int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
-                 double timeout);
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, size_t record_bytes, const unsigned char *records,
+                 unsigned char *received, double timeout);
 /* Ends every operation of the communicator that is still pending, for good. */
 void kv_nccl_abort(kv_nccl *c);
 /* Whether the communicator was aborted; never waits (a swap may hold it for its timeout). */

@@ -199,7 +199,7 @@ kv_nccl *kv_nccl_open(const unsigned char id[KV_NCCL_ID_BYTES], int nranks, int 
     *c = (kv_nccl){.nranks = nranks, .device = device, .lock = lock, .ops = ops};
     nccl_unique_id unique;
     memcpy(unique.internal, id, KV_NCCL_ID_BYTES);
-    const size_t bytes = 2 * (size_t)nranks * KV_NCCL_RECORD_BYTES;
+    const size_t bytes = 2 * (size_t)nranks * KV_NCCL_RECORD_MAX;
     nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
     Py_BEGIN_ALLOW_THREADS
     const int previous = enter_device(c, &f);
@@ -310,10 +310,10 @@ static int wait_done(const kv_nccl *c, double deadline, nccl_failure *f)
 
 /* kv_nccl_swap's exchange, with c->lock held and the communicator not aborted; aborts it on a
  * failure or when `deadline` passes.  1 when it timed out. */
-static int swap_records(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records,
+static int swap_records(kv_nccl *c, const int *peers, Py_ssize_t n, size_t R, const unsigned char *records,
                         unsigned char *received, double deadline, nccl_failure *f)
 {
-    const size_t R = KV_NCCL_RECORD_BYTES, in = (size_t)c->nranks * R;
+    const size_t in = (size_t)c->nranks * KV_NCCL_RECORD_MAX;
     int timed_out = 0;
     memcpy(c->host, records, (size_t)n * R);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -341,8 +341,8 @@ static int swap_records(kv_nccl *c, const int *peers, Py_ssize_t n, const unsign
     return timed_out;
 }
 
-int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
-                 double timeout)
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, size_t record_bytes, const unsigned char *records,
+                 unsigned char *received, double timeout)
 {
     nccl_failure f = {cudaSuccess, NCCL_SUCCESS, NULL};
     int aborted, timed_out = 0;
@@ -351,7 +351,7 @@ int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char
     PyThread_acquire_lock(c->lock, WAIT_LOCK);
     aborted = c->aborted; /* with the lock held, as in kv_nccl_post */
     if (!aborted)
-        timed_out = swap_records(c, peers, n, records, received, deadline, &f);
+        timed_out = swap_records(c, peers, n, record_bytes, records, received, deadline, &f);
     PyThread_release_lock(c->lock);
     Py_END_ALLOW_THREADS
     if (aborted)

@@ -158,10 +158,10 @@ int kv_nccl_post(kv_nccl *c, intptr_t stream, const kv_nccl_op *ops, Py_ssize_t 
     return no_cuda();
 }
 
-int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, const unsigned char *records, unsigned char *received,
-                 double timeout)
+int kv_nccl_swap(kv_nccl *c, const int *peers, Py_ssize_t n, size_t record_bytes, const unsigned char *records,
+                 unsigned char *received, double timeout)
 {
-    (void)c, (void)peers, (void)n, (void)records, (void)received, (void)timeout;
+    (void)c, (void)peers, (void)n, (void)record_bytes, (void)records, (void)received, (void)timeout;
     return no_cuda();
 }
 
