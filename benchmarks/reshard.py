@@ -204,6 +204,37 @@ def rank_caches(me, layouts, num_blocks):
     return caches
 
 
+def probe_call(me, resharder, layouts, nb, check=False):
+    """The probes' call for this rank, warmed up: `resharder` over its caches of 2 * nb
+    blocks, the first nb of each (device ids), with `check`."""
+    caches = rank_caches(me, layouts, 2 * nb)
+    ids = torch.arange(nb, device=me.device)
+    arguments = (caches[0], None if caches[0] is None else ids, caches[1], None if caches[1] is None else ids)
+
+    def call():
+        return resharder(*arguments, check=check, timeout=TIMEOUT)
+
+    for _ in range(5):
+        call()
+    return call
+
+
+def timeline_probe(doc, child, transport, extra=()):
+    """Runs a timeline probe: `child(rank, mine, args, folder)` in each rank's process, with
+    the probe's options (--direction, --nb, --rounds and `extra`, (flags, keywords) pairs for
+    add_argument) in `mine` and this benchmark's, for `transport`, in `args`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--direction", default="1to2", choices=sorted(DIRECTIONS))
+    parser.add_argument("--nb", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    for flags, keywords in extra:
+        parser.add_argument(*flags, **keywords)
+    mine = parser.parse_args()
+    args = parse_args(["--device", getattr(mine, "device", "cuda"), "--transport", transport])
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(child, args=(mine, args, folder), nprocs=WORLD, start_method="spawn")
+
+
 def expected_pairs(src, dst, num_layers):
     """(messages, local copies): (source rank, destination rank) pairs whose head and layer ranges meet."""
     pairs = set()

@@ -7,7 +7,7 @@ both ranks), to price the pieces.  --no-headers drops check=False's pair headers
 (a probe of what they cost, not a mode: nothing compares the ranks' calls then).
 
     python3 benchmarks/probes/reshard_host_profile.py [--transport nccl|nixl] [--direction 1to2]
-        [--nb 64] [--check] [--whole] [--no-headers] [--profile-rank 0] [--calls 50] [--progress-delay-us US] [--device auto|cuda|cpu]
+        [--nb 64] [--check] [--whole] [--no-headers] [--profile-rank 0] [--calls 50] [--rows 22] [--progress-delay-us US] [--device auto|cuda|cpu]
 """
 import argparse
 import cProfile
@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -36,6 +35,7 @@ def parse_args():
     parser.add_argument("--no-headers", action="store_true", help="drop the pair headers (a probe, not a mode)")
     parser.add_argument("--profile-rank", type=int, default=0, help="the rank cProfile watches")
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--rows", type=int, default=22, help="functions printed in each order")
     parser.add_argument("--progress-delay-us", type=int, help="NixlTransport's progress_delay_us")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     mine = parser.parse_args()
@@ -62,15 +62,12 @@ def child(rank, mine, args, folder):
     src, dst = bench.DIRECTIONS[mine.direction]
     resharder = bench.kvbm_ext.Resharder(bench.NH, args.layers, src, dst,
                                          transport=me.nixl if mine.transport == "nixl" else None)
-    caches = bench.rank_caches(me, (src, dst), 2 * mine.nb)
-    ids = torch.arange(mine.nb, device=me.device)
-    arguments = (caches[0], None if caches[0] is None else ids, caches[1], None if caches[1] is None else ids)
+    call = bench.probe_call(me, resharder, (src, dst), mine.nb, check=mine.check)
 
     def calls(count):
         for _ in range(count):
-            resharder(*arguments, check=mine.check, timeout=bench.TIMEOUT)
+            call()
 
-    calls(5)
     dist.barrier()
     me.sync()
     start = time.perf_counter()
@@ -99,7 +96,7 @@ def child(rank, mine, args, folder):
         for order in ("tottime", "cumulative"):
             text = io.StringIO()
             stats = pstats.Stats(profile, stream=text)
-            stats.sort_stats(order).print_stats(22)
+            stats.sort_stats(order).print_stats(mine.rows)
             print(f"--- by {order} (seconds over {mine.calls} calls)")
             lines = text.getvalue().splitlines()
             first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))

@@ -9,15 +9,12 @@ began, with the host's own times of the same points.  --rounds calls, one after 
 
     python3 benchmarks/probes/reshard_timeline.py [--direction 1to2] [--nb 64] [--rounds 3]
 """
-import argparse
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import reshard as bench  # noqa: E402
@@ -115,18 +112,14 @@ def child(rank, mine, args, folder):
     if nccl is None:
         raise SystemExit("TorchTransport did not open NCCL communicators of its own")
     resharder.transport._nccl = (TimedComm(nccl[0], timeline), TimedComm(nccl[1], timeline))
-    caches = bench.rank_caches(me, (src, dst), 2 * mine.nb)
-    ids = torch.arange(mine.nb, device=me.device)
-    arguments = (caches[0], None if caches[0] is None else ids, caches[1], None if caches[1] is None else ids)
-    for _ in range(5):
-        resharder(*arguments, check=False, timeout=bench.TIMEOUT)
+    call = bench.probe_call(me, resharder, (src, dst), mine.nb)
     for _ in range(mine.rounds):
         me.sync()
         dist.barrier()
         stream = torch.cuda.current_stream()
         timeline.active = True
         timeline.mark("call", stream)
-        resharder(*arguments, check=False, timeout=bench.TIMEOUT)
+        call()
         timeline.mark("returned", stream)
         timeline.active = False
         text = timeline.report(rank)
@@ -138,14 +131,7 @@ def child(rank, mine, args, folder):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--direction", default="1to2", choices=sorted(bench.DIRECTIONS))
-    parser.add_argument("--nb", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    mine = parser.parse_args()
-    args = bench.parse_args(["--device", "cuda", "--transport", "nccl"])
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(child, args=(mine, args, folder), nprocs=bench.WORLD, start_method="spawn")
+    bench.timeline_probe(__doc__, child, "nccl")
 
 
 if __name__ == "__main__":
