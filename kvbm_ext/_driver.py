@@ -131,23 +131,9 @@ class _Driver:
                 jobs = list(self._jobs)
             moved = False
             for job in jobs:
-                state: str = WAITING
-                error: BaseException | None = None
-                try:
-                    state = job.step()
-                    if state == WAITING and job.deadline is not None and time.monotonic() > job.deadline:
-                        error = TimeoutError(f"{job.handle.what}: not finished by its deadline")
-                except BaseException as failure:  # noqa: BLE001 - every failure finishes the handle
-                    error = failure
-                if error is not None:
-                    try:
-                        job.abandon(error)
-                    finally:
-                        job.handle.finish(error)
-                elif state == DONE:
-                    job.handle.finish()
-                moved = moved or state != WAITING or error is not None
-                if state == DONE or error is not None:
+                state = _advance(job)
+                moved = moved or state != WAITING
+                if state == DONE:
                     with self._wake:
                         self._jobs.remove(job)
             idle = 0 if moved else min(idle + 1, SPIN_ROUNDS + 8)
@@ -155,12 +141,40 @@ class _Driver:
                 time.sleep(0 if idle <= SPIN_ROUNDS else min(SLEEP_MIN_S * 2 ** (idle - SPIN_ROUNDS), SLEEP_MAX_S))
 
 
+def _advance(job: Job) -> str:
+    """One step of `job`: DONE once it ended (its handle finished, successfully or not, and
+    after a failure or its deadline abandoned), else what its step said."""
+    state: str = WAITING
+    error: BaseException | None = None
+    try:
+        state = job.step()
+        if state == WAITING and job.deadline is not None and time.monotonic() > job.deadline:
+            error = TimeoutError(f"{job.handle.what}: not finished by its deadline")
+    except BaseException as failure:  # noqa: BLE001 - every failure finishes the handle
+        error = failure
+    if error is not None:
+        try:
+            job.abandon(error)
+        finally:
+            job.handle.finish(error)
+        return DONE
+    if state == DONE:
+        job.handle.finish()
+    return state
+
+
 _driver: _Driver | None = None
 _lock = threading.Lock()
 
 
-def submit(job: Job) -> Handle:
-    """Hands `job` to the process's driver (started on first use) and returns its handle."""
+def submit(job: Job, step_now: bool = False) -> Handle:
+    """Hands `job` to the process's driver (started on first use) and returns its handle.
+
+    `step_now`: the job's first step runs on the caller's thread first.  A first step that
+    can act at once (a message to send, a piece to post) then does not wait for the driver
+    thread to wake and take the GIL, which the caller holds until it blocks."""
+    if step_now and _advance(job) == DONE:
+        return job.handle
     global _driver
     with _lock:
         if _driver is None:

@@ -219,7 +219,9 @@ class NixlTransport:
         if call.owner is not None and id(call.owner) not in self._owners:
             self._owners.add(id(call.owner))
             weakref.finalize(call.owner, self._forget, id(call.owner))
-        return submit(NixlCall(self, call))
+        # The first step on the caller's thread: the receiver's READY, which the sender waits
+        # for, leaves now rather than once the driver thread took the job up.
+        return submit(NixlCall(self, call), step_now=True)
 
     def close(self) -> None:
         """Releases the prepared transfers and registrations (calls must have finished)."""

@@ -22,9 +22,11 @@ class Steps:
         self.moves, self.waits, self.fail_at = moves, waits, fail_at
         self.steps, self.abandoned = 0, []
         self.thread = None
+        self.threads = []       # the thread of each step
 
     def step(self):
         self.thread = threading.current_thread()
+        self.threads.append(self.thread)
         self.steps += 1
         if self.fail_at is not None and self.steps >= self.fail_at:
             raise ValueError(f"step {self.steps} failed")
@@ -55,6 +57,31 @@ def test_a_failing_step_finishes_the_handle_with_its_error():
     with pytest.raises(ValueError, match="step 4 failed"):
         handle.wait(10)
     assert isinstance(handle.error, ValueError) and len(job.abandoned) == 1 and job.steps == 4
+
+
+def test_step_now_takes_the_first_step_on_the_callers_thread():
+    job = Steps(moves=4, waits=2)
+    handle = _driver.submit(job, step_now=True)
+    handle.wait(10)
+    assert handle.error is None and job.steps == 7 and not job.abandoned
+    me = threading.current_thread()
+    assert job.threads[0] is me and all(t is not me and t.daemon for t in job.threads[1:]), job.threads
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_job_that_ends_in_its_first_step_never_reaches_the_driver(fail):
+    """Done, or failed, on the caller's thread: its handle finished there, exactly once,
+    and the driver never steps it."""
+    job = Steps(moves=0, fail_at=1 if fail else None)
+    handle = _driver.submit(job, step_now=True)
+    assert handle.done(), "the handle of a job that ended in its first step is not finished"
+    assert job.steps == 1 and job.threads == [threading.current_thread()]
+    if fail:
+        assert isinstance(handle.error, ValueError) and len(job.abandoned) == 1
+    else:
+        assert handle.error is None and not job.abandoned
+    time.sleep(0.05)
+    assert job.steps == 1, "the driver stepped a job that had ended"
 
 
 def test_a_job_past_its_deadline_is_abandoned():
