@@ -235,7 +235,10 @@ class TorchTransport:
         if len(data) <= _GATHER_SLOT:
             slot[_LENGTH.size:_LENGTH.size + len(data)] = data
         if self._nccl is not None:
-            raw = self._swap_slots(bytes(slot), deadline, timeout)
+            mine = bytes(slot)
+            others = [rank for rank in range(self.world_size) if rank != self._rank]
+            theirs = self._swap_records(dict.fromkeys(others, mine), deadline, timeout, "exchange") if others else {}
+            raw = [mine if rank == self._rank else theirs[rank] for rank in range(self.world_size)]
         else:
             mine = torch.frombuffer(slot, dtype=torch.uint8).to(self._object_device())
             slots = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -250,21 +253,21 @@ class TorchTransport:
         self._wait(dist.all_gather(pieces, padded, group=self.group, async_op=True), deadline, timeout, "exchange")
         return [pickle.loads(piece[:n].cpu().numpy().tobytes()) for piece, n in zip(pieces, lengths)]
 
-    def _swap_slots(self, slot: bytes, deadline: float, timeout: float) -> list[bytes]:
-        """Every rank's slot, in rank order, through the header communicator: ours to each
-        other rank, theirs from each.  A timeout aborts both communicators, as a header's does."""
+    def _swap_records(self, records: dict[int, bytes], deadline: float, timeout: float,
+                      what: str) -> dict[int, bytes]:
+        """Through our header communicator, records[peer] to each peer (all of one size) and
+        one of that size from each, by peer: check=False's headers, a checked call's
+        description slots.  A timeout aborts both communicators (every later call over them
+        raises) and says the `what` did not complete."""
         assert self._nccl is not None
-        others = tuple(rank for rank in range(self.world_size) if rank != self._rank)
-        if not others:
-            return [slot]
+        peers = tuple(records)
         try:
-            received = self._nccl[1].swap(others, slot * len(others), max(deadline - time.monotonic(), 0.001))
+            received = self._nccl[1].swap(peers, b"".join(records.values()), max(deadline - time.monotonic(), 0.001))
         except TimeoutError as error:
             self._abort_nccl()
-            raise self._timeout_error(timeout, "exchange", error) from error
-        size = len(slot)
-        theirs = dict(zip(others, (received[i * size:(i + 1) * size] for i in range(len(others)))))
-        return [slot if rank == self._rank else theirs[rank] for rank in range(self.world_size)]
+            raise self._timeout_error(timeout, what, error) from error
+        size = len(received) // len(peers)
+        return {peer: received[i * size:(i + 1) * size] for i, peer in enumerate(peers)}
 
     def exchange(self, call: Exchange, background: bool) -> Handle:
         # gloo's operations progress only inside their wait (their is_completed() stays False),
@@ -387,17 +390,9 @@ class _TorchCall:
 
     def _swap(self) -> None:
         """check=False's headers over our header communicator; a timeout aborts both."""
-        assert self._nccl is not None and self.call.headers is not None
-        peers = tuple(self.call.headers)
-        left = max(self._until - time.monotonic(), 0.001)
-        try:
-            received = self._nccl[1].swap(peers, b"".join(self.call.headers[peer] for peer in peers), left)
-        except TimeoutError as error:
-            self.transport._abort_nccl()
-            raise self.transport._timeout_error(self.call.timeout, "messages", error) from error
-        size = len(received) // max(len(peers), 1)
-        for i, peer in enumerate(peers):
-            self._received[peer] = received[i * size:(i + 1) * size]
+        assert self.call.headers is not None
+        self._received.update(self.transport._swap_records(self.call.headers, self._until, self.call.timeout,
+                                                           "messages"))
 
     def step(self) -> str:
         if self._headers is not None:

@@ -31,6 +31,7 @@ import datetime
 import importlib
 import json
 import os
+import pickle
 import time
 import zlib
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ import torch.multiprocessing as mp
 
 import kvbm_ext
 from kvbm_ext import EngineLayout, Resharder
+from kvbm_ext import _transport as transport_module
 from kvbm_ext._driver import Handle
 from support.ranks import run_case
 
@@ -282,6 +284,54 @@ def test_the_header_communicator_carries_a_header_and_a_gather_slot():
     transport = kvbm_ext._transport
     assert kvbm_ext._reshard.HEADER.size <= native._NCCL_RECORD_MAX
     assert transport._LENGTH.size + transport._GATHER_SLOT <= native._NCCL_RECORD_MAX
+
+
+class RecordingComm:
+    """A stand-in for the header communicator of rank `rank` of a group whose ranks hold
+    `slots`: swap() answers each peer's slot, and records what it was given."""
+
+    def __init__(self, slots, fail=False):
+        self.slots, self.fail, self.swaps, self.aborted = slots, fail, [], False
+
+    def swap(self, peers, records, timeout):
+        self.swaps.append((peers, records, timeout))
+        if self.fail:
+            raise TimeoutError("the peers' records did not come")
+        return b"".join(self.slots[peer] for peer in peers)
+
+    def abort(self):
+        self.aborted = True
+
+
+def _transport_on(comm, rank, world):
+    """A TorchTransport of rank `rank` of `world` ranks whose NCCL header communicator is
+    `comm` (as prepare() leaves it), without a process group."""
+    transport = object.__new__(kvbm_ext.TorchTransport)
+    transport._rank, transport._global_ranks, transport._nccl = rank, list(range(world)), (RecordingComm({}), comm)
+    return transport
+
+
+def test_a_checked_calls_exchange_crosses_on_the_header_communicator():
+    """all_gather_object over our communicator: one slot (its length, then the pickle) to
+    every other rank, each rank's object back in rank order; no process group touched."""
+    objects = [("fingerprint", None, (4, 2, 16, 64, "bfloat16", "cuda")), ("fingerprint", None, None),
+               ("fingerprint", ("ValueError", "x" * 100), None)]
+    slots = {}
+    for rank, obj in enumerate(objects):
+        data = pickle.dumps(obj)
+        slots[rank] = transport_module._LENGTH.pack(len(data)) + data.ljust(transport_module._GATHER_SLOT, b"\0")
+    comm = RecordingComm(slots)
+    assert _transport_on(comm, 1, 3).all_gather_object(objects[1], 5.0) == objects
+    (peers, records, timeout), = comm.swaps
+    assert peers == (0, 2) and records == slots[1] * 2 and 0 < timeout <= 5.0
+
+
+def test_a_checked_calls_exchange_that_never_comes_aborts_the_communicators():
+    comm = RecordingComm({}, fail=True)
+    transport = _transport_on(comm, 0, 2)
+    with pytest.raises(TimeoutError, match="did not complete the exchange within 3"):
+        transport.all_gather_object("mine", 3.0)
+    assert comm.aborted and transport._nccl[0].aborted, "a timed-out exchange left a communicator open"
 
 
 def test_a_transport_without_headers_refuses_check_false():
