@@ -235,10 +235,10 @@ class TorchTransport:
         if len(data) <= _GATHER_SLOT:
             slot[_LENGTH.size:_LENGTH.size + len(data)] = data
         if self._nccl is not None:
-            mine = bytes(slot)
+            own = bytes(slot)
             others = [rank for rank in range(self.world_size) if rank != self._rank]
-            theirs = self._swap_records(dict.fromkeys(others, mine), deadline, timeout, "exchange") if others else {}
-            raw = [mine if rank == self._rank else theirs[rank] for rank in range(self.world_size)]
+            theirs = self._swap_records(dict.fromkeys(others, own), deadline, timeout, "exchange") if others else {}
+            raw = [own if rank == self._rank else theirs[rank] for rank in range(self.world_size)]
         else:
             mine = torch.frombuffer(slot, dtype=torch.uint8).to(self._object_device())
             slots = [torch.empty_like(mine) for _ in range(self.world_size)]
