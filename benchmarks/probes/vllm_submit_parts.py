@@ -1,0 +1,107 @@
+"""Where the host time of a vLLM worker's submission goes: the steady host time of
+KvbmOffloadingWorker.submit_store / submit_load (jobs back to back, the stream synchronized
+and the jobs polled every 8, outside the timed calls), beside each part of it made alone:
+the job's to_cache call on the worker's stream, the wait on the compute stream (the fence's
+record and the worker stream's wait), and the completion event's record.  The submission
+less those parts is the worker's own Python.  Llama-3.1-8B and 70B dims, vLLM's packed K|V
+pages, a pinned universal tier (benchmarks/vllm_offload.py's Case), nb = 1, 8, 64; medians
+of --reps.  Needs vLLM's kv_offload files (tools/vllm_gpu_carry.sh).
+
+    python3 benchmarks/probes/vllm_submit_parts.py [--reps 400]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import kvbm_ext  # noqa: E402
+from vllm_offload import MODELS, Case  # noqa: E402
+
+NBS = (1, 8, 64)
+
+
+def steady_us(call, drain, reps, batch=8):
+    """Median host us of `call`, made back to back; every `batch` calls the device is
+    synchronized and `drain` run, outside the timing."""
+    samples = []
+    for i in range(reps):
+        if i % batch == 0:
+            torch.cuda.synchronize()
+            drain()
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    drain()
+    return statistics.median(samples) * 1e6
+
+
+def parts(case, direction, nb, reps):
+    worker = case.worker
+    stream = case.stream(direction)
+    specs = case.specs(nb, direction=direction)
+    group = worker.groups[0]
+    cache, pool = group.cache, worker.tier.pool_caches[group.index]
+    gpu, tier = specs
+    src, dst, src_ids, dst_ids = ((cache, pool, gpu.block_ids, tier.block_ids) if direction == "store"
+                                  else (pool, cache, tier.block_ids, gpu.block_ids))
+    fence, done = torch.cuda.Event(), torch.cuda.Event()
+
+    def drain():
+        worker.get_finished()
+
+    def wait_on_compute():
+        fence.record(torch.cuda.current_stream(worker._device))
+        stream.wait_event(fence)
+
+    # The ids as the worker passes them: the tier's as an int64 array, vLLM's as given.
+    slots = np.asarray(tier.block_ids, dtype=np.int64)
+    src_np, dst_np = (src_ids, slots) if direction == "store" else (slots, dst_ids)
+    measured = {
+        "submit": steady_us(lambda: case.submit(direction, nb, specs=specs), drain, reps),
+        "to_cache": steady_us(lambda: src.to_cache(dst, src_ids, dst_ids, stream=stream), drain, reps),
+        "to_cache, int64 slots": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream), drain, reps),
+        "wait on compute": steady_us(wait_on_compute, drain, reps),
+        "current_stream": steady_us(lambda: torch.cuda.current_stream(worker._device), drain, reps),
+        "event record": steady_us(lambda: done.record(stream), drain, reps),
+    }
+    tier_calls = worker.tier.store, worker.tier.load
+    worker.tier.store = worker.tier.load = lambda *args: None
+    try:
+        measured["submit, tier a no-op"] = steady_us(lambda: case.submit(direction, nb, specs=specs), drain, reps)
+    finally:
+        worker.tier.store, worker.tier.load = tier_calls
+    return measured
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=400)
+    args = parser.parse_args()
+    torch.cuda.set_device(0)
+    from vllm.v1.kv_offload import base
+
+    from kvbm_ext.integrations import vllm as integration
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kvbm_ext {kvbm_ext.__version__}; "
+          f"host us, medians of {args.reps}")
+    names = None
+    for name, nl in MODELS.values():
+        case = Case(nl, max(NBS), torch.device("cuda", 0), integration, base)
+        for direction in ("store", "load"):
+            for nb in NBS:
+                p = parts(case, direction, nb, args.reps)
+                if names is None:
+                    names = list(p)
+                    print(f"{'model':<14} {'dir':<6} {'nb':>3} " + " | ".join(names))
+                print(f"{name:<14} {direction:<6} {nb:>3} " + " | ".join(f"{p[n]:.1f}" for n in names))
+        case.worker.shutdown()
+        del case
+
+
+if __name__ == "__main__":
+    main()
