@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 
+import kvbm_ext  # noqa: E402
 from kvbm_ext.integrations import vllm as integration  # noqa: E402
 from support import REPO_ROOT  # noqa: E402
 from support.devices import SLEEP_CYCLES, sync  # noqa: E402
@@ -697,6 +698,50 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
     for t, new in enumerate(fresh):
         want = new.unflatten(-1, (2, -1)).transpose(1, 2).view(torch.int16).cpu()      # [nh, 2, nt, hd]
         assert torch.equal(worker.tier.pool[2, :, t].view(torch.int16), want)
+
+
+@pytest.fixture
+def default_staging():
+    """The device's staging as the other tests assume it (96 MiB in 2 lanes), restored
+    after a test whose worker added lanes."""
+    yield
+    kvbm_ext.set_staging(96 << 20, lanes=2)
+
+
+@pytest.mark.gpu
+def test_gpu_expedited_load_passes_the_jobs_in_flight(gen, default_staging):
+    """A store and a load held on their streams (a GPU sleep ahead of each), then an
+    expedited load: it ends while both are still held, on a staging lane of its own,
+    rather than after one of them, waiting for it to free its lane's slots; then all
+    three are bit-exact."""
+    nh, nt, hd = 8, 16, 128
+    layers, canonical, page_bytes = vllm_caches(2, 16, nh, nt, hd, "cuda", gen)
+    worker = integration.KvbmOffloadingWorker(
+        CanonicalKVCaches(tensors=canonical, group_data_refs=[[CanonicalKVCacheRef(t, page_bytes)
+                                                               for t in range(2)]]),
+        tier=integration.PinnedTier(), num_slots=8, blocks_per_chunk=1, page=(torch.bfloat16, True, nh, nt, 2, hd))
+    assert kvbm_ext.staging_info()["lanes"] == 3
+    assert worker.submit_store(0, GPULoadStoreSpec([1, 2], [2], [0]), integration.KvbmLoadStoreSpec([0, 1]))
+    worker.wait({0})
+    assert [r.job_id for r in worker.get_finished()] == [0]
+    for direction in (worker.store_jobs, worker.load_jobs):
+        with torch.cuda.stream(direction.stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+    assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), integration.KvbmLoadStoreSpec([2]))
+    assert worker.submit_load(2, integration.KvbmLoadStoreSpec([0]), GPULoadStoreSpec([8], [1], [0]))
+    assert worker.submit_load(3, integration.KvbmLoadStoreSpec([1]), GPULoadStoreSpec([9], [1], [0]),
+                              expedited=True)
+    held = [worker.store_jobs.jobs[0].handles[-1], worker.load_jobs.jobs[0].handles[-1]]
+    worker.expedited_jobs.jobs[0].handles[-1].wait(timeout=30)
+    assert not any(handle.done() for handle in held), "the expedited load waited for a job held on another stream"
+    assert [r.job_id for r in worker.get_finished()] == [3]
+    worker.wait({1, 2})
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+    for t, layer in enumerate(layers):
+        assert torch.equal(layer[9].view(torch.int16), layer[2].view(torch.int16))
+        assert torch.equal(layer[8].view(torch.int16), layer[1].view(torch.int16))
+        assert torch.equal(worker.tier.pool[2, :, t].view(torch.int16), universal_of(layer, 3).view(torch.int16).cpu())
+    worker.shutdown()
 
 
 @pytest.mark.gpu

@@ -626,10 +626,12 @@ class KvbmOffloadingWorker(OffloadingWorker):
     """Moves vLLM's blocks to and from a Tier: per job, one to_cache call per KV cache
     group with blocks in the job.
 
-    On CUDA, stores, loads and expedited loads each have their own stream, which waits
-    for vLLM's compute stream before every job (the KV written by the forward pass is
-    what a store reads; a block the forward pass still reads or zeroes is not
-    overwritten by a load before it).  Submission enqueues and returns; get_finished()
+    On CUDA, stores, loads and expedited loads each have their own stream, and their own
+    lane of the device's staging (set_staging(lanes=3) where fewer are set, each lane's
+    size kept: with fewer, a job would wait for another stream's job to free the slots).
+    Each stream waits for vLLM's compute stream before every job (the KV written by the
+    forward pass is what a store reads; a block the forward pass still reads or zeroes is
+    not overwritten by a load before it).  Submission enqueues and returns; get_finished()
     reports, per direction and in submission order, each job whose CUDA event (and any
     handle of its tier's) has completed, once; wait() blocks the host until the named
     jobs have ended.  The CUDA events are made once and reused: one for the wait on the
@@ -667,9 +669,15 @@ class KvbmOffloadingWorker(OffloadingWorker):
         # recorded anew each time, and the completion events of reported jobs.
         self._fence, self._idle_events = None, []
         if device.type == "cuda":
+            streams = [torch.cuda.Stream(device) for _ in range(3)]
+            # A staging lane per stream: a call whose stream owns no lane takes the least
+            # recently used one and first waits for that lane's last call, so with the
+            # default two an expedited load would wait for a store or a load in flight.
+            staging = kvbm_ext.staging_info(device.index)
+            if staging["lanes"] < len(streams):
+                kvbm_ext.set_staging(staging["lane_bytes"] * len(streams), lanes=len(streams))
             # Staging memory and kernels ready now: the first job waits for neither.
             kvbm_ext.reserve_staging(device.index)
-            streams = [torch.cuda.Stream(device) for _ in range(3)]
             self._fence = torch.cuda.Event()
         else:
             streams = [None] * 3
