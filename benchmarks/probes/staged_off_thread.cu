@@ -27,16 +27,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
 
-#include "check.h"
+#include "staged_pipeline.h"
 
 #define CU(x)                                                               \
     do {                                                                    \
@@ -64,109 +62,7 @@ static StreamValue32 driver_entry(const char *name)
     return (StreamValue32)fn;
 }
 
-static double now_us()
-{
-    timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
-
-__global__ void permute(const int4 *src, int4 *dst, size_t n)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-
-__global__ void spin(long long cycles)
-{
-    const long long start = clock64();
-    while (clock64() - start < cycles) {
-    }
-}
-
-constexpr size_t MiB = (size_t)1 << 20, LEAD = MiB, RAMP = 4 * MiB, PIECE = 24 * MiB;
 constexpr int BURST = 16;
-
-struct Piece {
-    size_t offset, bytes;
-    int edge;
-};
-
-static std::vector<Piece> cut(size_t total)
-{
-    std::vector<Piece> pieces;
-    size_t at = 0, budget = LEAD;
-    int edge = 1;
-    while (at < total) {
-        size_t bytes = std::min(budget, total - at);
-        if (total - at - bytes < bytes && total - at <= PIECE)
-            bytes = total - at;   // no remnant smaller than the piece before it
-        pieces.push_back({at, bytes, edge});
-        at += bytes;
-        edge = edge && bytes < RAMP;
-        budget = std::min(edge ? std::min(bytes * 6, RAMP) : bytes * 2, PIECE);
-    }
-    return pieces;
-}
-
-struct Pipe {
-    cudaStream_t caller, permute, copies;   // copies: the lane's own stream (design C)
-    cudaEvent_t handoff, ready[2], freed[2];
-    char *device, *staging, *pinned;
-};
-
-static void launch(const Pipe &p, const Piece &piece, char *slot, int offload, cudaStream_t stream)
-{
-    const int4 *src = (const int4 *)(offload ? p.device + piece.offset : slot);
-    int4 *dst = (int4 *)(offload ? slot : p.device + piece.offset);
-    permute<<<piece.edge ? 32 : 8, 256, 0, stream>>>(src, dst, piece.bytes / sizeof(int4));
-    CK(cudaGetLastError());
-}
-
-static void copy(const Pipe &p, const Piece &piece, char *slot, int offload, cudaStream_t stream)
-{
-    if (offload)
-        CK(cudaMemcpyAsync(p.pinned + piece.offset, slot, piece.bytes, cudaMemcpyDeviceToHost, stream));
-    else
-        CK(cudaMemcpyAsync(slot, p.pinned + piece.offset, piece.bytes, cudaMemcpyHostToDevice, stream));
-}
-
-static void stage(const Pipe &p, const Piece &piece, char *slot, int offload, int second, cudaStream_t stream)
-{
-    if (offload != second)
-        launch(p, piece, slot, offload, stream);
-    else
-        copy(p, piece, slot, offload, stream);
-}
-
-// staging.c's pipeline with `base` as the stream the call follows and ends on
-// (the caller's in A, the lane's copy stream in C).
-static void pipeline(const Pipe &p, const std::vector<Piece> &pieces, int offload, cudaStream_t base)
-{
-    const int count = (int)pieces.size();
-    const cudaStream_t first = offload ? p.permute : base, second = offload ? base : p.permute;
-    if (offload) {
-        CK(cudaEventRecord(p.handoff, base));
-        CK(cudaStreamWaitEvent(p.permute, p.handoff, 0));
-    }
-    for (int k = 0; k < count; k++) {
-        const Piece &piece = pieces[offload ? k : count - 1 - k];
-        const int s = k % 2;
-        char *slot = p.staging + s * PIECE;
-        if (k >= 2)
-            CK(cudaStreamWaitEvent(first, p.freed[s], 0));
-        stage(p, piece, slot, offload, 0, first);
-        CK(cudaEventRecord(p.ready[s], first));
-        CK(cudaStreamWaitEvent(second, p.ready[s], 0));
-        stage(p, piece, slot, offload, 1, second);
-        if (k + 2 < count)
-            CK(cudaEventRecord(p.freed[s], second));
-    }
-    if (!offload) {
-        CK(cudaEventRecord(p.handoff, p.permute));
-        CK(cudaStreamWaitEvent(base, p.handoff, 0));
-    }
-}
 
 // Design C's enqueue thread and the caller's half of a call.
 struct Job {
@@ -237,12 +133,6 @@ struct Enqueuer {
     }
 };
 
-static double median(std::vector<double> v)
-{
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 int main()
 {
     setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -257,11 +147,8 @@ int main()
     cudaEvent_t *events[] = {&p.handoff, &p.ready[0], &p.ready[1], &p.freed[0], &p.freed[1]};
     for (cudaEvent_t *e : events)
         CK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    char *source;
-    CK(cudaMalloc(&source, most));
-    CK(cudaMalloc(&p.device, most));
-    CK(cudaMalloc(&p.staging, 2 * PIECE));
-    CK(cudaMallocHost(&p.pinned, most));
+    Bench b = prepare(p, most, "pieces as route.c cuts them (lead 1 MiB, ramp to 4 MiB, up to 24 MiB), two slots; "
+                               "host us on the caller's thread");
     Enqueuer q;
     q.p = &p;
     wait_value32 = driver_entry("cuStreamWaitValue32");
@@ -275,20 +162,6 @@ int main()
         CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     q.thread = std::thread(&Enqueuer::run, &q);
 
-    std::vector<char> host(most), back(most);
-    srand(7);
-    for (size_t i = 0; i < most; i++)
-        host[i] = (char)rand();
-    CK(cudaMemcpy(source, host.data(), most, cudaMemcpyHostToDevice));
-    cudaEvent_t start, stop;
-    CK(cudaEventCreate(&start));
-    CK(cudaEventCreate(&stop));
-    cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
-    int clock_khz;
-    CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-    printf("%s; pieces as route.c cuts them (lead 1 MiB, ramp to 4 MiB, up to 24 MiB), two slots; host us on the "
-           "caller's thread\n", prop.name);
     const char *names[] = {"A: caller enqueues", "C: enqueue thread"};
     auto call = [&](int design, const std::vector<Piece> &pieces, int offload) {
         if (design == 0)
@@ -300,68 +173,42 @@ int main()
         for (size_t total : sizes) {
             const std::vector<Piece> pieces = cut(total);
             for (int design = 0; design < 2; design++) {
-                CK(cudaMemcpy(p.device, source, total, cudaMemcpyDeviceToDevice));
-                memset(p.pinned, 0x5a, total);
-                if (!offload) {
-                    memcpy(p.pinned, host.data(), total);
-                    CK(cudaMemset(p.device, 0x5a, total));
-                }
+                poison(p, b, total, offload);
                 call(design, pieces, offload);
                 // Read back on the caller's stream: ordered after the call by its stream alone.
                 if (!offload)
-                    CK(cudaMemcpyAsync(back.data(), p.device, total, cudaMemcpyDeviceToHost, p.caller));
+                    CK(cudaMemcpyAsync(b.back.data(), p.device, total, cudaMemcpyDeviceToHost, p.caller));
                 CK(cudaStreamSynchronize(p.caller));
-                if (memcmp(offload ? p.pinned : back.data(), host.data(), total) != 0) {
+                if (memcmp(offload ? p.pinned : b.back.data(), b.host.data(), total) != 0) {
                     printf("%s %s %zu MiB: wrong bytes\n", names[design], offload ? "offload" : "onload", total >> 20);
                     return 1;
                 }
             }
             std::vector<double> gpu[3], host_us[3];
-            for (int round = 0; round < 35; round++)
-                for (int way = 0; way < 3; way++) {
-                    spin<<<1, 1, 0, p.caller>>>(clock_khz);   // 1 ms at the base clock (kHz: cycles a ms)
-                    CK(cudaEventRecord(start, p.caller));
-                    const double t0 = now_us();
+            auto way_of = [&](int way) {
+                return [&, way] {
                     if (way < 2)
                         call(way, pieces, offload);
-                    else if (offload)
-                        CK(cudaMemcpyAsync(p.pinned, p.device, total, cudaMemcpyDeviceToHost, p.caller));
                     else
-                        CK(cudaMemcpyAsync(p.device, p.pinned, total, cudaMemcpyHostToDevice, p.caller));
-                    const double t1 = now_us();
-                    CK(cudaEventRecord(stop, p.caller));
-                    CK(cudaEventSynchronize(stop));
-                    float ms;
-                    CK(cudaEventElapsedTime(&ms, start, stop));
+                        memcpy_reference(p, total, offload);
+                };
+            };
+            for (int round = 0; round < 35; round++)
+                for (int way = 0; way < 3; way++) {
+                    const Timed t = timed_calls(p, b, b.clock_khz, 1, way_of(way));   // behind 1 ms of spin
                     if (round >= 5) {
-                        gpu[way].push_back(ms * 1e3);
-                        host_us[way].push_back(t1 - t0);
+                        gpu[way].push_back(t.gpu_us);
+                        host_us[way].push_back(t.host_us);
                     }
                 }
             // Bursts: BURST calls back to back, behind one spin.
             std::vector<double> burst_gpu[3], burst_host[3];
             for (int round = 0; round < 8; round++)
                 for (int way = 0; way < 3; way++) {
-                    spin<<<1, 1, 0, p.caller>>>(clock_khz);
-                    CK(cudaEventRecord(start, p.caller));
-                    double host_sum = 0;
-                    for (int i = 0; i < BURST; i++) {
-                        const double t0 = now_us();
-                        if (way < 2)
-                            call(way, pieces, offload);
-                        else if (offload)
-                            CK(cudaMemcpyAsync(p.pinned, p.device, total, cudaMemcpyDeviceToHost, p.caller));
-                        else
-                            CK(cudaMemcpyAsync(p.device, p.pinned, total, cudaMemcpyHostToDevice, p.caller));
-                        host_sum += now_us() - t0;
-                    }
-                    CK(cudaEventRecord(stop, p.caller));
-                    CK(cudaEventSynchronize(stop));
-                    float ms;
-                    CK(cudaEventElapsedTime(&ms, start, stop));
+                    const Timed t = timed_calls(p, b, b.clock_khz, BURST, way_of(way));
                     if (round >= 2) {
-                        burst_gpu[way].push_back(ms * 1e3);
-                        burst_host[way].push_back(host_sum / BURST);
+                        burst_gpu[way].push_back(t.gpu_us);
+                        burst_host[way].push_back(t.host_us);
                     }
                 }
             const double memcpy_us = median(gpu[2]), burst_memcpy = median(burst_gpu[2]);
