@@ -11,34 +11,17 @@ of --reps.  Needs vLLM's kv_offload files (tools/vllm_gpu_carry.sh).
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kvbm_ext  # noqa: E402
+from harness import steady_host_us  # noqa: E402
 from vllm_offload import MODELS, Case  # noqa: E402
 
 NBS = (1, 8, 64)
-
-
-def steady_us(call, drain, reps, batch=8):
-    """Median host us of `call`, made back to back; every `batch` calls the device is
-    synchronized and `drain` run, outside the timing."""
-    samples = []
-    for i in range(reps):
-        if i % batch == 0:
-            torch.cuda.synchronize()
-            drain()
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    drain()
-    return statistics.median(samples) * 1e6
 
 
 def parts(case, direction, nb, reps):
@@ -52,8 +35,9 @@ def parts(case, direction, nb, reps):
                                   else (pool, cache, tier.block_ids, gpu.block_ids))
     fence, done = torch.cuda.Event(), torch.cuda.Event()
 
-    def drain():
-        worker.get_finished()
+    def steady_us(call):
+        # The jobs that finished are polled after each synchronize, as vLLM polls them.
+        return steady_host_us([call], reps=reps, batch=8, between=worker.get_finished)
 
     def wait_on_compute():
         fence.record(torch.cuda.current_stream(worker._device))
@@ -63,17 +47,17 @@ def parts(case, direction, nb, reps):
     slots = np.asarray(tier.block_ids, dtype=np.int64)
     src_np, dst_np = (src_ids, slots) if direction == "store" else (slots, dst_ids)
     measured = {
-        "submit": steady_us(lambda: case.submit(direction, nb, specs=specs), drain, reps),
-        "to_cache": steady_us(lambda: src.to_cache(dst, src_ids, dst_ids, stream=stream), drain, reps),
-        "to_cache, int64 slots": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream), drain, reps),
-        "wait on compute": steady_us(wait_on_compute, drain, reps),
-        "current_stream": steady_us(lambda: torch.cuda.current_stream(worker._device), drain, reps),
-        "event record": steady_us(lambda: done.record(stream), drain, reps),
+        "submit": steady_us(lambda: case.submit(direction, nb, specs=specs)),
+        "to_cache": steady_us(lambda: src.to_cache(dst, src_ids, dst_ids, stream=stream)),
+        "to_cache, int64 slots": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream)),
+        "wait on compute": steady_us(wait_on_compute),
+        "current_stream": steady_us(lambda: torch.cuda.current_stream(worker._device)),
+        "event record": steady_us(lambda: done.record(stream)),
     }
     tier_calls = worker.tier.store, worker.tier.load
     worker.tier.store = worker.tier.load = lambda *args: None
     try:
-        measured["submit, tier a no-op"] = steady_us(lambda: case.submit(direction, nb, specs=specs), drain, reps)
+        measured["submit, tier a no-op"] = steady_us(lambda: case.submit(direction, nb, specs=specs))
     finally:
         worker.tier.store, worker.tier.load = tier_calls
     return measured
