@@ -65,7 +65,7 @@ from support.builders import (
     snapshot,
     split,
 )
-from support.devices import SLEEP_CYCLES, cuda_case, sync
+from support.devices import DEFAULT_STAGING, SLEEP_CYCLES, cuda_case, sync
 from support.references import (
     as_int,
     as_list,
@@ -80,7 +80,6 @@ from support.references import (
 )
 
 MiB = 1 << 20
-DEFAULT_STAGING = (96 * MiB, 2)  # the defaults: 96 MiB per device, 2 lanes
 
 BACKENDS = ["auto", "copy_engines", "batch", "async", "kernel"]
 STAGED_BACKENDS = ["auto", "copy_engines", "batch", "async"]

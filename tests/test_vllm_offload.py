@@ -33,7 +33,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 import kvbm_ext  # noqa: E402
 from kvbm_ext.integrations import vllm as integration  # noqa: E402
 from support import REPO_ROOT  # noqa: E402
-from support.devices import SLEEP_CYCLES, sync  # noqa: E402
+from support.devices import DEFAULT_STAGING, SLEEP_CYCLES, sync  # noqa: E402
 from support.vllm_engine import Engine, write_model_config  # noqa: E402
 
 KEYS = [make_offload_key(bytes([i]) * 32, i % 2) for i in range(16)]
@@ -702,10 +702,10 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
 
 @pytest.fixture
 def default_staging():
-    """The device's staging as the other tests assume it (96 MiB in 2 lanes), restored
+    """The device's staging as the other tests assume it (DEFAULT_STAGING), restored
     after a test whose worker added lanes."""
     yield
-    kvbm_ext.set_staging(96 << 20, lanes=2)
+    kvbm_ext.set_staging(DEFAULT_STAGING[0], lanes=DEFAULT_STAGING[1])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The device a test runs on, and what device work needs: the `device` parameter
 ("cpu" everywhere, "cuda" marked `gpu`: skipped where torch sees no GPU), waiting for the
-GPU, and a producer stream held busy behind a long sleep (stream-ordering tests)."""
+GPU, a producer stream held busy behind a long sleep (stream-ordering tests), and the
+staging defaults the tests assume."""
 
 import time
 
@@ -11,6 +12,10 @@ from support.builders import random_tensor
 
 # ~0.25 s at H200 clocks: long enough that "not finished right after the call" is robust.
 SLEEP_CYCLES = 500_000_000
+
+# kvbm_ext's staging defaults (set_staging): 96 MiB per device in 2 lanes; a test that
+# changes them restores these.
+DEFAULT_STAGING = (96 << 20, 2)
 
 
 def cuda_case(*values, id=None):
