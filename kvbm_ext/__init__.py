@@ -32,6 +32,7 @@ Transport).
 
 try:
     from ._C import (
+        Deferred,
         HostBuffer,
         PagedKVCache,
         __version__,
@@ -65,6 +66,7 @@ from ._reshard import ReshardHandle, Resharder, ReshardStats, reshard
 from ._transport import TorchTransport, Transport
 
 __all__ = [
+    "Deferred",
     "EngineLayout",
     "HostBuffer",
     "PagedKVCache",

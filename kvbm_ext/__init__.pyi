@@ -267,7 +267,8 @@ class PagedKVCache:
         backend: _Backend | str = "auto",
         num_ctas: int | None = None,
         stream: _Stream = None,
-    ) -> None: ...
+        defer: bool = False,
+    ) -> Deferred | None: ...
 
 class _StagingInfo(TypedDict):
     device: int
@@ -437,6 +438,10 @@ _HugePages = Literal["transparent", "explicit", "none"]
 _DType = Any
 
 @final
+class Deferred:
+    def done(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> None: ...
+
 class HostBuffer:
     @property
     def shape(self) -> tuple[int, ...]: ...

@@ -60,14 +60,21 @@ def run_and_check(src, src_mem, src_cache, dst, dst_mem, dst_cache, src_ids, dst
     sync()
     src_before, want = snapshot(src_mem), snapshot(dst_mem)
     args = call_ids if call_ids is not None else (src_ids, dst_ids)
-    assert src_cache.to_cache(dst_cache, *args, **kwargs) is None
+    returned = src_cache.to_cache(dst_cache, *args, **kwargs)
+    if kwargs.get("defer"):
+        assert isinstance(returned, kvbm_ext.Deferred), returned
+    else:
+        assert returned is None, returned
     after()
+    if kwargs.get("defer"):
+        assert returned.result(10) is None and returned.done()
     reference(src, dst, src_before, want, src_ids, dst_ids, d_src, d_dst, **{
         k: v for k, v in kwargs.items() if k in ("layers", "heads", "layer_offset", "head_offset")})
     for i, (got, w) in enumerate(zip(dst_mem, want)):
         assert_bitwise_equal(as_int(got), w, f"dst memory #{i}")
     for i, (got, w) in enumerate(zip(src_mem, src_before)):
         assert_bitwise_equal(as_int(got), w, f"src memory #{i}")
+    return returned
 
 
 def random_ids(gen, nb=4, blocks=D.blocks):

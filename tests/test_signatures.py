@@ -60,7 +60,7 @@ def test_every_c_callable_has_a_signature():
     the C types (dunders too, private ones not) is declared, and nothing else is."""
     declared = {s.qualname for s in SIGNATURES}
     found = {name for name in kvbm_ext.__all__ if inspect.isbuiltin(getattr(kvbm_ext, name))} | {"PagedKVCache"}
-    for cls in (kvbm_ext.PagedKVCache, kvbm_ext.HostBuffer):
+    for cls in (kvbm_ext.PagedKVCache, kvbm_ext.HostBuffer, kvbm_ext.Deferred):
         found |= {f"{cls.__name__}.{name}" for name, value in vars(cls).items()
                   if type(value).__name__ == "method_descriptor" and not (name[0] == "_" and name[-1] != "_")}
     assert found == declared
@@ -81,7 +81,15 @@ def callables(signature):
         return getattr(cache, signature.name)
     if signature.owner == "HostBuffer":
         return getattr(kvbm_ext.pinned_empty(8, "uint8"), signature.name)
+    if signature.owner == "Deferred":
+        return getattr(deferred(), signature.name)
     return runtime_object(signature)
+
+
+def deferred():
+    """The Deferred of a call on the CPU, done when it returns."""
+    cache = kvbm_ext.PagedKVCache([np.arange(4 * 16 * 2 * 8, dtype=np.float16).reshape(4, 16, 2, 8)], "bthd")
+    return cache.to_cache(kvbm_ext.PagedKVCache([np.zeros((4, 16, 2, 8), np.float16)], "bthd"), [1], [2], defer=True)
 
 
 def message(function, *args, **kwargs):
@@ -198,6 +206,7 @@ DEFAULT_CALLS = {
     "pinned_empty": [(plain_call(kvbm_ext.pinned_empty, 8, "uint8"), {})],
     "unlink_shared": [(plain_call(kvbm_ext.unlink_shared, "kvbm_ext_no_such_region"), {})],
     "HostBuffer.__dlpack__": [(lambda: (kvbm_ext.pinned_empty(8, "uint8").__dlpack__, [], {}, []), {})],
+    "Deferred.result": [(lambda: (deferred().result, [], {}, []), {})],
 }
 
 
@@ -284,7 +293,7 @@ def test_a_def_edited_in_the_stub_is_written_back():
 def test_a_long_def_takes_a_line_per_parameter():
     text = "\n".join(next(s for s in SIGNATURES if s.name == "to_cache").stub_def("    "))
     assert text.startswith("    def to_cache(\n        self,\n        dst: PagedKVCache,\n")
-    assert text.endswith("        stream: _Stream = None,\n    ) -> None: ...")
+    assert text.endswith("        stream: _Stream = None,\n        defer: bool = False,\n    ) -> Deferred | None: ...")
 
 
 @pytest.mark.parametrize("old,new,error", [

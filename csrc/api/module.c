@@ -5,6 +5,7 @@
 #include "checksum.h"
 #include "convert.h"
 #include "copy.h"
+#include "deferred.h"
 #include "host_buffer.h"
 #include "nccl_comm.h"
 #include "paged.h"
@@ -322,7 +323,8 @@ static int module_exec(PyObject *module)
         return -1;
     state->gpu = kv_gpu_new();
     if (state->gpu == NULL || kv_paged_add_type(module) < 0
-        || kv_host_buffer_add_type(module, &state->host_buffer_type) < 0 || kv_nccl_comm_add_type(module) < 0)
+        || kv_host_buffer_add_type(module, &state->host_buffer_type) < 0
+        || kv_deferred_add_type(module, &state->deferred_type) < 0 || kv_nccl_comm_add_type(module) < 0)
         return -1;
     return PyModule_AddStringConstant(module, "__version__", KVBM_VERSION);
 }
@@ -330,8 +332,10 @@ static int module_exec(PyObject *module)
 static int module_traverse(PyObject *module, visitproc visit, void *arg)
 {
     kv_state *state = state_of(module);
-    if (state != NULL)
+    if (state != NULL) {
         Py_VISIT(state->host_buffer_type);
+        Py_VISIT(state->deferred_type);
+    }
     return state == NULL ? 0 : kv_protocols_traverse(&state->protocols, visit, arg);
 }
 
@@ -341,6 +345,7 @@ static int module_clear(PyObject *module)
     if (state != NULL) {
         kv_protocols_clear(&state->protocols);
         Py_CLEAR(state->host_buffer_type);
+        Py_CLEAR(state->deferred_type);
     }
     return 0;
 }
@@ -351,6 +356,7 @@ static void module_free(void *module)
     if (state != NULL) {
         kv_protocols_clear(&state->protocols);
         Py_CLEAR(state->host_buffer_type);
+        Py_CLEAR(state->deferred_type);
         kv_gpu_free(state->gpu);
         state->gpu = NULL;
     }

@@ -18,6 +18,7 @@ int kv_move_options_read(PyObject *backend, const char *backend_default, PyObjec
         return -1;
     out->backend = (kv_backend)backend_index;
     out->num_ctas = (uint32_t)bound;
+    out->deferred = NULL; /* to_cache's defer= sets it */
     return 0;
 }
 

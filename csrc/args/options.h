@@ -6,6 +6,7 @@
 #define KVBM_OPTIONS_H
 
 #include "kvbm_layout.h"
+#include "promise.h"
 #include "stream.h"
 
 /* The `backend` argument: one knob, one meaning.  "kernel": SM kernels
@@ -31,6 +32,10 @@ typedef struct {
     kv_backend backend;
     uint32_t num_ctas; /* the most CTAs a kernel may use; 0: not given (route.c picks) */
     intptr_t stream;   /* a handle, or KV_STREAM_CURRENT (stream.h) */
+    /* defer=True: where a staged call leaves its outcome when the device's
+     * enqueue thread enqueues its pieces (gpu.h, kv_move_plan); NULL: not
+     * asked. */
+    kv_promise **deferred;
 } kv_move_options;
 
 /* Reads the three options (NULL: not given; the backend then is the name

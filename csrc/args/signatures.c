@@ -181,9 +181,17 @@ static const kv_param TO_CACHE[] = {
     KV_PARAM(kv_paged_args, backend, KV_KEYWORD_ONLY, "'auto'", "_Backend | str"),
     KV_PARAM(kv_paged_args, num_ctas, KV_KEYWORD_ONLY, "None", "int | None"),
     KV_PARAM(kv_paged_args, stream, KV_KEYWORD_ONLY, "None", "_Stream"),
+    KV_PARAM(kv_paged_args, defer, KV_KEYWORD_ONLY, "False", "bool"),
 };
 const kv_signature kv_paged_to_cache_signature =
-    KV_SIGNATURE("PagedKVCache", "to_cache", kv_paged_args, TO_CACHE, "None");
+    KV_SIGNATURE("PagedKVCache", "to_cache", kv_paged_args, TO_CACHE, "Deferred | None");
+
+static const kv_param DEFERRED_RESULT[] = {
+    KV_PARAM(kv_deferred_args, timeout, KV_POSITIONAL, "None", "float | None"),
+};
+const kv_signature kv_deferred_result_signature =
+    KV_SIGNATURE("Deferred", "result", kv_deferred_args, DEFERRED_RESULT, "None");
+const kv_signature kv_deferred_done_signature = KV_NO_ARGUMENTS("Deferred", "done", "bool");
 
 /* ------------------------------------------------------------ staging */
 

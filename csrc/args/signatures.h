@@ -61,6 +61,7 @@ typedef struct {
     PyObject *dst;
     PyObject *src_ids;
     PyObject *dst_ids;
+    PyObject *defer;
 } kv_paged_args;
 
 #define KV_PAGED_ARGS_LAYER_OFFSET_DEFAULT 0
@@ -68,6 +69,12 @@ typedef struct {
 #define KV_PAGED_ARGS_PACK_LAYERS_DEFAULT 0
 #define KV_PAGED_ARGS_BACKEND_DEFAULT "auto"
 #define KV_PAGED_ARGS_LAYOUT_DEFAULT "NHD"
+#define KV_PAGED_ARGS_DEFER_DEFAULT 0
+
+/* The arguments of Deferred.result(). */
+typedef struct {
+    PyObject *timeout;
+} kv_deferred_args;
 
 /* The arguments of set_staging(), reserve_staging(), staging_info(). */
 typedef struct {
@@ -139,7 +146,11 @@ extern const kv_signature kv_paged_to_operational_signature;
 extern const kv_signature kv_paged_from_operational_signature;
 #define KV_PAGED_FROM_OPERATIONAL_TEXT_SIGNATURE "from_operational($self, operationals, block_ids, /, *, layout='NHD', layers=None, pack_layers=False, backend='auto', num_ctas=None, stream=None, inner=None)\n--\n\n"
 extern const kv_signature kv_paged_to_cache_signature;
-#define KV_PAGED_TO_CACHE_TEXT_SIGNATURE "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
+#define KV_PAGED_TO_CACHE_TEXT_SIGNATURE "to_cache($self, dst, src_ids, dst_ids, *, layers=None, heads=None, layer_offset=0, head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None, defer=False)\n--\n\n"
+extern const kv_signature kv_deferred_result_signature;
+#define KV_DEFERRED_RESULT_TEXT_SIGNATURE "result($self, timeout=None)\n--\n\n"
+extern const kv_signature kv_deferred_done_signature;
+#define KV_DEFERRED_DONE_TEXT_SIGNATURE "done($self, /)\n--\n\n"
 extern const kv_signature kv_set_staging_signature;
 #define KV_SET_STAGING_TEXT_SIGNATURE "set_staging(size_bytes=None, *, lanes=None)\n--\n\n"
 extern const kv_signature kv_reserve_staging_signature;

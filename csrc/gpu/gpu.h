@@ -5,6 +5,7 @@
 #define KVBM_GPU_H
 
 #include "array.h"
+#include "promise.h"
 
 /* Per-module GPU resources (pointer-table staging, events), created lazily
  * per device. */
@@ -121,6 +122,12 @@ struct kv_move_kind {
      * bytes it moves (whether the GIL is released for it, gil.h). */
     void (*cpu)(const kv_move *move);
     int64_t (*cpu_bytes)(const kv_move *move);
+    /* A copy of `args` that owns what it points to, laid out in `storage`
+     * (owned_bytes of it), for a staged move whose pieces another thread
+     * enqueues after the call returned (kv_move_plan, deferred); NULL: a
+     * kind whose calls are not deferred. */
+    const void *(*own_args)(const void *args, void *storage);
+    size_t owned_bytes;
 };
 
 /* A descriptor's kernel side, in a build with nvcc: the static functions
@@ -139,6 +146,11 @@ typedef struct {
     uint32_t edge_num_ctas;  /* staged: the permute's bound for the pieces at a call's ends */
     int async_copies;        /* staged: one cudaMemcpyAsync per contiguous run, not cudaMemcpyBatchAsync */
     kv_cut cut;              /* staged: how pieces are cut; piece_bytes is the staging's to set */
+    /* Staged: where the call leaves the outcome of its pieces when the
+     * device's enqueue thread enqueues them (staging.c, "Deferred calls"),
+     * which it does when this is not NULL and the kind can own its
+     * arguments; left NULL where the call enqueued them itself. */
+    kv_promise **deferred;
 } kv_move_plan;
 
 /* What a GPU move ran, for the KVBM_EXT_DEBUG line. */
@@ -146,6 +158,7 @@ typedef struct {
     int staged; /* the staged path ran; else the kernel alone */
     int64_t pieces, piece_bytes;
     int lane;           /* the staging lane, -1 for the capture lane */
+    int deferred;       /* the pieces are the enqueue thread's to enqueue */
     char fallback[128]; /* why a staged move ran the kernel alone, or "" */
 } kv_gpu_report;
 

@@ -20,6 +20,8 @@
  * side by side, each large enough that a large call needs few pieces. */
 #define KV_STAGING_DEFAULT_BYTES ((size_t)96 << 20)
 #define KV_STAGING_DEFAULT_LANES 2
+/* The most lanes a device's staging has. */
+#define KV_MAX_LANES 16
 
 typedef struct {
     size_t start, end;
@@ -60,6 +62,9 @@ typedef struct {
     cudaError_t error;
     const char *what;
 } kv_failure;
+
+/* The message kv_raise_failure raises, in `buf`. */
+void kv_failure_message(const kv_failure *f, char *buf, size_t size);
 
 #define CUDA_STEP(failure, call, description)                                                                          \
     do {                                                                                                               \

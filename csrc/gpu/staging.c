@@ -31,183 +31,27 @@
  * Calls made while the caller's stream is captured into a CUDA graph use a
  * separate capture lane, which reserve_staging() allocates (nothing may be
  * allocated during a capture); their ordering is the captured stream's own.
+ *
+ * Deferred calls.  Enqueuing the pieces costs the host a few microseconds
+ * each (a permute's launch, its copies, the events between them), which a
+ * caller that submits jobs from its serving loop pays in full.  A call
+ * with plan->deferred hands them to the device's enqueue thread
+ * (enqueue.c) instead: the caller records where its stream is, makes its
+ * stream wait (cuStreamWaitValue32) for the lane's end flag to reach the
+ * call's number, and returns; the thread enqueues the pieces on the lane's
+ * streams, copies included, after that point and after the lane's last
+ * call, then writes the flag on the lane's copy stream once every piece
+ * ran.  Work queued on the caller's stream afterwards still sees the
+ * finished bytes.  A failure on the thread writes the flag all the same,
+ * after whatever it enqueued, and fails the call's outcome.  A call
+ * enqueued by its caller first waits (on the host) until the thread has
+ * enqueued every deferred call, so that the lanes see calls in the order
+ * they were made.
  */
-#include "gpu_internal.h"
+#include "staging.h"
 
 #include <stdio.h>
-#include <string.h>
 
-#include "pieces.h"
-
-#define KV_MAX_LANES 16
-#define KV_LANE_SLOTS 16
-#define KV_STAGING_ALIGN 256
-
-typedef struct {
-    char *base;
-    size_t bytes;
-    cudaStream_t permute;
-    cudaStream_t copy;                /* the copies of a call on a default stream */
-    cudaEvent_t handoff;              /* the caller's stream at the start, an onload's last permute */
-    cudaEvent_t done;                 /* the end of the lane's last call */
-    cudaEvent_t ready[KV_LANE_SLOTS]; /* a slot's first stage done */
-    cudaEvent_t freed[KV_LANE_SLOTS]; /* a slot's second stage done: it may be written again */
-    intptr_t owner;                   /* the caller's stream of its last call */
-    uint64_t last_use;                /* 0: never used */
-} kv_lane;
-
-struct kv_staging {
-    char *memory; /* every lane's bytes, one allocation */
-    int nlanes;
-    kv_lane lanes[KV_MAX_LANES];
-    kv_lane capture;
-    int capture_ready;
-    uint64_t clock;
-    /* Host scratch: a call's pieces, the runs of a piece and the batch
-     * API's arguments. */
-    kv_box *boxes;
-    int64_t box_capacity;
-    kv_run *runs;
-    void **srcs, **dsts;
-    size_t *sizes;
-    int64_t scratch;
-};
-
-/* ------------------------------------------------------------ lanes */
-
-static void lane_destroy(kv_lane *lane)
-{
-    cudaEvent_t *events[] = {&lane->handoff, &lane->done};
-    for (int i = 0; i < 2; i++)
-        if (*events[i] != NULL)
-            cudaEventDestroy(*events[i]);
-    for (int i = 0; i < KV_LANE_SLOTS; i++) {
-        if (lane->ready[i] != NULL)
-            cudaEventDestroy(lane->ready[i]);
-        if (lane->freed[i] != NULL)
-            cudaEventDestroy(lane->freed[i]);
-    }
-    if (lane->permute != NULL)
-        cudaStreamDestroy(lane->permute);
-    if (lane->copy != NULL)
-        cudaStreamDestroy(lane->copy);
-    memset(lane, 0, sizeof *lane);
-}
-
-static int lane_create(kv_lane *lane, char *base, size_t bytes, kv_failure *f)
-{
-    int least, greatest;
-    memset(lane, 0, sizeof *lane);
-    lane->base = base;
-    lane->bytes = bytes;
-    CUDA_STEP(f, cudaDeviceGetStreamPriorityRange(&least, &greatest), "reading the stream priorities");
-    CUDA_STEP(f, cudaStreamCreateWithPriority(&lane->permute, cudaStreamNonBlocking, greatest),
-              "creating a staging permute stream");
-    CUDA_STEP(f, cudaStreamCreateWithFlags(&lane->copy, cudaStreamNonBlocking), "creating a staging copy stream");
-    cudaEvent_t *events[] = {&lane->handoff, &lane->done};
-    for (int i = 0; i < 2; i++)
-        CUDA_STEP(f, cudaEventCreateWithFlags(events[i], cudaEventDisableTiming), "creating a staging event");
-    for (int i = 0; i < KV_LANE_SLOTS; i++) {
-        CUDA_STEP(f, cudaEventCreateWithFlags(&lane->ready[i], cudaEventDisableTiming), "creating a staging event");
-        CUDA_STEP(f, cudaEventCreateWithFlags(&lane->freed[i], cudaEventDisableTiming), "creating a staging event");
-    }
-    return 0;
-}
-
-void kv_staging_free(kv_staging *st)
-{
-    if (st == NULL)
-        return;
-    for (int i = 0; i < st->nlanes; i++)
-        lane_destroy(&st->lanes[i]);
-    if (st->capture_ready) {
-        cudaFree(st->capture.base);
-        lane_destroy(&st->capture);
-    }
-    cudaFree(st->memory); /* waits for the work still using it */
-    PyMem_RawFree(st->boxes);
-    PyMem_RawFree(st->runs);
-    PyMem_RawFree(st->srcs);
-    PyMem_RawFree(st->dsts);
-    PyMem_RawFree(st->sizes);
-    PyMem_RawFree(st);
-}
-
-static size_t lane_bytes_for(size_t bytes, int lanes)
-{
-    return bytes / (size_t)lanes / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
-}
-
-/* The device's staging, allocated now if it is not yet (the current device
- * is the ring's). */
-static kv_staging *staging_of(kv_gpu *gpu, kv_ring *ring, kv_failure *f)
-{
-    if (ring->staging != NULL)
-        return ring->staging;
-    kv_staging *st = PyMem_RawCalloc(1, sizeof *st);
-    if (st == NULL) {
-        f->error = cudaErrorMemoryAllocation;
-        f->what = "allocating the staging description";
-        return NULL;
-    }
-    const size_t lane_bytes = lane_bytes_for(gpu->staging_bytes, gpu->staging_lanes);
-    cudaError_t error = cudaMalloc((void **)&st->memory, lane_bytes * (size_t)gpu->staging_lanes);
-    if (error != cudaSuccess) {
-        f->error = error;
-        f->what = "allocating device staging memory (kvbm_ext.set_staging() sets its size)";
-        PyMem_RawFree(st);
-        return NULL;
-    }
-    for (int i = 0; i < gpu->staging_lanes; i++) {
-        st->nlanes = i + 1;
-        if (lane_create(&st->lanes[i], st->memory + (size_t)i * lane_bytes, lane_bytes, f) < 0) {
-            kv_staging_free(st);
-            return NULL;
-        }
-    }
-    ring->staging = st;
-    return st;
-}
-
-static int reserve_capture_lane(kv_staging *st, kv_failure *f)
-{
-    if (st->capture_ready)
-        return 0;
-    char *memory;
-    CUDA_STEP(f, cudaMalloc((void **)&memory, st->lanes[0].bytes), "allocating the capture staging lane");
-    if (lane_create(&st->capture, memory, st->lanes[0].bytes, f) < 0) {
-        lane_destroy(&st->capture);
-        cudaFree(memory);
-        return -1;
-    }
-    st->capture_ready = 1;
-    return 0;
-}
-
-/* The lane for a call on `caller`: the one its stream used last, else an
- * idle one (never used first), else the least recently used. */
-static kv_lane *pick_lane(kv_staging *st, intptr_t caller, int *index)
-{
-    int idle = -1, oldest = 0;
-    for (int i = 0; i < st->nlanes; i++) {
-        const kv_lane *lane = &st->lanes[i];
-        if (lane->last_use != 0 && lane->owner == caller) {
-            *index = i;
-            return &st->lanes[i];
-        }
-        if (lane->last_use < st->lanes[oldest].last_use)
-            oldest = i;
-        if (idle < 0 || lane->last_use < st->lanes[idle].last_use) {
-            if (lane->last_use == 0 || cudaEventQuery(lane->done) == cudaSuccess)
-                idle = i;
-            cudaGetLastError(); /* cudaErrorNotReady is an answer, not an error */
-        }
-    }
-    *index = idle >= 0 ? idle : oldest;
-    return &st->lanes[*index];
-}
-
-/* ------------------------------------------------------------ one call */
 
 static int grow_scratch(kv_staging *st, int64_t pieces, int64_t units, kv_failure *f)
 {
@@ -284,22 +128,11 @@ static int64_t piece_bytes_for(size_t lane_bytes)
  * The piece no copy overlaps (an offload's first, an onload's last) and
  * the ramp next to it permute on plan->edge_num_ctas CTAs, the others on
  * plan->num_ctas. */
-static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_move *move,
+static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t copies, const kv_move *move,
                           const kv_move_plan *plan, int64_t count, size_t slot_bytes, int nslots, int capturing,
                           kv_failure *f)
 {
     const kv_staged *s = plan->staged;
-    /* The stream the copies run on (see the top of this file). */
-    const cudaStream_t copies = kv_is_default_stream(caller) && !capturing ? lane->copy : caller;
-    /* The permutes of an offload, and the copies on the lane's copy stream,
-     * follow the work queued on the caller's stream before the call (an
-     * onload's permutes follow its copies). */
-    if (s->to_host || copies != caller)
-        CUDA_STEP(f, cudaEventRecord(lane->handoff, caller), "forking the staging streams");
-    if (s->to_host)
-        CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->handoff, 0), "forking the staging streams");
-    if (copies != caller)
-        CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->handoff, 0), "forking the staging streams");
     for (int64_t k = 0; k < count; k++) {
         const kv_box *box = &st->boxes[s->to_host ? k : count - 1 - k];
         const int slot = (int)(k % nslots);
@@ -331,6 +164,29 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
         if (k + nslots < count)
             CUDA_STEP(f, cudaEventRecord(lane->freed[slot], lane->permute), "recording a free staging slot");
     }
+    return 0;
+}
+
+/* A call its caller enqueues: the pieces forked from the caller's stream
+ * and joined back to it. */
+static int enqueue_call(kv_staging *st, kv_lane *lane, cudaStream_t caller, const kv_move *move,
+                        const kv_move_plan *plan, int64_t count, size_t slot_bytes, int nslots, int capturing,
+                        kv_failure *f)
+{
+    const kv_staged *s = plan->staged;
+    /* The stream the copies run on (see the top of this file). */
+    const cudaStream_t copies = kv_is_default_stream(caller) && !capturing ? lane->copy : caller;
+    /* The permutes of an offload, and the copies on the lane's copy stream,
+     * follow the work queued on the caller's stream before the call (an
+     * onload's permutes follow its copies). */
+    if (s->to_host || copies != caller)
+        CUDA_STEP(f, cudaEventRecord(lane->handoff, caller), "forking the staging streams");
+    if (s->to_host)
+        CUDA_STEP(f, cudaStreamWaitEvent(lane->permute, lane->handoff, 0), "forking the staging streams");
+    if (copies != caller)
+        CUDA_STEP(f, cudaStreamWaitEvent(copies, lane->handoff, 0), "forking the staging streams");
+    if (enqueue_pieces(st, lane, copies, move, plan, count, slot_bytes, nslots, capturing, f) < 0)
+        return -1;
     /* Join back the stream the call ends on: an onload's last permute, an
      * offload's last copy when it ran on the lane's copy stream. */
     const cudaStream_t last = s->to_host ? copies : lane->permute;
@@ -340,6 +196,69 @@ static int enqueue_pieces(kv_staging *st, kv_lane *lane, cudaStream_t caller, co
     }
     CUDA_STEP(f, cudaEventRecord(lane->done, caller), "marking the end of a staged call");
     return 0;
+}
+
+/* Hands a call to the enqueue thread (see the top of this file). */
+static int defer_call(kv_staging *st, kv_lane *lane, int index, cudaStream_t caller, const kv_move *move,
+                      const kv_move_plan *plan, const kv_job_shape *shape, kv_failure *f)
+{
+    if (st->enqueuer == NULL && (st->enqueuer = kv_enqueuer_start(st, f)) == NULL)
+        return -1;
+    kv_job *job = kv_enqueuer_job(st->enqueuer, move, plan, f);
+    if (job == NULL)
+        return -1;
+    job->shape = *shape;
+    job->lane = index;
+    job->number = lane->deferred + 1;
+    if (kv_enqueuer_submit(st->enqueuer, job, caller, plan->deferred, f) < 0)
+        return -1;
+    lane->deferred = job->number;
+    return 0;
+}
+
+/* The streams of a deferred call's lane wait for the caller's stream at the
+ * call and for the lane's last call. */
+static int order_job(kv_lane *lane, cudaEvent_t start, kv_failure *f)
+{
+    const cudaStream_t streams[] = {lane->permute, lane->copy};
+    for (int i = 0; i < 2; i++) {
+        CUDA_STEP(f, cudaStreamWaitEvent(streams[i], start, 0), "ordering a deferred staged call after its stream");
+        CUDA_STEP(f, cudaStreamWaitEvent(streams[i], lane->done, 0), "ordering after the lane's last call");
+    }
+    return 0;
+}
+
+/* The end of a deferred call on the lane's copy stream, after its permutes. */
+static int join_job(kv_lane *lane, kv_failure *f)
+{
+    CUDA_STEP(f, cudaEventRecord(lane->handoff, lane->permute), "joining the staging streams");
+    CUDA_STEP(f, cudaStreamWaitEvent(lane->copy, lane->handoff, 0), "joining the staging streams");
+    CUDA_STEP(f, cudaEventRecord(lane->done, lane->copy), "marking the end of a staged call");
+    return 0;
+}
+
+int kv_staging_run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_failure *f)
+{
+    kv_lane *lane = &st->lanes[job->lane];
+    const kv_job_shape *shape = &job->shape;
+    *end = lane->copy;
+    int rc = order_job(lane, job->start, f);
+    if (rc == 0)
+        rc = grow_scratch(st, shape->count, shape->max_units, f);
+    if (rc == 0) {
+        int64_t max_units;
+        kv_pieces_cut(&job->staged, &shape->cut, st->boxes, &max_units);
+        rc = enqueue_pieces(st, lane, lane->copy, &job->move, &job->plan, shape->count, shape->slot_bytes,
+                            shape->nslots, 0, f);
+    }
+    /* Failed or not, the end follows whatever was enqueued: the caller's
+     * stream goes on only once nothing of the call runs. */
+    kv_failure joined = {cudaSuccess, NULL};
+    if (join_job(lane, &joined) < 0 && rc == 0) {
+        *f = joined;
+        rc = -1;
+    }
+    return rc;
 }
 
 int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
@@ -356,61 +275,54 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_mov
                   "kvbm_ext.reserve_staging() before capturing (nothing can be allocated during a capture)";
         return -1;
     }
-    if (st == NULL && (st = staging_of(gpu, ring, f)) == NULL)
+    if (st == NULL && (st = kv_staging_of(gpu, ring, f)) == NULL)
         return -1;
+    /* A capture's order is the captured stream's, which a thread cannot join. */
+    const int deferred = plan->deferred != NULL && !capturing && move->kind->own_args != NULL;
+    if (!deferred && st->enqueuer != NULL)
+        kv_enqueuer_drain(st->enqueuer);
     int index = -1;
-    kv_lane *lane = capturing ? &st->capture : pick_lane(st, (intptr_t)caller, &index);
+    kv_lane *lane = capturing ? &st->capture : kv_pick_lane(st, (intptr_t)caller, &index);
 
-    kv_cut cut = plan->cut;
-    cut.piece_bytes = piece_bytes_for(lane->bytes);
-    int64_t max_units;
-    const int64_t count = kv_pieces_cut(s, &cut, NULL, &max_units);
-    const size_t slot_bytes =
-        ((size_t)(max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
-    if (2 * slot_bytes > lane->bytes) {
+    kv_job_shape shape;
+    shape.cut = plan->cut;
+    shape.cut.piece_bytes = piece_bytes_for(lane->bytes);
+    shape.count = kv_pieces_cut(s, &shape.cut, NULL, &shape.max_units);
+    shape.slot_bytes =
+        ((size_t)(shape.max_units * s->unit_bytes) + KV_STAGING_ALIGN - 1) / KV_STAGING_ALIGN * KV_STAGING_ALIGN;
+    if (2 * shape.slot_bytes > lane->bytes) {
         snprintf(report->fallback, sizeof report->fallback,
                  "a piece of %lld bytes needs two slots, more than a "
                  "staging lane's %zu bytes",
-                 (long long)(max_units * s->unit_bytes), lane->bytes);
+                 (long long)(shape.max_units * s->unit_bytes), lane->bytes);
         return 1;
     }
-    const size_t fit = lane->bytes / slot_bytes;
-    const int nslots = fit < KV_LANE_SLOTS ? (int)fit : KV_LANE_SLOTS;
-    if (grow_scratch(st, count, max_units, f) < 0)
-        return -1;
-    kv_pieces_cut(s, &cut, st->boxes, &max_units);
-
-    /* The lane last served another stream, whose call may still be using
-     * the slots (on this stream the call already follows it). */
-    if (!capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller)
-        CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "ordering after the lane's last call");
-    if (enqueue_pieces(st, lane, caller, move, plan, count, slot_bytes, nslots, capturing, f) < 0)
-        return -1;
+    const size_t fit = lane->bytes / shape.slot_bytes;
+    shape.nslots = fit < KV_LANE_SLOTS ? (int)fit : KV_LANE_SLOTS;
+    if (deferred) {
+        if (defer_call(st, lane, index, caller, move, plan, &shape, f) < 0)
+            return -1;
+    }
+    else {
+        if (grow_scratch(st, shape.count, shape.max_units, f) < 0)
+            return -1;
+        kv_pieces_cut(s, &shape.cut, st->boxes, &shape.max_units);
+        /* The lane last served another stream, whose call may still be
+         * using the slots (on this stream the call already follows it). */
+        if (!capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller)
+            CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "ordering after the lane's last call");
+        if (enqueue_call(st, lane, caller, move, plan, shape.count, shape.slot_bytes, shape.nslots, capturing, f)
+            < 0)
+            return -1;
+    }
     if (!capturing) {
         lane->owner = (intptr_t)caller;
         lane->last_use = ++st->clock;
     }
     report->staged = 1;
-    report->pieces = count;
-    report->piece_bytes = max_units * s->unit_bytes;
+    report->deferred = deferred;
+    report->pieces = shape.count;
+    report->piece_bytes = shape.max_units * s->unit_bytes;
     report->lane = index;
     return 0;
-}
-
-/* ------------------------------------------------------------ reserving and describing */
-
-int kv_staging_reserve(kv_gpu *gpu, kv_ring *ring, kv_failure *f)
-{
-    kv_staging *st = staging_of(gpu, ring, f);
-    return st == NULL ? -1 : reserve_capture_lane(st, f);
-}
-
-kv_staging_facts kv_staging_facts_of(const kv_gpu *gpu, const kv_staging *st)
-{
-    kv_staging_facts facts;
-    facts.allocated = st != NULL;
-    facts.lanes = st != NULL ? st->nlanes : gpu->staging_lanes;
-    facts.lane_bytes = st != NULL ? st->lanes[0].bytes : lane_bytes_for(gpu->staging_bytes, facts.lanes);
-    facts.capture_reserved = st != NULL && st->capture_ready;
-    return facts;
 }

@@ -171,9 +171,32 @@ static int64_t to_cache_bytes(const kv_move *move)
     return p->nb * p->nl * p->no * p->nh * p->nt * p->row_bytes;
 }
 
+/* The description with its parts, for a deferred call (gpu.h, own_args). */
+typedef struct {
+    kv_to_cache_move args;
+    kvbm_to_cache move;
+    kvbm_to_cache_ids ids;
+    kv_packing packing;
+} kv_to_cache_owned;
+
+static const void *to_cache_own_args(const void *args, void *storage)
+{
+    const kv_to_cache_move *a = args;
+    kv_to_cache_owned *owned = storage;
+    owned->move = *a->move;
+    owned->ids = *a->ids;
+    owned->packing = *a->packing;
+    owned->args.move = &owned->move;
+    owned->args.ids = &owned->ids;
+    owned->args.packing = &owned->packing;
+    return &owned->args;
+}
+
 const kv_move_kind kv_move_to_cache = {
     .what = "launching the cache-to-cache kernel",
     KV_MOVE_KERNEL(to_cache),
     .cpu = to_cache_cpu,
     .cpu_bytes = to_cache_bytes,
+    .own_args = to_cache_own_args,
+    .owned_bytes = sizeof(kv_to_cache_owned),
 };

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "deferred.h"
 #include "state.h"
 #include "stream.h"
 #include "to_cache_run.h"
@@ -169,7 +170,10 @@ PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssiz
     call.src = self;
     call.state = PyType_GetModuleState(Py_TYPE(self)); /* not subclassable: the module's own type */
     call.device = -1;
-    int rc = read_call(&call, &a);
+    int defer = 0;
+    kv_promise *outcome = NULL; /* set where the pieces are left to the enqueue thread */
+    int rc = kv_switch_read(a.defer, "defer", KV_PAGED_ARGS_DEFER_DEFAULT, &defer) < 0 ? -1 : read_call(&call, &a);
+    call.options.move.deferred = defer ? &outcome : NULL;
     const kv_paged_options *o = &call.options;
     if (rc == 0 && call.src_ids.count > 0 && o->layers.count > 0 && o->heads.count > 0) {
         const kv_selection written = kv_paged_landing(o);
@@ -180,7 +184,11 @@ PyObject *kv_paged_to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssiz
             rc = kv_to_cache_run(&call);
     }
     release_call(&call);
-    if (rc < 0)
+    if (rc < 0) {
+        kv_promise_release(outcome);
         return NULL;
+    }
+    if (defer)
+        return kv_deferred_new(call.state->deferred_type, outcome);
     Py_RETURN_NONE;
 }

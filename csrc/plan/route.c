@@ -52,6 +52,7 @@ static kv_route route_move(const kv_move_options *o, int pinned, const kv_staged
         route.plan.staged = staged;
         route.plan.edge_num_ctas = o->num_ctas != 0 ? o->num_ctas : KV_EDGE_NUM_CTAS;
         route.plan.cut = PIECE_CUT;
+        route.plan.deferred = o->deferred;
         route.why = o->backend == KV_BACKEND_AUTO ? "auto: pinned host memory takes part" : "requested";
     }
     return route;
@@ -77,9 +78,10 @@ static void log_move(const char *function, const kv_route *route, const kv_gpu_r
             snprintf(lane, sizeof lane, "the graph-capture lane");
         else
             snprintf(lane, sizeof lane, "lane %d", report->lane);
-        kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, cuda:%d)", function,
-                 route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane, bound,
-                 plan->async_copies ? "one cudaMemcpyAsync per run" : "copy engines", device);
+        kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, %s, cuda:%d)",
+                 function, route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane,
+                 bound, plan->async_copies ? "one cudaMemcpyAsync per run" : "copy engines",
+                 report->deferred ? "enqueued by the device's enqueue thread" : "enqueued by the caller", device);
     }
     else if (report->fallback[0] != '\0')
         kv_debug("%s: path kernel (cannot stage: %s; %s, cuda:%d)", function, report->fallback, bound, device);

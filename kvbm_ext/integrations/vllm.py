@@ -321,6 +321,35 @@ class DoneHandle(TransferHandle):
             raise self.error
 
 
+class DeferredHandle(TransferHandle):
+    """A to_cache(..., defer=True) call whose pieces kvbm_ext's enqueue thread enqueues after
+    the call returned: ended once they are enqueued, failed where that failed.  Its bytes
+    are the stream's: the job's event, recorded after it, covers them."""
+
+    __slots__ = ("deferred",)
+
+    def __init__(self, deferred):
+        super().__init__()
+        self.deferred = deferred
+
+    def done(self):
+        if not self.deferred.done():
+            return False
+        self._settle(None)
+        return True
+
+    def wait(self, timeout=None):
+        self._settle(timeout)
+        if self.error is not None:
+            raise self.error
+
+    def _settle(self, timeout):
+        try:
+            self.deferred.result(timeout)
+        except RuntimeError as error:
+            self.error = error
+
+
 class Tier:
     """Where offloaded chunks live, in slots of `blocks_per_chunk` GPU blocks.
 
@@ -427,11 +456,15 @@ class PinnedTier(Tier):
             self.pool_caches.append(kvbm_ext.PagedKVCache(layers, layout))
         self.seconds = time.perf_counter() - started
 
+    # On CUDA caches the staged pieces are left to kvbm_ext's enqueue thread (defer=True),
+    # so that a submission costs the serving loop a few microseconds whatever the job's size.
     def store(self, group, src_ids, slot_block_ids, stream):
-        group.cache.to_cache(self.pool_caches[group.index], src_ids, slot_block_ids, stream=stream)
+        return _deferred(group.cache.to_cache(self.pool_caches[group.index], src_ids, slot_block_ids,
+                                              stream=stream, defer=stream is not None))
 
     def load(self, group, slot_block_ids, dst_ids, stream):
-        self.pool_caches[group.index].to_cache(group.cache, slot_block_ids, dst_ids, stream=stream)
+        return _deferred(self.pool_caches[group.index].to_cache(group.cache, slot_block_ids, dst_ids,
+                                                                stream=stream, defer=stream is not None))
 
     def close(self):
         self.pool_caches = []
@@ -439,6 +472,10 @@ class PinnedTier(Tier):
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+
+
+def _deferred(deferred):
+    return None if deferred is None else DeferredHandle(deferred)
 
 
 class _PoolTier(Tier):
