@@ -52,7 +52,6 @@
 
 #include <stdio.h>
 
-
 static int grow_scratch(kv_staging *st, int64_t pieces, int64_t units, kv_failure *f)
 {
     if (pieces > st->box_capacity) {
