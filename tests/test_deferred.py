@@ -99,10 +99,10 @@ def test_gpu_defer_offload_and_onload_behind_a_busy_stream(pool, nb, gen, caplog
     src_ids, dst_ids = random_ids(gen, nb=nb, blocks=ROWS.blocks)
     back = torch.randperm(ROWS.blocks, generator=gen)[:nb].tolist()
     stream = torch.cuda.Stream()
-
-    def busy_then_wait():
-        stream.synchronize()
-
+    # Warm-up: the first deferred call of a staging starts its thread and loads the kernels,
+    # which waits for the device.
+    dev_cache.to_cache(host_cache, src_ids[:1], dst_ids[:1], stream=stream.cuda_stream, defer=True).result(10)
+    stream.synchronize()
     monkeypatch.setenv("KVBM_EXT_DEBUG", "1")
     with caplog.at_level(logging.DEBUG, logger="kvbm_ext"):
         for src, src_mem, src_cache, dst, dst_mem, dst_cache, ids in (
@@ -116,11 +116,12 @@ def test_gpu_defer_offload_and_onload_behind_a_busy_stream(pool, nb, gen, caplog
             stream.wait_stream(torch.cuda.current_stream())
             deferred = src_cache.to_cache(dst_cache, *ids, stream=stream.cuda_stream, defer=True)
             assert not stream.query()
-            busy_then_wait()
+            stream.synchronize()
+            got = snapshot(dst_mem)  # now: the reference takes longer than the pieces would
             assert deferred.result(10) is None
             reference(src, dst, src_before, want, *ids, ROWS, ROWS)
-            for i, (got, w) in enumerate(zip(dst_mem, want)):
-                assert_bitwise_equal(as_int(got), w, f"dst memory #{i}")
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert_bitwise_equal(g, w, f"dst memory #{i}")
     lines = staged_lines(caplog)
     assert len(lines) == 2 and all("enqueued by the device's enqueue thread" in line for line in lines), lines
 

@@ -686,7 +686,7 @@ def test_gpu_store_waits_for_the_compute_stream(gen):
         assert worker.submit_store(1, GPULoadStoreSpec([3], [1], [0]), integration.KvbmLoadStoreSpec([2]))
         elapsed = time.perf_counter() - started
         assert worker.get_finished() == [], "a store was reported while the compute stream still wrote its KV"
-        (handle,) = worker.store_jobs.jobs[0].handles
+        handle = worker.store_jobs.jobs[0].handles[-1]  # the event after the job
         assert not handle.done()
         with pytest.raises(TimeoutError, match="not finished within 0.001 s"):
             handle.wait(timeout=0.001)

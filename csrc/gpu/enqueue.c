@@ -9,6 +9,8 @@
  * list holds as many as are in flight. */
 #include "enqueue.h"
 
+#include "kvbm_kernels.h"
+
 #include <cuda.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -129,7 +131,11 @@ kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_failure *f)
     if ((q->wait_value = driver_entry("cuStreamWaitValue32", f)) == NULL
         || (q->write_value = driver_entry("cuStreamWriteValue32", f)) == NULL)
         goto failed;
-    cudaError_t error = cudaGetDevice(&q->device);
+    /* The kernels loaded now: a lazy load on the thread would wait for the
+     * device, whose callers' streams wait for the thread. */
+    cudaError_t error = kvbm_load_kernels();
+    if (error == cudaSuccess)
+        error = cudaGetDevice(&q->device);
     if (error == cudaSuccess)
         error = cudaMalloc((void **)&q->flags, KV_MAX_LANES * sizeof *q->flags);
     /* Zero before any stream waits on them: on a stream of its own, waited
@@ -143,7 +149,7 @@ kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_failure *f)
     if (zeroing != NULL)
         cudaStreamDestroy(zeroing);
     if (error != cudaSuccess) {
-        fail(f, error, "allocating the deferred calls' end flags");
+        fail(f, error, "loading the kernels and allocating the end flags for deferred calls");
         goto failed;
     }
     pthread_mutex_init(&q->mutex, NULL);
