@@ -4,6 +4,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence, SupportsIndex, Ty
 from typing_extensions import deprecated
 
 __all__ = [
+    "Deferred",
     "EngineLayout",
     "HostBuffer",
     "PagedKVCache",
@@ -442,6 +443,7 @@ class Deferred:
     def done(self) -> bool: ...
     def result(self, timeout: float | None = None) -> None: ...
 
+@final
 class HostBuffer:
     @property
     def shape(self) -> tuple[int, ...]: ...

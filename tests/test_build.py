@@ -37,7 +37,7 @@ PUBLIC_FUNCTIONS = [
     "plan_reshard",
     "reshard",
 ]
-PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "EngineLayout", "Resharder", "ReshardHandle", "ReshardStats",
+PUBLIC_TYPES = ["PagedKVCache", "HostBuffer", "Deferred", "EngineLayout", "Resharder", "ReshardHandle", "ReshardStats",
                 "ReshardTransfer", "TorchTransport", "Transport"]
 
 

@@ -36,7 +36,7 @@ API_GROUPS = (
     ("Conversions, every chunk its own array (the list API)",
      ("block_to_universal", "universal_to_block", "block_to_operational", "operational_to_block",
       "universal_to_operational", "operational_to_universal")),
-    ("A paged cache, described once: blocks moved by id", ("PagedKVCache",)),
+    ("A paged cache, described once: blocks moved by id", ("PagedKVCache", "Deferred")),
     ("Pinned host pools (docs/host_pools.md)", ("pinned_empty", "HostBuffer", "unlink_shared")),
     ("Device staging memory of the copy-engine path", ("set_staging", "reserve_staging", "staging_info")),
     ("Raw batched copies: address lists, sizes in bytes", ("vectorized_copy", "memcpy_batch",
@@ -50,7 +50,8 @@ API_GROUPS = (
 # How the README names an instance of a class whose methods it lists.
 # (Classes the library returns keep their own name.)
 INSTANCE = {"PagedKVCache": "cache", "Resharder": "resharder", "EngineLayout": "layout",
-            "TorchTransport": "transport", "Transport": "transport", "HostBuffer": "buf", "ReshardHandle": "handle"}
+            "TorchTransport": "transport", "Transport": "transport", "HostBuffer": "buf", "ReshardHandle": "handle",
+            "Deferred": "deferred"}
 USER_MADE_DATACLASSES = ("EngineLayout",)
 TORCH = "torch==2.13.0"
 TARGET_S = 180          # fresh venv to passing tests on a CPU machine

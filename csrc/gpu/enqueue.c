@@ -238,8 +238,7 @@ kv_job *kv_enqueuer_job(kv_enqueuer *q, const kv_move *move, const kv_move_plan 
     job->move.args = move->kind->own_args(move->args, job->storage);
     job->move.table = memcpy(table, move->table, table_bytes);
     job->staged = *s;
-    memcpy(owned_addresses, s->unit_address != NULL ? s->unit_address : s->block_address,
-           addresses * sizeof(uint64_t));
+    memcpy(owned_addresses, s->unit_address != NULL ? s->unit_address : s->block_address, addresses * sizeof(uint64_t));
     if (s->unit_address != NULL)
         job->staged.unit_address = owned_addresses;
     else
@@ -267,8 +266,8 @@ int kv_enqueuer_submit(kv_enqueuer *q, kv_job *job, cudaStream_t caller, kv_prom
     }
     cudaError_t error = cudaEventRecord(job->start, caller);
     if (error == cudaSuccess) {
-        const CUresult waited = q->wait_value((CUstream)caller, flag_of(q, job->lane), job->number,
-                                              CU_STREAM_WAIT_VALUE_GEQ);
+        const CUresult waited =
+            q->wait_value((CUstream)caller, flag_of(q, job->lane), job->number, CU_STREAM_WAIT_VALUE_GEQ);
         if (waited != CUDA_SUCCESS)
             error = (cudaError_t)waited;
     }

@@ -16,13 +16,13 @@ typedef struct {
 
 typedef struct kv_job {
     struct kv_job *next;
-    kv_move move;       /* its args and table in `storage` */
-    kv_move_plan plan;  /* `staged` is the job's own */
-    kv_staged staged;   /* its addresses in `storage` */
+    kv_move move;      /* its args and table in `storage` */
+    kv_move_plan plan; /* `staged` is the job's own */
+    kv_staged staged;  /* its addresses in `storage` */
     kv_job_shape shape;
     int lane;
-    uint32_t number;    /* the value the lane's end flag takes when the job ends */
-    cudaEvent_t start;  /* recorded on the caller's stream at the call */
+    uint32_t number;   /* the value the lane's end flag takes when the job ends */
+    cudaEvent_t start; /* recorded on the caller's stream at the call */
     kv_promise *outcome;
     char *storage;
     size_t capacity;

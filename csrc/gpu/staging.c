@@ -310,8 +310,7 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_mov
          * using the slots (on this stream the call already follows it). */
         if (!capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller)
             CUDA_STEP(f, cudaStreamWaitEvent(caller, lane->done, 0), "ordering after the lane's last call");
-        if (enqueue_call(st, lane, caller, move, plan, shape.count, shape.slot_bytes, shape.nslots, capturing, f)
-            < 0)
+        if (enqueue_call(st, lane, caller, move, plan, shape.count, shape.slot_bytes, shape.nslots, capturing, f) < 0)
             return -1;
     }
     if (!capturing) {

@@ -29,8 +29,8 @@ static void deferred_dealloc(PyObject *op)
 
 static int settled(const kv_deferred *self) { return self->outcome == NULL || kv_promise_settled(self->outcome); }
 
-PyDoc_STRVAR(done_doc, KV_DEFERRED_DONE_TEXT_SIGNATURE
-             "Whether the call's pieces are enqueued, or failed to be; never waits.");
+PyDoc_STRVAR(done_doc,
+             KV_DEFERRED_DONE_TEXT_SIGNATURE "Whether the call's pieces are enqueued, or failed to be; never waits.");
 
 static PyObject *deferred_done(PyObject *op, PyObject *unused)
 {
@@ -85,9 +85,9 @@ static PyObject *deferred_result(PyObject *op, PyObject *const *args, Py_ssize_t
 static PyObject *deferred_repr(PyObject *op)
 {
     const kv_deferred *self = (const kv_deferred *)op;
-    const char *state = !settled(self)                                                        ? "pending"
+    const char *state = !settled(self)                                                       ? "pending"
                         : self->outcome != NULL && kv_promise_failure(self->outcome) != NULL ? "failed"
-                                                                                            : "done";
+                                                                                             : "done";
     return PyUnicode_FromFormat("<kvbm_ext.Deferred %s>", state);
 }
 

@@ -128,7 +128,11 @@ PyDoc_STRVAR(to_cache_doc, KV_PAGED_TO_CACHE_TEXT_SIGNATURE
              "Device to device: one kernel launch for every layer and block.  With a cache in\n"
              "pinned host memory whose ids are on the host, \"auto\" stages the move: the copy\n"
              "engines carry the pinned cache's blocks in its own layout, and a kernel on a\n"
-             "few CTAs rearranges them in device staging memory.\n" COMMON_DOC);
+             "few CTAs rearranges them in device staging memory.\n"
+             "defer: False (default): returns None.  True: a staged call's pieces are\n"
+             "    enqueued by the device's enqueue thread after the call returns, the stream\n"
+             "    made to wait for them; returns a kvbm_ext.Deferred, whose result() raises\n"
+             "    where enqueuing them failed.\n" COMMON_DOC);
 
 static PyObject *to_cache(kv_paged_cache *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {

@@ -78,9 +78,9 @@ static void log_move(const char *function, const kv_route *route, const kv_gpu_r
             snprintf(lane, sizeof lane, "the graph-capture lane");
         else
             snprintf(lane, sizeof lane, "lane %d", report->lane);
-        kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, %s, cuda:%d)",
-                 function, route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane,
-                 bound, plan->async_copies ? "one cudaMemcpyAsync per run" : "copy engines",
+        kv_debug("%s: path staged (%s; %lld pieces of up to %.2f MiB on %s, permute on %s, %s, %s, cuda:%d)", function,
+                 route->why, (long long)report->pieces, (double)report->piece_bytes / (1 << 20), lane, bound,
+                 plan->async_copies ? "one cudaMemcpyAsync per run" : "copy engines",
                  report->deferred ? "enqueued by the device's enqueue thread" : "enqueued by the caller", device);
     }
     else if (report->fallback[0] != '\0')
