@@ -1,8 +1,10 @@
 """Where the host time of a vLLM worker's submission goes: the steady host time of
 KvbmOffloadingWorker.submit_store / submit_load (jobs back to back, the stream synchronized
 and the jobs polled every 8, outside the timed calls), beside each part of it made alone:
-the job's to_cache call on the worker's stream, the wait on the compute stream (the fence's
-record and the worker stream's wait), and the completion event's record.  The submission
+the job's to_cache call on the worker's stream (enqueued by the call, and deferred to the
+enqueue thread, alone and followed by the completion event's record, which the worker
+makes while the thread enqueues), the wait on the compute stream (the fence's record and
+the worker stream's wait), and the completion event's record.  The submission
 less those parts is the worker's own Python.  Llama-3.1-8B and 70B dims, vLLM's packed K|V
 pages, a pinned universal tier (benchmarks/vllm_offload.py's Case), nb = 1, 8, 64; medians
 of --reps.  Needs vLLM's kv_offload files (tools/vllm_gpu_carry.sh).
@@ -50,6 +52,9 @@ def parts(case, direction, nb, reps):
         "submit": steady_us(lambda: case.submit(direction, nb, specs=specs)),
         "to_cache": steady_us(lambda: src.to_cache(dst, src_ids, dst_ids, stream=stream)),
         "to_cache, int64 slots": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream)),
+        "to_cache, defer": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream, defer=True)),
+        "to_cache, defer, event record": steady_us(lambda: (src.to_cache(dst, src_np, dst_np, stream=stream,
+                                                                          defer=True), done.record(stream))),
         "wait on compute": steady_us(wait_on_compute),
         "current_stream": steady_us(lambda: torch.cuda.current_stream(worker._device)),
         "event record": steady_us(lambda: done.record(stream)),

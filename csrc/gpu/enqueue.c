@@ -21,6 +21,7 @@ typedef CUresult (*kv_stream_value32)(CUstream stream, CUdeviceptr address, cuui
 
 struct kv_enqueuer {
     kv_staging *staging;
+    kv_job_runner run;
     int device;
     uint32_t *flags; /* device memory: each lane's end flag */
     kv_stream_value32 wait_value, write_value;
@@ -75,7 +76,7 @@ static void run_job(kv_enqueuer *q, kv_job *job, cudaError_t selected)
 {
     kv_failure f = {cudaSuccess, NULL};
     cudaStream_t end = NULL;
-    int rc = kv_staging_run_job(q->staging, job, &end, &f);
+    int rc = q->run(q->staging, job, &end, &f);
     if (selected != cudaSuccess)
         rc = fail(&f, selected, "selecting the device on the enqueue thread");
     /* Ended or failed, the caller's stream must go on. */
@@ -119,7 +120,7 @@ static void *enqueue_thread(void *arg)
 
 /* ------------------------------------------------------------ its life */
 
-kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_failure *f)
+kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_job_runner run, kv_failure *f)
 {
     kv_enqueuer *q = calloc(1, sizeof *q);
     if (q == NULL) {
@@ -127,6 +128,7 @@ kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_failure *f)
         return NULL;
     }
     q->staging = staging;
+    q->run = run;
     cudaStream_t zeroing = NULL;
     if ((q->wait_value = driver_entry("cuStreamWaitValue32", f)) == NULL
         || (q->write_value = driver_entry("cuStreamWriteValue32", f)) == NULL)

@@ -30,9 +30,15 @@ typedef struct kv_job {
 
 typedef struct kv_enqueuer kv_enqueuer;
 
-/* Starts the thread of `staging`, whose device is the current one.  NULL
- * with *f set. */
-kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_failure *f);
+/* What the thread does with a job (staging.c): enqueues its pieces on its
+ * lane's streams, after the caller's stream at the call and the lane's last
+ * call.  *end receives the lane stream the job ends on, failed or not, where
+ * its flag is written.  Returns 0, or -1 with *f set. */
+typedef int (*kv_job_runner)(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_failure *f);
+
+/* Starts the thread of `staging`, whose device is the current one, to run
+ * each job with `run`.  NULL with *f set. */
+kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_job_runner run, kv_failure *f);
 
 /* Waits until the thread has enqueued every job handed to it. */
 void kv_enqueuer_drain(kv_enqueuer *q);
@@ -51,11 +57,5 @@ kv_job *kv_enqueuer_job(kv_enqueuer *q, const kv_move *move, const kv_move_plan 
  * Returns 0, or -1 with *f set, the job taken back and nothing handed
  * over. */
 int kv_enqueuer_submit(kv_enqueuer *q, kv_job *job, cudaStream_t caller, kv_promise **outcome, kv_failure *f);
-
-/* staging.c, on the thread: enqueues a job's pieces on its lane's streams,
- * after the caller's stream at the call and the lane's last call.  *end
- * receives the lane stream the job ends on, failed or not, where its flag
- * is written.  Returns 0, or -1 with *f set. */
-int kv_staging_run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_failure *f);
 
 #endif /* KVBM_ENQUEUE_H */

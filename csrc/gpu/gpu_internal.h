@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 #include <pythread.h>
+#include <stdio.h>
 
 #define KV_MAX_DEVICES 64
 #define KV_RING_REGIONS 64
@@ -63,8 +64,13 @@ typedef struct {
     const char *what;
 } kv_failure;
 
-/* The message kv_raise_failure raises, in `buf`. */
-void kv_failure_message(const kv_failure *f, char *buf, size_t size);
+/* The message kv_raise_failure raises, in `buf` (here, so that the enqueue
+ * thread words its failures alike without calling up into gpu_launch.c). */
+static inline void kv_failure_message(const kv_failure *f, char *buf, size_t size)
+{
+    snprintf(buf, size, "CUDA error %s (%d) in %s: %s", cudaGetErrorName(f->error), (int)f->error, f->what,
+             cudaGetErrorString(f->error));
+}
 
 #define CUDA_STEP(failure, call, description)                                                                          \
     do {                                                                                                               \

@@ -2,14 +2,6 @@
  * failed CUDA step reaches Python.  See gpu_internal.h. */
 #include "gpu_internal.h"
 
-#include <stdio.h>
-
-void kv_failure_message(const kv_failure *f, char *buf, size_t size)
-{
-    snprintf(buf, size, "CUDA error %s (%d) in %s: %s", cudaGetErrorName(f->error), (int)f->error, f->what,
-             cudaGetErrorString(f->error));
-}
-
 void kv_raise_failure(const kv_failure *f)
 {
     char message[512];

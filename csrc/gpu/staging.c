@@ -197,24 +197,6 @@ static int enqueue_call(kv_staging *st, kv_lane *lane, cudaStream_t caller, cons
     return 0;
 }
 
-/* Hands a call to the enqueue thread (see the top of this file). */
-static int defer_call(kv_staging *st, kv_lane *lane, int index, cudaStream_t caller, const kv_move *move,
-                      const kv_move_plan *plan, const kv_job_shape *shape, kv_failure *f)
-{
-    if (st->enqueuer == NULL && (st->enqueuer = kv_enqueuer_start(st, f)) == NULL)
-        return -1;
-    kv_job *job = kv_enqueuer_job(st->enqueuer, move, plan, f);
-    if (job == NULL)
-        return -1;
-    job->shape = *shape;
-    job->lane = index;
-    job->number = lane->deferred + 1;
-    if (kv_enqueuer_submit(st->enqueuer, job, caller, plan->deferred, f) < 0)
-        return -1;
-    lane->deferred = job->number;
-    return 0;
-}
-
 /* The streams of a deferred call's lane wait for the caller's stream at the
  * call and for the lane's last call. */
 static int order_job(kv_lane *lane, cudaEvent_t start, kv_failure *f)
@@ -236,7 +218,8 @@ static int join_job(kv_lane *lane, kv_failure *f)
     return 0;
 }
 
-int kv_staging_run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_failure *f)
+/* A deferred call on the enqueue thread (enqueue.h, kv_job_runner). */
+static int run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_failure *f)
 {
     kv_lane *lane = &st->lanes[job->lane];
     const kv_job_shape *shape = &job->shape;
@@ -258,6 +241,24 @@ int kv_staging_run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_
         rc = -1;
     }
     return rc;
+}
+
+/* Hands a call to the enqueue thread (see the top of this file). */
+static int defer_call(kv_staging *st, kv_lane *lane, int index, cudaStream_t caller, const kv_move *move,
+                      const kv_move_plan *plan, const kv_job_shape *shape, kv_failure *f)
+{
+    if (st->enqueuer == NULL && (st->enqueuer = kv_enqueuer_start(st, run_job, f)) == NULL)
+        return -1;
+    kv_job *job = kv_enqueuer_job(st->enqueuer, move, plan, f);
+    if (job == NULL)
+        return -1;
+    job->shape = *shape;
+    job->lane = index;
+    job->number = lane->deferred + 1;
+    if (kv_enqueuer_submit(st->enqueuer, job, caller, plan->deferred, f) < 0)
+        return -1;
+    lane->deferred = job->number;
+    return 0;
 }
 
 int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_move *move, const kv_move_plan *plan,
