@@ -14,6 +14,7 @@ of --reps.  Needs vLLM's kv_offload files (tools/vllm_gpu_carry.sh).
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -37,9 +38,9 @@ def parts(case, direction, nb, reps):
                                   else (pool, cache, tier.block_ids, gpu.block_ids))
     fence, done = torch.cuda.Event(), torch.cuda.Event()
 
-    def steady_us(call):
+    def steady_us(call, batch=8):
         # The jobs that finished are polled after each synchronize, as vLLM polls them.
-        return steady_host_us([call], reps=reps, batch=8, between=worker.get_finished)
+        return steady_host_us([call], reps=reps, batch=batch, between=worker.get_finished)
 
     def wait_on_compute():
         fence.record(torch.cuda.current_stream(worker._device))
@@ -48,7 +49,22 @@ def parts(case, direction, nb, reps):
     # The ids as the worker passes them: the tier's as an int64 array, vLLM's as given.
     slots = np.asarray(tier.block_ids, dtype=np.int64)
     src_np, dst_np = (src_ids, slots) if direction == "store" else (slots, dst_ids)
+    def defer_then_record(pause_us):
+        src.to_cache(dst, src_np, dst_np, stream=stream, defer=True)
+        until = time.perf_counter() + pause_us * 1e-6
+        while time.perf_counter() < until:
+            pass
+        done.record(stream)
+
     measured = {
+        # Each call after a synchronize (the enqueue thread idle when it starts), as
+        # vllm_offload.py times one job; the record after a pause of 300 us, by when the
+        # thread has enqueued the job, less the pause.
+        "idle: submit": steady_us(lambda: case.submit(direction, nb, specs=specs), batch=1),
+        "idle: to_cache, defer": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream, defer=True),
+                                           batch=1),
+        "idle: + event record": steady_us(lambda: defer_then_record(0), batch=1),
+        "idle: + 300 us, event record": steady_us(lambda: defer_then_record(300), batch=1) - 300,
         "submit": steady_us(lambda: case.submit(direction, nb, specs=specs)),
         "to_cache": steady_us(lambda: src.to_cache(dst, src_ids, dst_ids, stream=stream)),
         "to_cache, int64 slots": steady_us(lambda: src.to_cache(dst, src_np, dst_np, stream=stream)),
