@@ -143,6 +143,20 @@ def test_gpu_defer_without_staging_runs_during_the_call(gen, caplog, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300])
+def test_gpu_deferred_result_with_a_boundless_timeout_waits(timeout, gen):
+    """A timeout past any clock waits unbounded (asked before the thread can have run the
+    call: such a deadline once overflowed into the past and timed out at once)."""
+    dev, dev_mem, dev_cache = make("vllm_packed", gen, "cuda", d=ROWS)
+    host, host_mem, host_cache = make("universal_pool", gen, pin=True, d=ROWS)
+    src_ids, dst_ids = random_ids(gen, nb=64, blocks=ROWS.blocks)
+    dev_cache.to_cache(host_cache, src_ids[:1], dst_ids[:1], defer=True).result(10)  # the thread started
+    for _ in range(8):
+        assert dev_cache.to_cache(host_cache, src_ids, dst_ids, defer=True).result(timeout) is None
+    sync()
+
+
+@pytest.mark.gpu
 def test_gpu_defer_bursts_on_two_streams_beside_calls_the_caller_enqueues(gen):
     """Stores on one stream, loads of what they stored on another (after an event), every
     third call enqueued by its caller: the lanes see the calls in the order they were made,

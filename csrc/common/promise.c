@@ -24,10 +24,23 @@ struct kv_promise {
 };
 
 static pthread_mutex_t settling = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t settled_one = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t settled_one;
+static pthread_once_t settled_one_made = PTHREAD_ONCE_INIT;
+
+/* Deadlines on the monotonic clock, which a change of the wall clock does
+ * not move. */
+static void make_settled_one(void)
+{
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&settled_one, &attr);
+    pthread_condattr_destroy(&attr);
+}
 
 kv_promise *kv_promise_new(void)
 {
+    pthread_once(&settled_one_made, make_settled_one);
     kv_promise *o = calloc(1, sizeof *o);
     if (o != NULL)
         atomic_init(&o->holders, 2);
@@ -53,9 +66,11 @@ int kv_promise_wait(kv_promise *o, double timeout)
 {
     if (kv_promise_settled(o))
         return 1;
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
+    if (timeout > 1e9) /* beyond any wait (and time_t): unbounded */
+        timeout = -1;
+    struct timespec until = {0, 0};
     if (timeout >= 0) {
+        clock_gettime(CLOCK_MONOTONIC, &until);
         const double whole = (double)(time_t)timeout;
         until.tv_sec += (time_t)whole;
         until.tv_nsec += (long)((timeout - whole) * 1e9);

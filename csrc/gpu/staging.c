@@ -87,6 +87,16 @@ static int grow_scratch(kv_staging *st, int64_t pieces, int64_t units, kv_failur
     return 0;
 }
 
+/* Cuts a call into its pieces, in st->boxes. */
+static int cut_pieces(kv_staging *st, const kv_staged *s, const kv_job_shape *shape, kv_failure *f)
+{
+    if (grow_scratch(st, shape->count, shape->max_units, f) < 0)
+        return -1;
+    int64_t max_units;
+    kv_pieces_cut(s, &shape->cut, st->boxes, &max_units);
+    return 0;
+}
+
 /* Moves one piece's runs between its slot and pinned memory on `stream`:
  * one cudaMemcpyAsync for one run (the usual case: a piece of contiguous
  * blocks), else the batch API, else (no batch API, `async_copies`, or a
@@ -226,13 +236,10 @@ static int run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_fail
     *end = lane->copy;
     int rc = order_job(lane, job->start, f);
     if (rc == 0)
-        rc = grow_scratch(st, shape->count, shape->max_units, f);
-    if (rc == 0) {
-        int64_t max_units;
-        kv_pieces_cut(&job->staged, &shape->cut, st->boxes, &max_units);
+        rc = cut_pieces(st, &job->staged, shape, f);
+    if (rc == 0)
         rc = enqueue_pieces(st, lane, lane->copy, &job->move, &job->plan, shape->count, shape->slot_bytes,
                             shape->nslots, 0, f);
-    }
     /* Failed or not, the end follows whatever was enqueued: the caller's
      * stream goes on only once nothing of the call runs. */
     kv_failure joined = {cudaSuccess, NULL};
@@ -240,6 +247,7 @@ static int run_job(kv_staging *st, const kv_job *job, cudaStream_t *end, kv_fail
         *f = joined;
         rc = -1;
     }
+    atomic_store_explicit(&lane->enqueued, job->number, memory_order_release);
     return rc;
 }
 
@@ -304,9 +312,8 @@ int kv_staging_run(kv_gpu *gpu, kv_ring *ring, cudaStream_t caller, const kv_mov
             return -1;
     }
     else {
-        if (grow_scratch(st, shape.count, shape.max_units, f) < 0)
+        if (cut_pieces(st, s, &shape, f) < 0)
             return -1;
-        kv_pieces_cut(s, &shape.cut, st->boxes, &shape.max_units);
         /* The lane last served another stream, whose call may still be
          * using the slots (on this stream the call already follows it). */
         if (!capturing && lane->last_use != 0 && lane->owner != (intptr_t)caller)

@@ -8,6 +8,8 @@
 #include "enqueue.h"
 #include "pieces.h"
 
+#include <stdatomic.h>
+
 #define KV_LANE_SLOTS 16
 #define KV_STAGING_ALIGN 256
 
@@ -23,6 +25,7 @@ typedef struct {
     intptr_t owner;                   /* the caller's stream of its last call */
     uint64_t last_use;                /* 0: never used */
     uint32_t deferred;                /* deferred calls handed over: the number its end flag reaches last */
+    atomic_uint enqueued;             /* the number of the last one the enqueue thread has enqueued */
 } kv_lane;
 
 struct kv_staging {

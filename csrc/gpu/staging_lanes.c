@@ -127,7 +127,9 @@ kv_lane *kv_pick_lane(kv_staging *st, intptr_t caller, int *index)
         if (lane->last_use < st->lanes[oldest].last_use)
             oldest = i;
         if (idle < 0 || lane->last_use < st->lanes[idle].last_use) {
-            if (lane->last_use == 0 || cudaEventQuery(lane->done) == cudaSuccess)
+            /* A deferred call not yet enqueued has not recorded `done`. */
+            const int queued = lane->deferred != atomic_load_explicit(&lane->enqueued, memory_order_acquire);
+            if (lane->last_use == 0 || (!queued && cudaEventQuery(lane->done) == cudaSuccess))
                 idle = i;
             cudaGetLastError(); /* cudaErrorNotReady is an answer, not an error */
         }
