@@ -7,14 +7,12 @@
  * rising one job at a time.  Jobs go back to a free list, their start
  * event and storage with them, so that a call allocates nothing once the
  * list holds as many as are in flight. */
-#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
 #include "enqueue.h"
 
 #include "kvbm_kernels.h"
 
 #include <cuda.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,8 +33,6 @@ struct kv_enqueuer {
     kv_job *free;
     int busy; /* the thread runs a job it took */
     int stop;
-    cpu_set_t allowed; /* the CPUs the thread may run on */
-    int avoided;       /* the caller's CPU it is kept off, or -1 */
 };
 
 static int fail(kv_failure *f, cudaError_t error, const char *what)
@@ -158,9 +154,6 @@ kv_enqueuer *kv_enqueuer_start(kv_staging *staging, kv_job_runner run, kv_failur
         fail(f, error, "loading the kernels and allocating the end flags for deferred calls");
         goto failed;
     }
-    q->avoided = -1;
-    if (pthread_getaffinity_np(pthread_self(), sizeof q->allowed, &q->allowed) != 0)
-        CPU_ZERO(&q->allowed); /* not kept off any CPU */
     pthread_mutex_init(&q->mutex, NULL);
     pthread_cond_init(&q->wake, NULL);
     pthread_cond_init(&q->idle, NULL);
@@ -267,24 +260,6 @@ static void take_back(kv_enqueuer *q, kv_job *job)
     pthread_mutex_unlock(&q->mutex);
 }
 
-/* Keeps the sleeping thread off the CPU its caller runs on.  Woken there,
- * the scheduler runs it beside the caller, which then moves to another
- * CPU and finds its caches cold: a call after an idle spell cost up to 3x
- * one made back to back (benchmarks/results/deferred-idle-*).  A system
- * call only when the caller's CPU changes; nothing where one CPU is
- * allowed. */
-static void keep_off_caller(kv_enqueuer *q)
-{
-    const int cpu = sched_getcpu();
-    if (cpu < 0 || cpu == q->avoided || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &q->allowed)
-        || CPU_COUNT(&q->allowed) < 2)
-        return;
-    cpu_set_t away = q->allowed;
-    CPU_CLR(cpu, &away);
-    if (pthread_setaffinity_np(q->thread, sizeof away, &away) == 0)
-        q->avoided = cpu;
-}
-
 int kv_enqueuer_submit(kv_enqueuer *q, kv_job *job, cudaStream_t caller, kv_promise **outcome, kv_failure *f)
 {
     if ((job->outcome = kv_promise_new()) == NULL) {
@@ -307,8 +282,6 @@ int kv_enqueuer_submit(kv_enqueuer *q, kv_job *job, cudaStream_t caller, kv_prom
     }
     *outcome = job->outcome;
     pthread_mutex_lock(&q->mutex);
-    if (q->head == NULL && !q->busy)
-        keep_off_caller(q);
     if (q->tail != NULL)
         q->tail->next = job;
     else
