@@ -11,6 +11,11 @@ tier) and load (tier to GPU), it measures:
   worker    the GPU time of one job (events on the worker's stream around submit_*, behind
             a GPU sleep that covers the submission), its GB/s, and the host time of
             submit_* and of the get_finished poll that reports it;
+  steady    the host time of submit_* made back to back, as a serving loop makes them,
+            the stream synchronized and the jobs polled every 8 outside the timed calls
+            (median of --steady): right after a synchronize, as `worker` times it, the
+            host runs any work slower, the more so the longer it waited
+            (probes/host_after_wait.py);
   to_cache  the host time of the job's PagedKVCache.to_cache call made alone, in the same
             state (the stream busy): submit_* less it is the worker's own cost;
   memcpy    one copy of the same bytes between a device buffer and a pinned buffer, the
@@ -46,7 +51,7 @@ from harness import HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, i
 
 MODELS = {"8b": ("Llama-3.1-8B", 32), "70b": ("Llama-3.1-70B", 80)}
 COLUMNS = ["gpu_name", "date", "model", "nl", "direction", "nb", "bytes", "worker_us", "memcpy_us", "loop_us",
-           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "to_cache_host_us",
+           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "submit_steady_host_us", "to_cache_host_us",
            "poll_host_us", "jobs_per_s", "bit_exact"]
 
 
@@ -56,6 +61,7 @@ def parse_args(argv=None):
     parser.add_argument("--nbs", type=int_list, default=[1, 8, 64], help="blocks a job (default 1,8,64)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per case (default 5)")
     parser.add_argument("--burst", type=int, default=64, help="jobs submitted back to back for jobs/s (default 64)")
+    parser.add_argument("--steady", type=int, default=96, help="submissions timed for the steady host time (default 96)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="default cuda")
     parser.add_argument("--out", help="where the CSV, log and PNG go (default: see harness.output_dir)")
     args = parser.parse_args(argv)
@@ -194,6 +200,22 @@ class Case:
         self.sync()
         return (time.perf_counter() - began) * 1e6
 
+    def steady_submit(self, direction, nb, reps):
+        """Median host us of submit_* made back to back, a synchronize and a poll every 8
+        jobs, outside the timed calls."""
+        specs = self.specs(nb, direction=direction)
+        samples = []
+        for i in range(reps):
+            if i % 8 == 0:
+                self.sync()
+                self.worker.get_finished()
+            began = time.perf_counter()
+            self.submit(direction, nb, specs=specs)
+            samples.append((time.perf_counter() - began) * 1e6)
+        self.sync()
+        self.worker.get_finished()
+        return statistics.median(samples)
+
     def jobs_per_s(self, direction, nb, burst):
         """Jobs of nb blocks submitted back to back, polled until all are reported."""
         self.sync()
@@ -271,7 +293,7 @@ def measure(args, say):
             for line in case.routes(max(args.nbs)):
                 say(f"route: {line}")
         say(f"{'dir':5} {'nb':>3} {'worker us':>10} {'GB/s':>7} {'memcpy us':>10} {'GB/s':>7} {'% memcpy':>8} "
-            f"{'loop us':>9} {'GB/s':>7} {'submit us':>9} {'to_cache us':>11} {'poll us':>8} {'jobs/s':>8}")
+            f"{'loop us':>9} {'GB/s':>7} {'submit us':>9} {'steady us':>9} {'to_cache us':>11} {'poll us':>8} {'jobs/s':>8}")
         for direction in ("store", "load"):
             for nb in args.nbs:
                 parts = (case.worker_job, case.to_cache_call, case.memcpy, case.loop)
@@ -285,15 +307,17 @@ def measure(args, say):
                 to_cache_us = statistics.median(s[1] for s in samples)
                 memcpy_us = statistics.median(s[2] for s in samples)
                 loop_us = statistics.median(s[3] for s in samples)
+                steady_us = case.steady_submit(direction, nb, args.steady)
                 per_s = case.jobs_per_s(direction, nb, args.burst)
                 nbytes = nb * nl * case.page
                 gbps = [nbytes / us / 1e3 for us in (worker_us, memcpy_us, loop_us)]
                 pct = 100 * memcpy_us / worker_us
                 say(f"{direction:5} {nb:>3} {worker_us:>10.1f} {gbps[0]:>7.1f} {memcpy_us:>10.1f} {gbps[1]:>7.1f} "
-                    f"{pct:>7.1f}% {loop_us:>9.1f} {gbps[2]:>7.1f} {submit_us:>9.1f} {to_cache_us:>11.1f} "
+                    f"{pct:>7.1f}% {loop_us:>9.1f} {gbps[2]:>7.1f} {submit_us:>9.1f} {steady_us:>9.1f} {to_cache_us:>11.1f} "
                     f"{poll_us:>8.1f} {per_s:>8.0f}")
                 rows.append(dict(zip(COLUMNS, [gpu_name, date, name, nl, direction, nb, nbytes, worker_us, memcpy_us,
-                                               loop_us, *gbps, pct, submit_us, to_cache_us, poll_us, per_s, exact])))
+                                               loop_us, *gbps, pct, submit_us, steady_us, to_cache_us, poll_us, per_s,
+                                               exact])))
         case.worker.shutdown()
     return gpu_name, date, rows
 

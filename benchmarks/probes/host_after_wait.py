@@ -1,0 +1,83 @@
+"""How fast the host runs right after the calling thread waited: the same fixed piece of
+host work (Python and NumPy only: no kvbm_ext, no CUDA call inside it) timed back to back,
+and right after waits of several lengths, each of three kinds: torch.cuda.synchronize()
+behind a GPU sleep (what a benchmark does before timing one submission), time.sleep (the
+thread off the CPU), and a busy loop on the CPU.  Where the work after a GPU wait is
+slower than back to back, the same as after time.sleep, and slower the longer the wait,
+a submission timed there measures the machine's wake-up, not the submission.  Medians of
+--reps.
+
+    python3 benchmarks/probes/host_after_wait.py [--reps 64]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from harness import calibrate_sleep_cycles_per_us  # noqa: E402
+
+WAITS_US = (0, 100, 1000, 5000)
+
+
+def make_work():
+    ids = list(range(1000, 1064))
+    table = np.zeros(64 * 80, dtype=np.uint64)
+    lookup = {i: i * 3 for i in range(256)}
+
+    def work():
+        # A submission's kind of host work: ids read into an array, a table filled, dict
+        # and attribute lookups; about 10-20 us back to back.
+        a = np.asarray(ids, dtype=np.int64)
+        table[: a.size] = a
+        total = 0
+        for i in ids:
+            total += lookup[i & 255]
+        return total + int(table[:64].sum())
+    return work
+
+
+def spin(us):
+    until = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < until:
+        pass
+
+
+def timed(work, before, reps):
+    samples = []
+    for _ in range(reps):
+        before()
+        began = time.perf_counter()
+        work()
+        samples.append((time.perf_counter() - began) * 1e6)
+    return statistics.median(samples)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=64)
+    args = parser.parse_args()
+    cycles_per_us = calibrate_sleep_cycles_per_us()
+    work = make_work()
+    for _ in range(200):
+        work()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
+          f"host us of the same work, medians of {args.reps}")
+    print(f"{'wait us':>8} {'after GPU sleep + synchronize':>30} {'after time.sleep':>17} {'after a busy loop':>18}")
+    for wait in WAITS_US:
+        def gpu_wait():
+            if wait:
+                torch.cuda._sleep(int(wait * cycles_per_us))
+            torch.cuda.synchronize()
+        row = [timed(work, gpu_wait, args.reps),
+               timed(work, lambda: time.sleep(wait * 1e-6), args.reps),
+               timed(work, lambda: spin(wait), args.reps)]
+        print(f"{wait:>8} {row[0]:>30.1f} {row[1]:>17.1f} {row[2]:>18.1f}")
+
+
+if __name__ == "__main__":
+    main()
