@@ -158,6 +158,7 @@ class PagedKVCache:
         layout: str,
         *,
         block_size: SupportsIndex | None = None,
+        autograd_checks: bool = True,
     ) -> PagedKVCache: ...
     # The constructor's layout (in lower case) and block size (tokens per block, given or
     # read from the layout's 't').

@@ -168,6 +168,34 @@ def test_dst_version_counters_bumped_and_requires_grad_refused(gen):
         src_cache.to_cache(dst_cache, [1], [2])
 
 
+def test_without_autograd_checks_writes_neither_refuse_nor_bump(gen):
+    """autograd_checks=False: a layer that requires grad is written (to_cache and
+    from_universal alike), no version counter moves, and the bytes are the source's."""
+    src, src_mem, src_cache = make("vllm_flash_attn", gen)
+    dst_mem = [random_tensor((2, 7, 4, 2, 8), torch.bfloat16, generator=gen) for _ in range(3)]
+    want = [x.clone() for x in dst_mem]
+    dst_mem[1].requires_grad_(True)
+    dst_cache = kvbm_ext.PagedKVCache(dst_mem, "kbthd", autograd_checks=False)
+    versions = [x._version for x in dst_mem]
+    src_cache.to_cache(dst_cache, [1], [2])
+    universal = [random_tensor((2, 3, 2, 4, 8), torch.bfloat16, generator=gen)]     # [nh, nl, no, nt, hd]
+    src_cache.to_universal([4], universal)
+    dst_cache.from_universal(universal, [5])
+    assert [x._version for x in dst_mem] == versions
+    for layer, (got, w, s) in enumerate(zip(dst_mem, want, src_mem)):
+        w[:, 2], w[:, 5] = s[:, 1], s[:, 4]
+        assert_bitwise_equal(got.detach(), w, f"dst layer {layer}")
+    # The default still refuses the layer that requires grad, before writing anything.
+    with pytest.raises(ValueError, match=path_regex(r"layers\[1\]")):
+        src_cache.to_cache(kvbm_ext.PagedKVCache(dst_mem, "kbthd"), [1], [2])
+
+
+@pytest.mark.parametrize("bad", [1, None, "no", 1.0])
+def test_autograd_checks_takes_only_a_bool(bad):
+    with pytest.raises(TypeError, match="autograd_checks: expected True or False"):
+        kvbm_ext.PagedKVCache([random_tensor((2, 7, 4, 2, 8), torch.bfloat16)], "kbthd", autograd_checks=bad)
+
+
 # --------------------------------------------------------------------------
 # Errors: raised before any byte is written, naming the argument.
 # --------------------------------------------------------------------------

@@ -211,9 +211,12 @@ def test_worker_multi_group_unaligned_chunks_page_by_page(device, gen):
             assert torch.equal(pool[pool_block, :, t.tensor_idx].view(torch.int16).cpu(),
                                universal_of(layers[t.tensor_idx], gpu).view(torch.int16).cpu()), (i, t.tensor_idx)
     dst = [12, 13, 15, 16, 17, 18, 19, 0, 4]
+    versions = [c.tensor._version for c in canonical]
     assert worker.submit_load(11, integration.KvbmLoadStoreSpec(slots), GPULoadStoreSpec(dst, [5, 4], [4, 2]))
     worker.wait({11})
     assert [r.job_id for r in worker.get_finished()] == [11]
+    # Built without autograd's checks: a load bumps none of vLLM's version counters.
+    assert [c.tensor._version for c in canonical] == versions
     for i, (a, b) in enumerate(zip(gpu_ids, dst)):
         for t in (refs[0] if i < 5 else refs[1]):
             assert torch.equal(layers[t.tensor_idx][b].view(torch.int16), layers[t.tensor_idx][a].view(torch.int16))

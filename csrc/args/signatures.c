@@ -108,6 +108,7 @@ static const kv_param PAGED_NEW[] = {
              "Sequence[_Array] | Sequence[tuple[_Array, _Array] | list[_Array]] | _Array"),
     KV_PARAM(kv_paged_new_args, layout, KV_POSITIONAL, KV_REQUIRED, "str"),
     KV_PARAM(kv_paged_new_args, block_size, KV_KEYWORD_ONLY, "None", "SupportsIndex | None"),
+    KV_PARAM(kv_paged_new_args, autograd_checks, KV_KEYWORD_ONLY, "True", "bool"),
 };
 const kv_signature kv_paged_new_signature = KV_CONSTRUCTOR("PagedKVCache", kv_paged_new_args, PAGED_NEW);
 

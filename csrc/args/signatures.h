@@ -40,7 +40,10 @@ typedef struct {
     PyObject *layers;
     PyObject *layout;
     PyObject *block_size;
+    PyObject *autograd_checks;
 } kv_paged_new_args;
+
+#define KV_PAGED_NEW_ARGS_AUTOGRAD_CHECKS_DEFAULT 1
 
 /* The arguments of PagedKVCache.to_universal(), PagedKVCache.from_universal(),
  * PagedKVCache.to_operational(), PagedKVCache.from_operational(), PagedKVCache.to_cache(). */
@@ -136,7 +139,7 @@ extern const kv_signature kv_memcpy_batch_signature;
 extern const kv_signature kv_is_memcpy_batch_available_signature;
 #define KV_IS_MEMCPY_BATCH_AVAILABLE_TEXT_SIGNATURE "is_memcpy_batch_available($module, /)\n--\n\n"
 extern const kv_signature kv_paged_new_signature;
-#define KV_PAGED_NEW_TEXT_SIGNATURE "PagedKVCache(layers, layout, *, block_size=None)\n--\n\n"
+#define KV_PAGED_NEW_TEXT_SIGNATURE "PagedKVCache(layers, layout, *, block_size=None, autograd_checks=True)\n--\n\n"
 extern const kv_signature kv_paged_to_universal_signature;
 #define KV_PAGED_TO_UNIVERSAL_TEXT_SIGNATURE "to_universal($self, block_ids, universals, /, *, layers=None, layer_offset=0, heads=None, head_offset=0, pack_layers=False, backend='auto', num_ctas=None, stream=None)\n--\n\n"
 extern const kv_signature kv_paged_from_universal_signature;

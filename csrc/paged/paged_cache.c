@@ -225,8 +225,10 @@ static int compare_addresses(const void *a, const void *b)
 
 /* The version counters from_* must bump: self->counters, one entry per
  * array, and self->distinct_counters, each owner once (NULL when there is
- * none), so that a call writing every layer bumps each counter once. */
-static int find_counters(kv_paged_cache *self, kv_protocols *p)
+ * none), so that a call writing every layer bumps each counter once.
+ * Without autograd's checks every entry is None, as for arrays that have
+ * no counter: a write neither reads requires_grad nor bumps one. */
+static int find_counters(kv_paged_cache *self, kv_protocols *p, int autograd_checks)
 {
     if ((self->counters = PyTuple_New(self->narrays)) == NULL)
         return -1;
@@ -237,7 +239,7 @@ static int find_counters(kv_paged_cache *self, kv_protocols *p)
     }
     Py_ssize_t n = 0;
     for (Py_ssize_t i = 0; i < self->narrays; i++) {
-        PyObject *owner = kv_torch_counter_owner(p, kv_paged_layer(self, i));
+        PyObject *owner = autograd_checks ? kv_torch_counter_owner(p, kv_paged_layer(self, i)) : Py_NewRef(Py_None);
         if (owner == NULL) {
             PyMem_Free(owners);
             return -1;
@@ -316,7 +318,7 @@ static PyObject *layer_arrays(kv_paged_cache *self, const kv_layout *layout)
     return seq;
 }
 
-static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
+static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size, int autograd_checks)
 {
     kv_layout layout;
     if (kv_layout_parse(self->dims, &layout) < 0)
@@ -337,7 +339,8 @@ static int describe(kv_paged_cache *self, kv_state *state, int64_t block_size)
     for (Py_ssize_t i = 0; i < self->narrays; i++)
         self->readonly |= self->arrays[i].readonly;
     if (read_geometry(self, &layout, block_size) < 0 || kv_paged_name_types(self, &state->protocols) < 0
-        || find_counters(self, &state->protocols) < 0 || build_tables(self) < 0 || kv_paged_find_aliasing(self) < 0)
+        || find_counters(self, &state->protocols, autograd_checks) < 0 || build_tables(self) < 0
+        || kv_paged_find_aliasing(self) < 0)
         return -1;
     return kv_paged_guard_layers(self, &state->protocols);
 }
@@ -346,8 +349,12 @@ PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     kv_paged_new_args a;
     int64_t block_size;
+    int autograd_checks;
     if (kv_parse_tuple_arguments(&kv_paged_new_signature, args, kwargs, &a) < 0
-        || kv_parse_int(a.block_size, "block_size", 1, INT64_MAX, 0, 1, &block_size) < 0)
+        || kv_parse_int(a.block_size, "block_size", 1, INT64_MAX, 0, 1, &block_size) < 0
+        || kv_switch_read(a.autograd_checks, "autograd_checks", KV_PAGED_NEW_ARGS_AUTOGRAD_CHECKS_DEFAULT,
+                          &autograd_checks)
+               < 0)
         return NULL;
     kv_paged_cache *self = (kv_paged_cache *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -356,7 +363,7 @@ PyObject *kv_paged_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->layers = Py_NewRef(a.layers);
     self->dims = Py_NewRef(a.layout);
     /* The type is not subclassable: `type` is the module's own. */
-    if (describe(self, PyType_GetModuleState(type), block_size) < 0) {
+    if (describe(self, PyType_GetModuleState(type), block_size, autograd_checks) < 0) {
         Py_DECREF(self);
         return NULL;
     }

@@ -444,7 +444,7 @@ class PinnedTier(Tier):
             if group.universal and group.tensor_ids == tuple(range(num_tensors)):
                 # Every tensor, in order: each pool block is one universal block of the group,
                 # contiguous, which lets to_cache stage it whole through the copy engines.
-                self.pool_caches.append(kvbm_ext.PagedKVCache(self.pool, "bhlktd"))
+                self.pool_caches.append(kvbm_ext.PagedKVCache(self.pool, "bhlktd", autograd_checks=False))
                 continue
             if not group.universal:
                 layers = [self.pool[:, t, None, :group.cache.head_dim] for t in group.tensor_ids]
@@ -453,7 +453,7 @@ class PinnedTier(Tier):
                 layers, layout = [self.pool[:, :, t] for t in group.tensor_ids], "bhktd"
             else:
                 layers, layout = [self.pool[:, :, t, 0] for t in group.tensor_ids], "bhtd"
-            self.pool_caches.append(kvbm_ext.PagedKVCache(layers, layout))
+            self.pool_caches.append(kvbm_ext.PagedKVCache(layers, layout, autograd_checks=False))
         self.seconds = time.perf_counter() - started
 
     # On CUDA caches the staged pieces are left to kvbm_ext's enqueue thread (defer=True),
@@ -697,7 +697,9 @@ class KvbmOffloadingWorker(OffloadingWorker):
                                                             page)
                 view, layout = views[ref.tensor_idx]
                 layers.append(view)
-            self.groups.append(GroupCaches(index, kvbm_ext.PagedKVCache(layers, layout),
+            # Autograd never sees a KV cache: no requires_grad read and version bump per layer
+            # and call (0.1 us each).
+            self.groups.append(GroupCaches(index, kvbm_ext.PagedKVCache(layers, layout, autograd_checks=False),
                                            tuple(ref.tensor_idx for ref in refs), len(refs) * sizes.pop(),
                                            page is not None))
         device = torch.device(self.groups[0].cache.device_name)
