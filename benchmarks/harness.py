@@ -135,23 +135,32 @@ def run_once(call, synchronize):
     return host_s, time.perf_counter() - start
 
 
-def steady_host_us(calls, reps=STEADY_REPS, batch=STEADY_BATCH, between=None):
+def steady_host_us(calls, reps=STEADY_REPS, batch=STEADY_BATCH, between=None, synchronize=None):
     """Median host time of GPU calls issued back to back, as a serving worker issues them
     (the host_us of time_gpu_calls times each call right after a synchronize, from an idle
     device).  The stream is synchronized every `batch` calls, outside the timed calls, so
     that the queue stays short, and `between()` (if given) runs after each synchronize,
-    untimed: a worker's poll that reports the jobs just finished."""
+    untimed: a worker's poll that reports the jobs just finished.  `synchronize` (default
+    torch.cuda.synchronize) is what synchronizes."""
+    synchronize = synchronize or torch.cuda.synchronize
     samples = []
     for i in range(reps):
         if i % batch == 0:
-            torch.cuda.synchronize()
+            synchronize()
             if between is not None:
                 between()
         start = time.perf_counter()
         calls[i % len(calls)]()
         samples.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    synchronize()
     return statistics.median(samples) * 1e6
+
+
+def spin_us(us):
+    """Keeps the CPU busy for `us` microseconds."""
+    until = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < until:
+        pass
 
 
 def median_host_us(calls, reps):

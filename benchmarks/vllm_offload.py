@@ -47,12 +47,13 @@ import numpy as np
 import torch
 
 from figures import draw_file
-from harness import HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem
+from harness import (HD, NH, NT, REPO_ROOT, Tee, calibrate_sleep_cycles_per_us, int_list, output_dir, run_stem,
+                     steady_host_us)
 
 MODELS = {"8b": ("Llama-3.1-8B", 32), "70b": ("Llama-3.1-70B", 80)}
 COLUMNS = ["gpu_name", "date", "model", "nl", "direction", "nb", "bytes", "worker_us", "memcpy_us", "loop_us",
-           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us", "submit_steady_host_us", "to_cache_host_us",
-           "poll_host_us", "jobs_per_s", "bit_exact"]
+           "worker_gbps", "memcpy_gbps", "loop_gbps", "worker_pct_of_memcpy", "submit_host_us",
+           "submit_steady_host_us", "to_cache_host_us", "poll_host_us", "jobs_per_s", "bit_exact"]
 
 
 def parse_args(argv=None):
@@ -150,16 +151,22 @@ class Case:
         gpu_us = start.elapsed_time(end) * 1e3 if stream is not None else submit_us
         return gpu_us, submit_us, poll_us
 
+    def to_cache_args(self, direction, nb, slots_array=False):
+        """(src, dst, src_ids, dst_ids) of the to_cache call a job of nb blocks makes: the
+        tier's ids as its spec holds them, or with slots_array as the int64 array the
+        worker passes."""
+        gpu, tier = self.specs(nb, direction=direction)
+        group = self.worker.groups[0]
+        cache, pool = group.cache, self.worker.tier.pool_caches[group.index]
+        slots = np.asarray(tier.block_ids, dtype=np.int64) if slots_array else tier.block_ids
+        return (cache, pool, gpu.block_ids, slots) if direction == "store" else (pool, cache, slots, gpu.block_ids)
+
     def to_cache_call(self, direction, nb):
         """Host us of the to_cache call a job of nb blocks makes, made alone on the worker's
         stream behind the same GPU sleep (on the CPU path: the copy itself)."""
         self.sync()
         stream = self.stream(direction)
-        gpu, tier = self.specs(nb, direction=direction)
-        group = self.worker.groups[0]
-        cache, pool = group.cache, self.worker.tier.pool_caches[group.index]
-        src, dst, src_ids, dst_ids = ((cache, pool, gpu.block_ids, tier.block_ids) if direction == "store"
-                                      else (pool, cache, tier.block_ids, gpu.block_ids))
+        src, dst, src_ids, dst_ids = self.to_cache_args(direction, nb)
         if stream is not None:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(self.sleep_cycles)
@@ -204,17 +211,10 @@ class Case:
         """Median host us of submit_* made back to back, a synchronize and a poll every 8
         jobs, outside the timed calls."""
         specs = self.specs(nb, direction=direction)
-        samples = []
-        for i in range(reps):
-            if i % 8 == 0:
-                self.sync()
-                self.worker.get_finished()
-            began = time.perf_counter()
-            self.submit(direction, nb, specs=specs)
-            samples.append((time.perf_counter() - began) * 1e6)
-        self.sync()
+        us = steady_host_us([lambda: self.submit(direction, nb, specs=specs)], reps=reps, batch=8,
+                            between=self.worker.get_finished, synchronize=self.sync)
         self.worker.get_finished()
-        return statistics.median(samples)
+        return us
 
     def jobs_per_s(self, direction, nb, burst):
         """Jobs of nb blocks submitted back to back, polled until all are reported."""

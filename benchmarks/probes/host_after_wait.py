@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from harness import calibrate_sleep_cycles_per_us  # noqa: E402
+from harness import calibrate_sleep_cycles_per_us, spin_us  # noqa: E402
 
 WAITS_US = (0, 100, 1000, 5000)
 
@@ -39,12 +39,6 @@ def make_work():
             total += lookup[i & 255]
         return total + int(table[:64].sum())
     return work
-
-
-def spin(us):
-    until = time.perf_counter() + us * 1e-6
-    while time.perf_counter() < until:
-        pass
 
 
 def timed(work, before, reps):
@@ -75,7 +69,7 @@ def main():
             torch.cuda.synchronize()
         row = [timed(work, gpu_wait, args.reps),
                timed(work, lambda: time.sleep(wait * 1e-6), args.reps),
-               timed(work, lambda: spin(wait), args.reps)]
+               timed(work, lambda: spin_us(wait), args.reps)]
         print(f"{wait:>8} {row[0]:>30.1f} {row[1]:>17.1f} {row[2]:>18.1f}")
 
 

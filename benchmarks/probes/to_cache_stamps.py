@@ -33,7 +33,6 @@ CPU = 16  # the column the patch writes the caller's CPU into
 
 
 def probe(reps, calls_path):
-    import numpy as np
     import torch
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from harness import calibrate_sleep_cycles_per_us
@@ -48,13 +47,8 @@ def probe(reps, calls_path):
         case = Case(nl, 64, torch.device("cuda", 0), integration, base)
         for direction in ("store", "load"):
             for nb in (1, 8, 64):
-                gpu, tier = case.specs(nb, direction=direction)
-                group = case.worker.groups[0]
-                cache, pool = group.cache, case.worker.tier.pool_caches[group.index]
                 stream = case.stream(direction)
-                slots = np.asarray(tier.block_ids, dtype=np.int64)
-                src, dst, src_ids, dst_ids = ((cache, pool, gpu.block_ids, slots) if direction == "store"
-                                              else (pool, cache, slots, gpu.block_ids))
+                src, dst, src_ids, dst_ids = case.to_cache_args(direction, nb, slots_array=True)
                 for mode in MODES:
                     for i in range(8 if mode == "warm" else reps):
                         b2b = mode.startswith("b2b")

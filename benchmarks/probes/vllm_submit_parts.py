@@ -14,14 +14,12 @@ of --reps.  Needs vLLM's kv_offload files (tools/vllm_gpu_carry.sh).
 import argparse
 import os
 import sys
-import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kvbm_ext  # noqa: E402
-from harness import steady_host_us  # noqa: E402
+from harness import spin_us, steady_host_us  # noqa: E402
 from vllm_offload import MODELS, Case  # noqa: E402
 
 NBS = (1, 8, 64)
@@ -31,11 +29,9 @@ def parts(case, direction, nb, reps):
     worker = case.worker
     stream = case.stream(direction)
     specs = case.specs(nb, direction=direction)
-    group = worker.groups[0]
-    cache, pool = group.cache, worker.tier.pool_caches[group.index]
-    gpu, tier = specs
-    src, dst, src_ids, dst_ids = ((cache, pool, gpu.block_ids, tier.block_ids) if direction == "store"
-                                  else (pool, cache, tier.block_ids, gpu.block_ids))
+    src, dst, src_ids, dst_ids = case.to_cache_args(direction, nb)
+    # The ids as the worker passes them: the tier's as an int64 array, vLLM's as given.
+    _, _, src_np, dst_np = case.to_cache_args(direction, nb, slots_array=True)
     fence, done = torch.cuda.Event(), torch.cuda.Event()
 
     def steady_us(call, batch=8):
@@ -46,14 +42,9 @@ def parts(case, direction, nb, reps):
         fence.record(torch.cuda.current_stream(worker._device))
         stream.wait_event(fence)
 
-    # The ids as the worker passes them: the tier's as an int64 array, vLLM's as given.
-    slots = np.asarray(tier.block_ids, dtype=np.int64)
-    src_np, dst_np = (src_ids, slots) if direction == "store" else (slots, dst_ids)
     def defer_then_record(pause_us):
         src.to_cache(dst, src_np, dst_np, stream=stream, defer=True)
-        until = time.perf_counter() + pause_us * 1e-6
-        while time.perf_counter() < until:
-            pass
+        spin_us(pause_us)
         done.record(stream)
 
     measured = {
