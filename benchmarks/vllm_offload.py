@@ -16,8 +16,9 @@ tier) and load (tier to GPU), it measures:
             (median of --steady): right after a synchronize, as `worker` times it, the
             host runs any work slower, the more so the longer it waited
             (probes/host_after_wait.py);
-  to_cache  the host time of the job's PagedKVCache.to_cache call made alone, in the same
-            state (the stream busy): submit_* less it is the worker's own cost;
+  to_cache  the host time of the job's PagedKVCache.to_cache call made alone as the worker
+            makes it (deferred on a stream), in the same state (the stream busy):
+            submit_* less it is the worker's own cost;
   memcpy    one copy of the same bytes between a device buffer and a pinned buffer, the
             same direction, timed in the same round: the rate the bytes can cross PCIe;
   loop      a torch copy_ per block and layer between the cache and a pinned pool of
@@ -162,17 +163,20 @@ class Case:
         return (cache, pool, gpu.block_ids, slots) if direction == "store" else (pool, cache, slots, gpu.block_ids)
 
     def to_cache_call(self, direction, nb):
-        """Host us of the to_cache call a job of nb blocks makes, made alone on the worker's
-        stream behind the same GPU sleep (on the CPU path: the copy itself)."""
+        """Host us of the to_cache call a job of nb blocks makes, as the worker makes it (the
+        tier's ids an int64 array; on a stream, deferred to the enqueue thread), made alone
+        on the worker's stream behind the same GPU sleep (on the CPU path: the copy itself)."""
         self.sync()
         stream = self.stream(direction)
-        src, dst, src_ids, dst_ids = self.to_cache_args(direction, nb)
+        src, dst, src_ids, dst_ids = self.to_cache_args(direction, nb, slots_array=True)
         if stream is not None:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(self.sleep_cycles)
         began = time.perf_counter()
-        src.to_cache(dst, src_ids, dst_ids, stream=stream)
+        deferred = src.to_cache(dst, src_ids, dst_ids, stream=stream, defer=stream is not None)
         us = (time.perf_counter() - began) * 1e6
+        if deferred is not None:
+            deferred.result()   # enqueued: the synchronize below then covers the copy
         self.sync()
         return us
 

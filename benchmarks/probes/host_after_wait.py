@@ -1,11 +1,12 @@
 """How fast the host runs right after the calling thread waited: the same fixed piece of
 host work (Python and NumPy only: no kvbm_ext, no CUDA call inside it) timed back to back,
-and right after waits of several lengths, each of three kinds: torch.cuda.synchronize()
-behind a GPU sleep (what a benchmark does before timing one submission), time.sleep (the
-thread off the CPU), and a busy loop on the CPU.  Where the work after a GPU wait is
-slower than back to back, the same as after time.sleep, and slower the longer the wait,
-a submission timed there measures the machine's wake-up, not the submission.  Medians of
---reps.
+and right after waits of several lengths, each of four kinds: torch.cuda.synchronize()
+behind a GPU sleep (what a benchmark does before timing one submission), the same behind
+a copy from device memory into pinned host memory that lasts as long (what a store job
+ends with: the copy engines writing host memory), time.sleep (the thread off the CPU),
+and a busy loop on the CPU.  Where the work after a wait is slower than back to back, and
+slower the longer the wait, a submission timed there measures the machine's wake-up (or
+its caches refilling), not the submission.  Medians of --reps.
 
     python3 benchmarks/probes/host_after_wait.py [--reps 64]
 """
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from harness import calibrate_sleep_cycles_per_us, spin_us  # noqa: E402
 
 WAITS_US = (0, 100, 1000, 5000)
+PCIE_BYTES_PER_US = 50_000      # near an H200's pinned copy rate: sizes the copy to the wait
 
 
 def make_work():
@@ -61,16 +63,26 @@ def main():
         work()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"host us of the same work, medians of {args.reps}")
-    print(f"{'wait us':>8} {'after GPU sleep + synchronize':>30} {'after time.sleep':>17} {'after a busy loop':>18}")
+    device_bytes = torch.empty(max(WAITS_US) * PCIE_BYTES_PER_US, dtype=torch.uint8, device="cuda")
+    host_bytes = torch.empty_like(device_bytes, device="cpu", pin_memory=True)
+    print(f"{'wait us':>8} {'after GPU sleep + synchronize':>30} {'after a copy to pinned + synchronize':>37} "
+          f"{'after time.sleep':>17} {'after a busy loop':>18}")
     for wait in WAITS_US:
         def gpu_wait():
             if wait:
                 torch.cuda._sleep(int(wait * cycles_per_us))
             torch.cuda.synchronize()
+
+        def copy_wait():
+            n = wait * PCIE_BYTES_PER_US
+            if n:
+                host_bytes[:n].copy_(device_bytes[:n], non_blocking=True)
+            torch.cuda.synchronize()
         row = [timed(work, gpu_wait, args.reps),
+               timed(work, copy_wait, args.reps),
                timed(work, lambda: time.sleep(wait * 1e-6), args.reps),
                timed(work, lambda: spin_us(wait), args.reps)]
-        print(f"{wait:>8} {row[0]:>30.1f} {row[1]:>17.1f} {row[2]:>18.1f}")
+        print(f"{wait:>8} {row[0]:>30.1f} {row[1]:>37.1f} {row[2]:>17.1f} {row[3]:>18.1f}")
 
 
 if __name__ == "__main__":
