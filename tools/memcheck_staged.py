@@ -87,17 +87,22 @@ def burst(rng, layers, cache, pool, pool_cache, streams):
 
 
 def main():
+    print("memcheck_staged: started", flush=True)
     rng = np.random.default_rng(20261129)
     layers, cache = device_cache(rng)
     buffer, pool, pool_cache = pinned_pool(rng)
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
     for lanes in (1, 2):
         kvbm_ext.set_staging(1 << 20, lanes=lanes)
-        for nb in (1, 5, 40):
-            for defer in (True, False):
+        # The caller's own enqueue first: under compute-sanitizer a deferred call made before
+        # any kernel of ours ever ran in the process hangs (reserve_staging() or not; seen on
+        # an H200 on 2026-11-29, never without the sanitizer), and runs once one has.
+        for defer in (False, True):
+            for nb in (1, 5, 40):
                 round_trip(rng, layers, cache, pool, pool_cache, streams, nb, defer)
+                print(f"memcheck_staged: lanes={lanes} defer={defer} nb={nb}: every byte right", flush=True)
         burst(rng, layers, cache, pool, pool_cache, streams)
-        print(f"memcheck_staged: lanes={lanes}: every byte right")
+        print(f"memcheck_staged: lanes={lanes} burst: every byte right", flush=True)
     buffer.close()
 
 
